@@ -1,0 +1,125 @@
+// mha/module.h — the multi-head attention module (torch.nn.MultiheadAttention, plus GQA/MQA).
+//
+//   Q = query · W_Qᵀ + b_Q   (…, h·d)      K = key · W_Kᵀ + b_K   (…, kv·d)
+//   V = value · W_Vᵀ + b_V   (…, kv·d)     heads = sdpa(Q, K, V)  (B, h, T_q, d)
+//   output = concat(heads) · W_Oᵀ + b_O   (…, E)
+//
+// d = embed_dim / num_heads. With num_kv_heads = kv < h, query head i uses K/V head i / (h / kv).
+// Layouts: Layout::SeqFirst inputs are (T, B, E) (PyTorch's default), Layout::BatchFirst (B, T, E);
+// a 2-D input (T, E) is unbatched in either layout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mha/sdpa.h"
+#include "mha/tensor.h"
+
+namespace mha {
+
+enum class Layout : uint8_t { SeqFirst, BatchFirst };
+
+struct MhaConfig {
+  int64_t embed_dim = 0;     ///< E
+  int64_t num_heads = 0;     ///< h; must divide E
+  int64_t num_kv_heads = 0;  ///< kv; 0 means h. Must divide h. 1 = multi-query attention
+  int64_t kdim = 0;          ///< feature size of the key input; 0 means E
+  int64_t vdim = 0;          ///< feature size of the value input; 0 means E
+  bool bias = true;          ///< in_proj_bias and out_proj.bias
+  bool add_bias_kv = false;  ///< learned bias_k / bias_v appended as one extra key/value position
+  bool add_zero_attn = false;  ///< one extra all-zero key/value position (after bias_kv)
+  float dropout = 0.0f;        ///< dropout probability on attention weights, in training mode only
+  Layout layout = Layout::SeqFirst;
+
+  int64_t head_dim() const { return num_heads > 0 ? embed_dim / num_heads : 0; }
+  int64_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
+  int64_t key_dim() const { return kdim > 0 ? kdim : embed_dim; }
+  int64_t value_dim() const { return vdim > 0 ? vdim : embed_dim; }
+  /// Rows of the (possibly packed) input projection: (h + 2·kv)·d.
+  int64_t in_proj_rows() const { return (num_heads + 2 * kv_heads()) * head_dim(); }
+  /// True when Q, K and V projections share one packed weight ((h+2kv)·d, E): key and value
+  /// inputs are E wide. (PyTorch's _qkv_same_embed_dim.)
+  bool packed_in_proj() const { return key_dim() == embed_dim && value_dim() == embed_dim; }
+  /// Throws mha::Error when a dimension is zero/negative or a head count does not divide.
+  void validate() const;
+};
+
+/// Parameters, under PyTorch's names. Tensors that the configuration does not use stay empty.
+struct MhaParameters {
+  Tensor in_proj_weight;   ///< ((h + 2kv)·d, E) when packed_in_proj()
+  Tensor q_proj_weight;    ///< (h·d, E)       when !packed_in_proj()
+  Tensor k_proj_weight;    ///< (kv·d, kdim)   when !packed_in_proj()
+  Tensor v_proj_weight;    ///< (kv·d, vdim)   when !packed_in_proj()
+  Tensor in_proj_bias;     ///< ((h + 2kv)·d) when bias
+  Tensor bias_k;           ///< (1, 1, kv·d) when add_bias_kv
+  Tensor bias_v;           ///< (1, 1, kv·d) when add_bias_kv
+  Tensor out_proj_weight;  ///< (E, h·d)
+  Tensor out_proj_bias;    ///< (E) when bias
+};
+
+/// attn_mask: (T_q, T_k) or (B·h, T_q, T_k). Exactly one of the two members is set.
+struct AttnMask {
+  BoolTensor allowed;  ///< nonzero = may attend
+  Tensor additive;     ///< added to the scores (−inf masks out)
+
+  bool present() const { return allowed.defined() || additive.defined(); }
+  static AttnMask allow(BoolTensor allowed_positions);
+  static AttnMask add(Tensor bias);
+  /// PyTorch nn.MultiheadAttention's boolean mask, where true means "may NOT attend".
+  static AttnMask from_torch_bool(const BoolTensor& masked_out);
+};
+
+/// key_padding_mask: (B, T_k), or (T_k) for unbatched input. Exactly one member is set.
+struct KeyPaddingMask {
+  BoolTensor is_padding;  ///< nonzero = padding: the key is ignored and never read
+  Tensor additive;        ///< added to every query's score for that key
+
+  bool present() const { return is_padding.defined() || additive.defined(); }
+};
+
+enum class Mode : uint8_t { Eval, Training };
+enum class NeedWeights : uint8_t { None, PerHead, Averaged };
+
+struct MhaForwardOptions {
+  AttnMask attn_mask;
+  KeyPaddingMask key_padding_mask;
+  Causal causal;                         ///< e.g. Causal::top_left() for PyTorch's is_causal
+  NeedWeights need_weights = NeedWeights::None;
+  Mode mode = Mode::Eval;                ///< dropout applies in Training mode only
+  uint64_t dropout_seed = 0;
+  Backend backend = Backend::Auto;
+  int threads = 0;
+};
+
+struct MhaOutput {
+  Tensor output;        ///< same layout as query: (T_q, B, E), (B, T_q, E) or (T_q, E)
+  Tensor attn_weights;  ///< (B, h, T_q, S) per head or (B, T_q, S) averaged; no B when unbatched.
+                        ///< S = T_k (+1 with add_bias_kv, +1 with add_zero_attn). Empty unless asked.
+};
+
+class MultiheadAttention {
+ public:
+  /// Validates the config and initialises the parameters as PyTorch does (Xavier-uniform input
+  /// projections, zero biases), from a deterministic generator seeded with init_seed.
+  explicit MultiheadAttention(const MhaConfig& config, uint64_t init_seed = 0);
+
+  const MhaConfig& config() const { return config_; }
+  MhaParameters& params() { return params_; }
+  const MhaParameters& params() const { return params_; }
+  /// Throws mha::Error if a parameter tensor is missing or has the wrong shape for the config.
+  void check_params() const;
+  int64_t parameter_count() const;
+
+  /// query (T_q, B, E) / (B, T_q, E) / (T_q, E); key (…, T_k, kdim); value (…, T_k, vdim).
+  MhaOutput forward(const Tensor& query, const Tensor& key, const Tensor& value,
+                    const MhaForwardOptions& options = {}) const;
+
+ private:
+  MhaConfig config_;
+  MhaParameters params_;
+};
+
+/// Parameter count for a configuration, without building the module.
+int64_t parameter_count(const MhaConfig& config);
+
+}  // namespace mha

@@ -1,0 +1,139 @@
+// mha/tensor.h — owners and views.
+//
+// A Tensor owns contiguous row-major storage and knows its shape. A View4 is a non-owning,
+// strided window over four dimensions (batch, head, row, column) — what the kernels take.
+// Copies between the two are explicit; a view never outlives the storage it points into.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <span>
+#include <vector>
+
+#include "mha/error.h"
+
+namespace mha {
+
+using Shape = std::vector<int64_t>;
+
+/// bfloat16 storage: the top 16 bits of an IEEE float32.
+struct bf16 {
+  uint16_t bits = 0;
+};
+
+/// Round-to-nearest-even float32 → bfloat16 (NaN stays NaN).
+inline bf16 to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+inline float to_float(bf16 b) {
+  uint32_t u = static_cast<uint32_t>(b.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+/// Non-owning strided view over four dimensions. Strides are in elements and may be 0
+/// (broadcast along that dimension) or larger than the extent (a window into a bigger tensor).
+template <class T>
+struct View4 {
+  T* data = nullptr;
+  std::array<int64_t, 4> shape{0, 0, 0, 0};
+  std::array<int64_t, 4> stride{0, 0, 0, 0};
+
+  bool empty() const { return data == nullptr; }
+  T& operator()(int64_t i0, int64_t i1, int64_t i2, int64_t i3) const {
+    return data[i0 * stride[0] + i1 * stride[1] + i2 * stride[2] + i3 * stride[3]];
+  }
+  T* row(int64_t i0, int64_t i1, int64_t i2) const {
+    return data + i0 * stride[0] + i1 * stride[1] + i2 * stride[2];
+  }
+  Shape shape_vec() const { return {shape[0], shape[1], shape[2], shape[3]}; }
+  /// A const view of the same window.
+  operator View4<const T>() const { return {data, shape, stride}; }
+};
+
+/// A contiguous row-major view of `shape` starting at `data`.
+template <class T>
+View4<T> contiguous_view(T* data, int64_t n0, int64_t n1, int64_t n2, int64_t n3) {
+  return {data, {n0, n1, n2, n3}, {n1 * n2 * n3, n2 * n3, n3, 1}};
+}
+
+/// Owning, contiguous, row-major tensor of any rank (float, bf16 or uint8 elements).
+template <class T>
+class BasicTensor {
+ public:
+  BasicTensor() = default;
+  explicit BasicTensor(Shape shape, T fill = T{}) : shape_(std::move(shape)) {
+    for (int64_t s : shape_)
+      if (s < 0) fail("Tensor: negative extent in shape ", shape_str(shape_));
+    data_.assign(static_cast<size_t>(shape_numel(shape_)), fill);
+  }
+  BasicTensor(Shape shape, std::vector<T> values) : shape_(std::move(shape)), data_(std::move(values)) {
+    if (static_cast<int64_t>(data_.size()) != shape_numel(shape_))
+      fail("Tensor: ", data_.size(), " values do not fill shape ", shape_str(shape_));
+  }
+
+  const Shape& shape() const { return shape_; }
+  int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  int64_t size(int64_t axis) const { return shape_.at(static_cast<size_t>(axis < 0 ? axis + dim() : axis)); }
+  int64_t numel() const { return static_cast<int64_t>(data_.size()); }
+  bool defined() const { return !shape_.empty() || !data_.empty(); }
+
+  T* data() { return data_.data(); }
+  const T* data() const { return data_.data(); }
+  std::span<T> values() { return data_; }
+  std::span<const T> values() const { return data_; }
+  std::vector<T>& storage() { return data_; }
+  const std::vector<T>& storage() const { return data_; }
+
+  /// Element access by full index (bounds are the caller's responsibility).
+  T& at(std::initializer_list<int64_t> index) { return data_[offset(index)]; }
+  const T& at(std::initializer_list<int64_t> index) const { return data_[offset(index)]; }
+
+  /// Same storage, new shape with the same element count.
+  BasicTensor reshaped(Shape shape) const {
+    if (shape_numel(shape) != numel())
+      fail("Tensor::reshaped: cannot view ", shape_str(shape_), " as ", shape_str(shape));
+    return BasicTensor(std::move(shape), data_);
+  }
+
+  /// A 4-D view; tensors of lower rank are padded with leading 1s.
+  View4<T> view4() { return make_view4<T>(data_.data()); }
+  View4<const T> view4() const { return make_view4<const T>(data_.data()); }
+
+ private:
+  size_t offset(std::initializer_list<int64_t> index) const {
+    size_t off = 0, axis = 0;
+    for (int64_t i : index) off = off * static_cast<size_t>(shape_[axis++]) + static_cast<size_t>(i);
+    return off;
+  }
+  template <class U>
+  View4<U> make_view4(U* p) const {
+    if (dim() > 4) fail("Tensor::view4: rank ", dim(), " tensor ", shape_str(shape_), " has more than 4 dims");
+    std::array<int64_t, 4> s{1, 1, 1, 1};
+    for (int64_t i = 0; i < dim(); ++i) s[static_cast<size_t>(4 - dim() + i)] = shape_[static_cast<size_t>(i)];
+    return contiguous_view<U>(p, s[0], s[1], s[2], s[3]);
+  }
+
+  Shape shape_;
+  std::vector<T> data_;
+};
+
+using Tensor = BasicTensor<float>;        ///< float32
+using BF16Tensor = BasicTensor<bf16>;     ///< bfloat16 storage
+using BoolTensor = BasicTensor<uint8_t>;  ///< booleans as bytes (0 / 1)
+
+}  // namespace mha

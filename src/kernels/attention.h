@@ -1,0 +1,68 @@
+// kernels/attention.h — the kernel-level interface for scaled dot-product attention.
+//
+// Kernels take a params struct of views (pointers, extents, strides) that the public layer has
+// already validated and broadcast: every mask view here has the full (B, h, T_q, T_k) extents
+// (key masks: (B, 1, 1, T_k)), with stride 0 along broadcast dimensions. Kernels neither allocate
+// nor do I/O: scratch comes from the caller, sized by the matching *_workspace_floats().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "mha/sdpa.h"
+
+namespace mha::kernels {
+
+struct SdpaParams {
+  View4<const float> q;  // (B, h, T_q, d)
+  View4<const float> k;  // (B, kv, T_k, d)
+  View4<const float> v;  // (B, kv, T_k, d_v)
+  float scale = 1.0f;
+  Masks masks;           // broadcast to full extents (see above)
+  Dropout dropout;
+  View4<float> out;      // (B, h, T_q, d_v), required
+  View4<float> weights;  // (B, h, T_q, T_k), optional
+  View4<float> lse;      // (B, h, T_q, 1), optional
+  int threads = 1;
+
+  int64_t batch() const { return q.shape[0]; }
+  int64_t heads() const { return q.shape[1]; }
+  int64_t kv_heads() const { return k.shape[1]; }
+  int64_t t_q() const { return q.shape[2]; }
+  int64_t t_k() const { return k.shape[2]; }
+  int64_t d() const { return q.shape[3]; }
+  int64_t d_v() const { return v.shape[3]; }
+  int64_t group() const { return heads() / kv_heads(); }  // query heads per K/V head
+};
+
+/// True when key j is hidden from query i of batch b, head h by any mask other than an additive
+/// −inf (those are found when the score is formed). Shared by every kernel so they agree exactly.
+inline bool key_hidden(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int64_t j, int64_t causal_offset) {
+  const Masks& m = p.masks;
+  if (!m.key_padding.view.empty() && m.key_padding.view(b, 0, 0, j)) return true;
+  if (m.causal.enabled() && j > i + causal_offset) return true;
+  if (!m.allowed.view.empty() && !m.allowed.view(b, h, i, j)) return true;
+  return false;
+}
+
+/// The additive terms for one score (bias + key_bias), 0 when there are none.
+inline float additive_terms(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+  float add = 0.0f;
+  if (!p.masks.bias.view.empty()) add += p.masks.bias.view(b, h, i, j);
+  if (!p.masks.key_bias.view.empty()) add += p.masks.key_bias.view(b, 0, 0, j);
+  return add;
+}
+
+// ---- the reference oracle ------------------------------------------------------------------
+/// Plain loops, double accumulation, one row at a time; single-threaded. Workspace: T_k floats.
+size_t reference_workspace_floats(const SdpaParams& p);
+void sdpa_reference(const SdpaParams& p, float* workspace);
+
+// ---- the fused kernel (tiled, online softmax, SIMD, threads) -------------------------------
+/// Whether the fused kernel handles this request; when not, *why says which feature is missing.
+bool fused_supports(const SdpaParams& p, std::string* why);
+size_t fused_workspace_floats(const SdpaParams& p);
+void sdpa_fused(const SdpaParams& p, float* workspace);
+
+}  // namespace mha::kernels

@@ -1,0 +1,95 @@
+#include "support/test_support.h"
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace mha::testing {
+
+Tensor random_tensor(const Shape& shape, uint64_t seed, float lo, float hi) {
+  Tensor t(shape);
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 0x1234567ull;
+  for (float& x : t.values()) {
+    state += 0x9E3779B97F4A7C15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const double u = static_cast<double>(z >> 11) * 0x1.0p-53;
+    x = static_cast<float>(lo + (hi - lo) * u);
+  }
+  return t;
+}
+
+::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, double atol, double rtol) {
+  if (got.shape() != want.shape())
+    return ::testing::AssertionFailure() << "shape " << shape_str(got.shape()) << " != " << shape_str(want.shape());
+  double worst = 0;
+  int64_t worst_at = -1;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.data()[i], w = want.data()[i];
+    if (std::isnan(g) != std::isnan(w) || (std::isinf(w) && g != w))
+      return ::testing::AssertionFailure() << "element " << i << ": got " << g << ", want " << w;
+    if (std::isnan(w) || std::isinf(w)) continue;
+    const double ratio = std::fabs(g - w) / (atol + rtol * std::fabs(w));
+    if (ratio > worst) worst = ratio, worst_at = i;
+  }
+  if (worst > 1.0)
+    return ::testing::AssertionFailure() << "element " << worst_at << ": got " << got.data()[worst_at] << ", want "
+                                         << want.data()[worst_at] << " (" << worst << "x the tolerance atol=" << atol
+                                         << " rtol=" << rtol << ")";
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult bitwise_equal(const Tensor& got, const Tensor& want) {
+  if (got.shape() != want.shape())
+    return ::testing::AssertionFailure() << "shape " << shape_str(got.shape()) << " != " << shape_str(want.shape());
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    uint32_t a, b;
+    std::memcpy(&a, got.data() + i, 4);
+    std::memcpy(&b, want.data() + i, 4);
+    if (a != b)
+      return ::testing::AssertionFailure() << "element " << i << ": " << got.data()[i] << " vs " << want.data()[i];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+static std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string temp_dir() {
+  static int counter = 0;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "global";
+  for (char& c : name)
+    if (c == '/') c = '_';
+  auto dir = std::filesystem::temp_directory_path() /
+             ("mha_test_" + std::to_string(::getpid()) + "_" + name + "_" + std::to_string(counter++));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+CommandResult run_command(const std::string& command_line) {
+  const std::string dir = temp_dir();
+  const std::string out = dir + "/stdout", err = dir + "/stderr";
+  const std::string full = command_line + " >" + out + " 2>" + err + " </dev/null";
+  const int status = std::system(full.c_str());
+  CommandResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  std::filesystem::remove_all(dir);
+  return r;
+}
+
+}  // namespace mha::testing

@@ -1,0 +1,34 @@
+// Helpers shared by the tests: deterministic random tensors, tolerance checks, running the CLI.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "mha/tensor.h"
+
+namespace mha::testing {
+
+/// Uniform values in [lo, hi) from a fixed seed (splitmix64), reproducible on every machine.
+Tensor random_tensor(const Shape& shape, uint64_t seed, float lo = -1.0f, float hi = 1.0f);
+
+/// Checks |got − want| ≤ atol + rtol·|want| elementwise, and equal shapes; reports the worst.
+::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, double atol, double rtol);
+
+/// Bitwise equality of shapes and values.
+::testing::AssertionResult bitwise_equal(const Tensor& got, const Tensor& want);
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;  ///< stdout
+  std::string err;  ///< stderr
+};
+/// Runs a shell command line, capturing stdout and stderr.
+CommandResult run_command(const std::string& command_line);
+
+/// A fresh empty directory under the build tree's temp area, removed at process exit is not
+/// guaranteed; names are unique per test.
+std::string temp_dir();
+
+}  // namespace mha::testing
