@@ -20,13 +20,13 @@ namespace mha {
 enum class Layout : uint8_t { SeqFirst, BatchFirst };
 
 struct MhaConfig {
-  int64_t embed_dim = 0;     ///< E
-  int64_t num_heads = 0;     ///< h; must divide E
-  int64_t num_kv_heads = 0;  ///< kv; 0 means h. Must divide h. 1 = multi-query attention
-  int64_t kdim = 0;          ///< feature size of the key input; 0 means E
-  int64_t vdim = 0;          ///< feature size of the value input; 0 means E
-  bool bias = true;          ///< in_proj_bias and out_proj.bias
-  bool add_bias_kv = false;  ///< learned bias_k / bias_v appended as one extra key/value position
+  int64_t embed_dim = 0;       ///< E
+  int64_t num_heads = 0;       ///< h; must divide E
+  int64_t num_kv_heads = 0;    ///< kv; 0 means h. Must divide h. 1 = multi-query attention
+  int64_t kdim = 0;            ///< feature size of the key input; 0 means E
+  int64_t vdim = 0;            ///< feature size of the value input; 0 means E
+  bool bias = true;            ///< in_proj_bias and out_proj.bias
+  bool add_bias_kv = false;    ///< learned bias_k / bias_v appended as one extra key/value position
   bool add_zero_attn = false;  ///< one extra all-zero key/value position (after bias_kv)
   float dropout = 0.0f;        ///< dropout probability on attention weights, in training mode only
   Layout layout = Layout::SeqFirst;
@@ -83,9 +83,9 @@ enum class NeedWeights : uint8_t { None, PerHead, Averaged };
 struct MhaForwardOptions {
   AttnMask attn_mask;
   KeyPaddingMask key_padding_mask;
-  Causal causal;                         ///< e.g. Causal::top_left() for PyTorch's is_causal
+  Causal causal;  ///< e.g. Causal::top_left() for PyTorch's is_causal
   NeedWeights need_weights = NeedWeights::None;
-  Mode mode = Mode::Eval;                ///< dropout applies in Training mode only
+  Mode mode = Mode::Eval;  ///< dropout applies in Training mode only
   uint64_t dropout_seed = 0;
   Backend backend = Backend::Auto;
   int threads = 0;

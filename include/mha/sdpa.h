@@ -39,9 +39,12 @@ struct Causal {
   /// The offset for these lengths (meaningless when !enabled()).
   int64_t offset_for(int64_t t_q, int64_t t_k) const {
     switch (align) {
-      case Align::BottomRight: return t_k - t_q;
-      case Align::Offset: return offset;
-      default: return 0;
+      case Align::BottomRight:
+        return t_k - t_q;
+      case Align::Offset:
+        return offset;
+      default:
+        return 0;
     }
   }
 };

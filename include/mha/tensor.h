@@ -57,9 +57,7 @@ struct View4 {
   T& operator()(int64_t i0, int64_t i1, int64_t i2, int64_t i3) const {
     return data[i0 * stride[0] + i1 * stride[1] + i2 * stride[2] + i3 * stride[3]];
   }
-  T* row(int64_t i0, int64_t i1, int64_t i2) const {
-    return data + i0 * stride[0] + i1 * stride[1] + i2 * stride[2];
-  }
+  T* row(int64_t i0, int64_t i1, int64_t i2) const { return data + i0 * stride[0] + i1 * stride[1] + i2 * stride[2]; }
   Shape shape_vec() const { return {shape[0], shape[1], shape[2], shape[3]}; }
   /// A const view of the same window.
   operator View4<const T>() const { return {data, shape, stride}; }

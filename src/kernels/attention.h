@@ -19,7 +19,7 @@ struct SdpaParams {
   View4<const float> k;  // (B, kv, T_k, d)
   View4<const float> v;  // (B, kv, T_k, d_v)
   float scale = 1.0f;
-  Masks masks;           // broadcast to full extents (see above)
+  Masks masks;  // broadcast to full extents (see above)
   Dropout dropout;
   View4<float> out;      // (B, h, T_q, d_v), required
   View4<float> weights;  // (B, h, T_q, T_k), optional

@@ -1,13 +1,13 @@
 #include "support/test_support.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <sys/wait.h>
-#include <unistd.h>
 
 namespace mha::testing {
 

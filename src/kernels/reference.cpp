@@ -1,0 +1,85 @@
+// kernels/reference.cpp — the readable oracle for scaled dot-product attention.
+//
+// Shapes: Q (B, h, T_q, d), K/V (B, kv, T_k, d | d_v), out (B, h, T_q, d_v), weights
+// (B, h, T_q, T_k), lse (B, h, T_q, 1). One query row at a time, in the order SEMANTICS.md
+// states: scale, add the additive terms, mask, softmax (max subtracted), dropout, weighted sum.
+// Dot products and sums accumulate in double so this stays the most accurate path we have.
+#include <cmath>
+#include <limits>
+
+#include "kernels/attention.h"
+#include "kernels/dropout_rng.h"
+
+namespace mha::kernels {
+
+size_t reference_workspace_floats(const SdpaParams& p) { return static_cast<size_t>(p.t_k()); }
+
+void sdpa_reference(const SdpaParams& p, float* workspace) {
+  const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
+  const int64_t group = p.group();
+  const int64_t causal_offset = p.masks.causal.offset_for(Tq, Tk);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float* scores = workspace;  // (T_k): one row of scores, then of probabilities
+
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;  // the K/V head this query head reads (SEMANTICS 6)
+      for (int64_t i = 0; i < Tq; ++i) {
+        const float* q_row = p.q.row(b, h, i);
+        // 1. Scores: scale · q·k + additive terms; hidden keys get −inf and are never read.
+        double row_max = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < Tk; ++j) {
+          if (key_hidden(p, b, h, i, j, causal_offset)) {
+            scores[j] = kNegInf;
+            continue;
+          }
+          const float* k_row = p.k.row(b, g, j);
+          double dot = 0.0;
+          for (int64_t c = 0; c < D; ++c)
+            dot += static_cast<double>(q_row[c * p.q.stride[3]]) * k_row[c * p.k.stride[3]];
+          const double s = static_cast<double>(p.scale) * dot + additive_terms(p, b, h, i, j);
+          scores[j] = static_cast<float>(s);
+          if (scores[j] > row_max) row_max = scores[j];
+        }
+        float* out_row = p.out.row(b, h, i);
+        // 2. A row with no visible key gives zeros and lse = −inf (SEMANTICS 4).
+        if (row_max == -std::numeric_limits<double>::infinity()) {
+          for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = 0.0f;
+          if (!p.weights.empty())
+            for (int64_t j = 0; j < Tk; ++j) p.weights(b, h, i, j) = 0.0f;
+          if (!p.lse.empty()) p.lse(b, h, i, 0) = kNegInf;
+          continue;
+        }
+        // 3. Softmax with the maximum subtracted.
+        double sum = 0.0;
+        for (int64_t j = 0; j < Tk; ++j) {
+          if (scores[j] == kNegInf) continue;
+          sum += std::exp(static_cast<double>(scores[j]) - row_max);
+        }
+        if (!p.lse.empty()) p.lse(b, h, i, 0) = static_cast<float>(row_max + std::log(sum));
+        // 4. Probabilities, dropout (kept ones scaled by 1/(1 − p)), and the weighted sum of V.
+        const double keep_scale = p.dropout.active() ? 1.0 / (1.0 - static_cast<double>(p.dropout.p)) : 1.0;
+        for (int64_t j = 0; j < Tk; ++j) {
+          double prob = 0.0;
+          if (scores[j] != kNegInf) {
+            prob = std::exp(static_cast<double>(scores[j]) - row_max) / sum;
+            if (p.dropout.active())
+              prob = dropout_keep(p.dropout.seed, p.dropout.p, b, h, i, j) ? prob * keep_scale : 0.0;
+          }
+          scores[j] = static_cast<float>(prob);
+          if (!p.weights.empty()) p.weights(b, h, i, j) = scores[j];
+        }
+        for (int64_t c = 0; c < Dv; ++c) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < Tk; ++j) {
+            if (scores[j] == 0.0f) continue;  // masked or dropped: V row not read
+            acc += static_cast<double>(scores[j]) * p.v(b, g, j, c);
+          }
+          out_row[c * p.out.stride[3]] = static_cast<float>(acc);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mha::kernels

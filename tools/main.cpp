@@ -1,0 +1,35 @@
+// tools/main.cpp — `mha`: multi-head attention from the command line.
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"mha — exact, fast multi-head attention on the CPU.\nRun `mha demo` for a guided tour.", "mha"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "mha 0.1.0");
+  mha::cli::add_forward_command(app);
+  mha::cli::add_params_command(app);
+  mha::cli::add_demo_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // One line, exit 1: the contract for every failure of the tool.
+    std::fprintf(stderr, "mha: %s (see mha --help)\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    for (char& c : msg)
+      if (c == '\n') c = ' ';
+    std::fprintf(stderr, "mha: %s\n", msg.c_str());
+    return 1;
+  }
+  return 0;
+}
