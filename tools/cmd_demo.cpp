@@ -3,9 +3,9 @@
 #include <cstdio>
 #include <string>
 
-#include "commands.h"
 #include "mha/module.h"
 #include "mha/sdpa.h"
+#include "registry.h"
 
 namespace mha::cli {
 
@@ -140,7 +140,7 @@ void random_batch() {
 
 }  // namespace
 
-void add_demo_command(CLI::App& app) {
+static void add_demo_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("demo", "Walk through multi-head attention step by step on the textbook example.");
   cmd->callback([] {
     std::printf("mha demo: multi-head attention, every step computed by the library\n");
@@ -148,5 +148,7 @@ void add_demo_command(CLI::App& app) {
     random_batch();
   });
 }
+
+static const CommandRegistrar registered{10, add_demo_command};
 
 }  // namespace mha::cli

@@ -2,9 +2,9 @@
 #include <map>
 #include <string>
 
-#include "commands.h"
 #include "mha/module.h"
 #include "mha/safetensors.h"
+#include "registry.h"
 
 namespace mha::cli {
 
@@ -66,7 +66,7 @@ void run_forward(const ForwardArgs& a) {
 
 }  // namespace
 
-void add_forward_command(CLI::App& app) {
+static void add_forward_command(CLI::App& app) {
   auto args = std::make_shared<ForwardArgs>();
   CLI::App* cmd = app.add_subcommand(
       "forward",
@@ -83,5 +83,7 @@ void add_forward_command(CLI::App& app) {
   cmd->add_option("--threads", args->threads, "threads to use (0 = all cores)")->check(CLI::NonNegativeNumber);
   cmd->callback([args] { run_forward(*args); });
 }
+
+static const CommandRegistrar registered{20, add_forward_command};
 
 }  // namespace mha::cli

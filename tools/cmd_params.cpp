@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
 #include "mha/module.h"
+#include "registry.h"
 
 namespace mha::cli {
 
@@ -103,7 +103,7 @@ void run_params(const ParamsArgs& a) {
 
 }  // namespace
 
-void add_params_command(CLI::App& app) {
+static void add_params_command(CLI::App& app) {
   auto a = std::make_shared<ParamsArgs>();
   CLI::App* cmd = app.add_subcommand(
       "params", "Parameter count and bytes per dtype, by projection, and the KV-cache bytes per token.");
@@ -117,5 +117,7 @@ void add_params_command(CLI::App& app) {
   cmd->add_flag("--json", a->json, "one JSON object on stdout");
   cmd->callback([a] { run_params(*a); });
 }
+
+static const CommandRegistrar registered{30, add_params_command};
 
 }  // namespace mha::cli

@@ -3,15 +3,17 @@
 #include <exception>
 #include <string>
 
-#include "commands.h"
+#include <algorithm>
+
+#include "registry.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"mha — exact, fast multi-head attention on the CPU.\nRun `mha demo` for a guided tour.", "mha"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "mha 0.1.0");
-  mha::cli::add_forward_command(app);
-  mha::cli::add_params_command(app);
-  mha::cli::add_demo_command(app);
+  auto& commands = mha::cli::command_registry();
+  std::stable_sort(commands.begin(), commands.end(), [](const auto& a, const auto& b) { return a.order < b.order; });
+  for (const auto& command : commands) command.add(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -29,11 +29,21 @@ struct Causal {
   };
   Align align = Align::None;
   int64_t offset = 0;  ///< used with Align::Offset only
+  /// Sliding window: when > 0, key k is visible only if q + offset − window < k ≤ q + offset, i.e.
+  /// the last `window` positions up to and including the query's own. 0 = unlimited.
+  int64_t window = 0;
 
   static Causal none() { return {}; }
   static Causal top_left() { return {Align::TopLeft, 0}; }
   static Causal bottom_right() { return {Align::BottomRight, 0}; }
   static Causal with_offset(int64_t off) { return {Align::Offset, off}; }
+
+  /// The same alignment, limited to the last `w` positions (sliding-window attention).
+  Causal with_window(int64_t w) const {
+    Causal c = *this;
+    c.window = w;
+    return c;
+  }
 
   bool enabled() const { return align != Align::None; }
   /// The offset for these lengths (meaningless when !enabled()).

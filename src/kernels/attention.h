@@ -42,6 +42,7 @@ inline bool key_hidden(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int
   const Masks& m = p.masks;
   if (!m.key_padding.view.empty() && m.key_padding.view(b, 0, 0, j)) return true;
   if (m.causal.enabled() && j > i + causal_offset) return true;
+  if (m.causal.enabled() && m.causal.window > 0 && j <= i + causal_offset - m.causal.window) return true;
   if (!m.allowed.view.empty() && !m.allowed.view(b, h, i, j)) return true;
   return false;
 }

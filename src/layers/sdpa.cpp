@@ -123,6 +123,11 @@ void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const flo
   broadcast_to(opt.masks.bias.view, full, "additive mask");
   broadcast_to(opt.masks.key_padding.view, per_key, "key padding");
   broadcast_to(opt.masks.key_bias.view, per_key, "key bias");
+  if (opt.masks.causal.window < 0)
+    fail("sdpa: sliding window must be ≥ 0 (0 = unlimited), got ", opt.masks.causal.window);
+  if (opt.masks.causal.window > 0 && !opt.masks.causal.enabled())
+    fail("sdpa: a sliding window of ", opt.masks.causal.window,
+         " needs a causal alignment (Causal::bottom_right() etc.)");
   if (opt.masks.causal.align == Causal::Align::Offset && std::llabs(opt.masks.causal.offset) > (int64_t{1} << 40))
     fail("sdpa: causal offset ", opt.masks.causal.offset, " is out of range");
 }
