@@ -302,15 +302,32 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
   const int64_t mask_planes = mask3 ? B * H : 1;
   BoolTensor allowed_ext;
   Tensor additive_ext;
-  if (am.allowed.defined()) {
-    allowed_ext = extra ? BoolTensor({mask_planes, Tq, S}, 1) : am.allowed;
-    if (extra)
-      for (int64_t pl = 0; pl < mask_planes; ++pl)
+  // Causal masking speaks of the real keys; the appended bias_k / zero positions stay visible to
+  // every query (as with an explicit causal attn_mask padded for them). So with extra positions
+  // the causal rule is folded into an allowed mask over the real columns.
+  const bool causal_on_real_keys = extra > 0 && options.causal.enabled();
+  if (am.allowed.defined() || causal_on_real_keys) {
+    const bool planes3 = am.allowed.defined() && mask3;
+    const int64_t planes = planes3 ? B * H : 1;
+    allowed_ext = extra ? BoolTensor({planes, Tq, S}, 1) : am.allowed;
+    if (extra && am.allowed.defined())
+      for (int64_t pl = 0; pl < planes; ++pl)
         for (int64_t i = 0; i < Tq; ++i)
           for (int64_t j = 0; j < Tk; ++j) allowed_ext.at({pl, i, j}) = am.allowed.data()[(pl * Tq + i) * Tk + j];
-    sopt.masks.allowed.view = {
-        allowed_ext.data(), {mask3 ? B : 1, mask3 ? H : 1, Tq, S}, {mask3 ? H * Tq * S : 0, mask3 ? Tq * S : 0, S, 1}};
-  } else if (am.additive.defined()) {
+    if (causal_on_real_keys) {
+      const Causal& cm = options.causal;
+      const int64_t off = cm.offset_for(Tq, Tk);
+      for (int64_t pl = 0; pl < planes; ++pl)
+        for (int64_t i = 0; i < Tq; ++i)
+          for (int64_t j = 0; j < Tk; ++j)
+            if (j > i + off || (cm.window > 0 && j <= i + off - cm.window)) allowed_ext.at({pl, i, j}) = 0;
+      sopt.masks.causal = Causal::none();
+    }
+    sopt.masks.allowed.view = {allowed_ext.data(),
+                               {planes3 ? B : 1, planes3 ? H : 1, Tq, S},
+                               {planes3 ? H * Tq * S : 0, planes3 ? Tq * S : 0, S, 1}};
+  }
+  if (am.additive.defined()) {
     additive_ext = extra ? Tensor({mask_planes, Tq, S}, 0.0f) : am.additive;
     if (extra)
       for (int64_t pl = 0; pl < mask_planes; ++pl)
