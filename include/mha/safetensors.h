@@ -69,8 +69,8 @@ class SafetensorsFile {
 class SafetensorsWriter {
  public:
   void set_metadata(const std::string& key, const std::string& value);
-  void add(const std::string& name, const Tensor& t);       ///< F32
-  void add(const std::string& name, const BF16Tensor& t);   ///< BF16
+  void add(const std::string& name, const Tensor& t);           ///< F32
+  void add(const std::string& name, const BF16Tensor& t);       ///< BF16
   void add_bool(const std::string& name, const BoolTensor& t);  ///< BOOL
   void add_raw(const std::string& name, DType dtype, const Shape& shape, std::span<const std::byte> bytes);
   void write(const std::string& path) const;
