@@ -1,0 +1,318 @@
+// The multi-head module's parameters in safetensors files, under PyTorch's or Hugging Face's names.
+//
+// Internally the module keeps PyTorch's layout (MhaParameters). Hugging Face checkpoints split the
+// input projection into q/k/v linears and call the output projection o_proj; this file is the one
+// place that maps between the two, so the module never needs to know which naming a file used.
+#include "mha/safetensors.h"
+
+#include <charconv>
+#include <sstream>
+#include <system_error>
+
+namespace mha::io {
+
+namespace {
+
+// ---- metadata parsing --------------------------------------------------------------------------
+
+const std::string* find_key(const std::map<std::string, std::string>& metadata, const std::string& key) {
+  const auto it = metadata.find(key);
+  return it == metadata.end() ? nullptr : &it->second;
+}
+
+int64_t parse_int(const std::string& label, const std::string& key, const std::string& value) {
+  int64_t out = 0;
+  const char* first = value.data();
+  const char* last = first + value.size();
+  const auto [ptr, ec] = std::from_chars(first, last, out);
+  if (ec != std::errc() || ptr != last || value.empty())
+    fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not an integer");
+  return out;
+}
+
+bool parse_bool(const std::string& label, const std::string& key, const std::string& value) {
+  // "True"/"False" too: that is what Python's str(bool) writes into metadata.
+  if (value == "true" || value == "True" || value == "1") return true;
+  if (value == "false" || value == "False" || value == "0") return false;
+  fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not true or false");
+}
+
+float parse_float(const std::string& label, const std::string& key, const std::string& value) {
+  float out = 0;
+  const char* first = value.data();
+  const char* last = first + value.size();
+  const auto [ptr, ec] = std::from_chars(first, last, out);
+  if (ec != std::errc() || ptr != last || value.empty())
+    fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not a number");
+  return out;
+}
+
+// ---- tensor names ------------------------------------------------------------------------------
+
+struct Names {
+  // PyTorch state_dict names.
+  static constexpr const char* in_proj_weight = "in_proj_weight";
+  static constexpr const char* q_proj_weight = "q_proj_weight";
+  static constexpr const char* k_proj_weight = "k_proj_weight";
+  static constexpr const char* v_proj_weight = "v_proj_weight";
+  static constexpr const char* in_proj_bias = "in_proj_bias";
+  static constexpr const char* out_proj_weight = "out_proj.weight";
+  static constexpr const char* out_proj_bias = "out_proj.bias";
+  // Shared by both schemes: Hugging Face has no equivalent of PyTorch's add_bias_kv.
+  static constexpr const char* bias_k = "bias_k";
+  static constexpr const char* bias_v = "bias_v";
+  // Hugging Face names.
+  static constexpr const char* hf_q_weight = "q_proj.weight";
+  static constexpr const char* hf_k_weight = "k_proj.weight";
+  static constexpr const char* hf_v_weight = "v_proj.weight";
+  static constexpr const char* hf_o_weight = "o_proj.weight";
+  static constexpr const char* hf_q_bias = "q_proj.bias";
+  static constexpr const char* hf_k_bias = "k_proj.bias";
+  static constexpr const char* hf_v_bias = "v_proj.bias";
+  static constexpr const char* hf_o_bias = "o_proj.bias";
+};
+
+std::string config_str(const MhaConfig& c) {
+  std::ostringstream os;
+  os << "embed_dim=" << c.embed_dim << ", num_heads=" << c.num_heads << ", num_kv_heads=" << c.kv_heads()
+     << ", kdim=" << c.key_dim() << ", vdim=" << c.value_dim();
+  return os.str();
+}
+
+/// Reads the tensors of one file for one configuration, with messages that name both.
+class Reader {
+ public:
+  Reader(const SafetensorsFile& file, const MhaConfig& config) : file_(file), config_(config) {}
+
+  Tensor get(const char* name, const Shape& expected) const {
+    if (!file_.contains(name))
+      fail("load_weights: ", file_.path(), ": missing tensor '", name, "' ", shape_str(expected), " (",
+           config_str(config_), ")");
+    const TensorInfo& info = file_.info(name);
+    if (info.dtype != DType::F32 && info.dtype != DType::F16 && info.dtype != DType::BF16 && info.dtype != DType::F64)
+      fail("load_weights: ", file_.path(), ": tensor '", name, "' is ", dtype_name(info.dtype),
+           "; weights must be F32, F16, BF16 or F64");
+    if (info.shape != expected)
+      fail("load_weights: ", file_.path(), ": tensor '", name, "' has shape ", shape_str(info.shape), ", expected ",
+           shape_str(expected), " (", config_str(config_), ")");
+    return file_.read_f32(name);
+  }
+
+  /// A tensor the configuration does not use must not be there: silently ignoring it would load a
+  /// checkpoint into a module that computes something else (e.g. without its biases).
+  void reject(const char* name, const char* why) const {
+    if (file_.contains(name))
+      fail("load_weights: ", file_.path(), ": tensor '", name, "' is present but ", why, " (", config_str(config_),
+           ")");
+  }
+
+ private:
+  const SafetensorsFile& file_;
+  const MhaConfig& config_;
+};
+
+/// Rows [row0, row0 + rows) of a 2-D (or 1-D) tensor.
+Tensor slice_rows(const Tensor& t, int64_t row0, int64_t rows) {
+  const int64_t width = t.dim() == 2 ? t.size(1) : 1;
+  Shape shape = t.shape();
+  shape[0] = rows;
+  const auto begin = t.storage().begin() + row0 * width;
+  return Tensor(std::move(shape), std::vector<float>(begin, begin + rows * width));
+}
+
+/// Stacks tensors along the first dimension (equal trailing dims are the caller's to ensure).
+Tensor concat_rows(std::initializer_list<const Tensor*> parts) {
+  Shape shape = (*parts.begin())->shape();
+  shape[0] = 0;
+  std::vector<float> values;
+  for (const Tensor* p : parts) {
+    shape[0] += p->size(0);
+    values.insert(values.end(), p->storage().begin(), p->storage().end());
+  }
+  return Tensor(std::move(shape), std::move(values));
+}
+
+}  // namespace
+
+// ---- configuration <-> metadata ----------------------------------------------------------------
+
+MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadata, const std::string& label) {
+  MhaConfig c;
+  for (const char* key : {"embed_dim", "num_heads"})
+    if (!find_key(metadata, key)) fail("config_from_metadata: ", label, ": metadata has no '", key, "'");
+  c.embed_dim = parse_int(label, "embed_dim", *find_key(metadata, "embed_dim"));
+  c.num_heads = parse_int(label, "num_heads", *find_key(metadata, "num_heads"));
+  if (const auto* v = find_key(metadata, "num_kv_heads")) c.num_kv_heads = parse_int(label, "num_kv_heads", *v);
+  if (const auto* v = find_key(metadata, "kdim")) c.kdim = parse_int(label, "kdim", *v);
+  if (const auto* v = find_key(metadata, "vdim")) c.vdim = parse_int(label, "vdim", *v);
+  if (const auto* v = find_key(metadata, "bias")) c.bias = parse_bool(label, "bias", *v);
+  if (const auto* v = find_key(metadata, "add_bias_kv")) c.add_bias_kv = parse_bool(label, "add_bias_kv", *v);
+  if (const auto* v = find_key(metadata, "add_zero_attn")) c.add_zero_attn = parse_bool(label, "add_zero_attn", *v);
+  if (const auto* v = find_key(metadata, "batch_first"))
+    c.layout = parse_bool(label, "batch_first", *v) ? Layout::BatchFirst : Layout::SeqFirst;
+  if (const auto* v = find_key(metadata, "dropout")) c.dropout = parse_float(label, "dropout", *v);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    fail("config_from_metadata: ", label, ": ", e.what());
+  }
+  return c;
+}
+
+std::map<std::string, std::string> metadata_from_config(const MhaConfig& config) {
+  const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  std::map<std::string, std::string> m{
+      {"format", "mha-weights/1"},
+      {"embed_dim", std::to_string(config.embed_dim)},
+      {"num_heads", std::to_string(config.num_heads)},
+      {"kdim", std::to_string(config.key_dim())},
+      {"vdim", std::to_string(config.value_dim())},
+      {"bias", b(config.bias)},
+      {"add_bias_kv", b(config.add_bias_kv)},
+      {"add_zero_attn", b(config.add_zero_attn)},
+      {"batch_first", b(config.layout == Layout::BatchFirst)},
+  };
+  // Written only when they differ from the default, as in the conformance cases.
+  if (config.kv_heads() != config.num_heads) m["num_kv_heads"] = std::to_string(config.kv_heads());
+  if (config.dropout != 0.0f) {
+    char buf[32];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, config.dropout);  // shortest exact form
+    m["dropout"] = std::string(buf, ec == std::errc() ? end : buf);
+  }
+  return m;
+}
+
+// ---- loading -----------------------------------------------------------------------------------
+
+WeightNames detect_weight_names(const SafetensorsFile& file) {
+  const bool torch = file.contains(Names::in_proj_weight) || file.contains(Names::q_proj_weight) ||
+                     file.contains(Names::out_proj_weight);
+  const bool hf = file.contains(Names::hf_q_weight) || file.contains(Names::hf_o_weight);
+  if (torch && hf)
+    fail("detect_weight_names: ", file.path(),
+         ": has both PyTorch (in_proj_weight / q_proj_weight / out_proj.weight) and Hugging Face "
+         "(q_proj.weight / o_proj.weight) projection weights");
+  if (torch) return WeightNames::PyTorch;
+  if (hf) return WeightNames::HuggingFace;
+  fail("detect_weight_names: ", file.path(),
+       ": has neither PyTorch (in_proj_weight / q_proj_weight / out_proj.weight) nor Hugging Face "
+       "(q_proj.weight / o_proj.weight) projection weights");
+}
+
+void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
+  const MhaConfig& c = module.config();
+  const int64_t E = c.embed_dim, d = c.head_dim(), h = c.num_heads, kv = c.kv_heads();
+  const Reader r(file, c);
+  const WeightNames names = detect_weight_names(file);
+
+  // Everything is read into a fresh set first, so a failure leaves the module as it was.
+  MhaParameters p;
+  if (names == WeightNames::PyTorch) {
+    if (c.packed_in_proj()) {
+      for (const char* n : {Names::q_proj_weight, Names::k_proj_weight, Names::v_proj_weight})
+        r.reject(n, "kdim = vdim = embed_dim, so the projections are packed in in_proj_weight");
+      p.in_proj_weight = r.get(Names::in_proj_weight, {c.in_proj_rows(), E});
+    } else {
+      r.reject(Names::in_proj_weight, "kdim or vdim differ from embed_dim, so q/k/v_proj_weight are expected");
+      p.q_proj_weight = r.get(Names::q_proj_weight, {h * d, E});
+      p.k_proj_weight = r.get(Names::k_proj_weight, {kv * d, c.key_dim()});
+      p.v_proj_weight = r.get(Names::v_proj_weight, {kv * d, c.value_dim()});
+    }
+    if (c.bias) {
+      p.in_proj_bias = r.get(Names::in_proj_bias, {c.in_proj_rows()});
+      p.out_proj_bias = r.get(Names::out_proj_bias, {E});
+    } else {
+      for (const char* n : {Names::in_proj_bias, Names::out_proj_bias}) r.reject(n, "the configuration has bias=false");
+    }
+    p.out_proj_weight = r.get(Names::out_proj_weight, {E, h * d});
+  } else {
+    Tensor q = r.get(Names::hf_q_weight, {h * d, E});
+    Tensor k = r.get(Names::hf_k_weight, {kv * d, c.key_dim()});
+    Tensor v = r.get(Names::hf_v_weight, {kv * d, c.value_dim()});
+    if (c.packed_in_proj()) {
+      p.in_proj_weight = concat_rows({&q, &k, &v});
+    } else {
+      p.q_proj_weight = std::move(q);
+      p.k_proj_weight = std::move(k);
+      p.v_proj_weight = std::move(v);
+    }
+    if (c.bias) {
+      const Tensor qb = r.get(Names::hf_q_bias, {h * d});
+      const Tensor kb = r.get(Names::hf_k_bias, {kv * d});
+      const Tensor vb = r.get(Names::hf_v_bias, {kv * d});
+      p.in_proj_bias = concat_rows({&qb, &kb, &vb});
+      p.out_proj_bias = r.get(Names::hf_o_bias, {E});
+    } else {
+      for (const char* n : {Names::hf_q_bias, Names::hf_k_bias, Names::hf_v_bias, Names::hf_o_bias})
+        r.reject(n, "the configuration has bias=false");
+    }
+    p.out_proj_weight = r.get(Names::hf_o_weight, {E, h * d});
+  }
+  if (c.add_bias_kv) {
+    p.bias_k = r.get(Names::bias_k, {1, 1, kv * d});
+    p.bias_v = r.get(Names::bias_v, {1, 1, kv * d});
+  } else {
+    for (const char* n : {Names::bias_k, Names::bias_v}) r.reject(n, "the configuration has add_bias_kv=false");
+  }
+  module.params() = std::move(p);
+}
+
+MultiheadAttention load_module(const SafetensorsFile& file) {
+  MultiheadAttention module(config_from_metadata(file.metadata(), file.path()));
+  load_weights(module, file);
+  return module;
+}
+
+// ---- saving ------------------------------------------------------------------------------------
+
+void add_weights(SafetensorsWriter& writer, const MultiheadAttention& module, WeightNames names) {
+  module.check_params();
+  const MhaConfig& c = module.config();
+  const MhaParameters& p = module.params();
+  for (const auto& [key, value] : metadata_from_config(c)) writer.set_metadata(key, value);
+
+  if (names == WeightNames::PyTorch) {
+    if (c.packed_in_proj()) {
+      writer.add(Names::in_proj_weight, p.in_proj_weight);
+    } else {
+      writer.add(Names::q_proj_weight, p.q_proj_weight);
+      writer.add(Names::k_proj_weight, p.k_proj_weight);
+      writer.add(Names::v_proj_weight, p.v_proj_weight);
+    }
+    if (c.bias) {
+      writer.add(Names::in_proj_bias, p.in_proj_bias);
+      writer.add(Names::out_proj_bias, p.out_proj_bias);
+    }
+    writer.add(Names::out_proj_weight, p.out_proj_weight);
+  } else {
+    const int64_t q_rows = c.num_heads * c.head_dim(), kv_rows = c.kv_heads() * c.head_dim();
+    if (c.packed_in_proj()) {
+      writer.add(Names::hf_q_weight, slice_rows(p.in_proj_weight, 0, q_rows));
+      writer.add(Names::hf_k_weight, slice_rows(p.in_proj_weight, q_rows, kv_rows));
+      writer.add(Names::hf_v_weight, slice_rows(p.in_proj_weight, q_rows + kv_rows, kv_rows));
+    } else {
+      writer.add(Names::hf_q_weight, p.q_proj_weight);
+      writer.add(Names::hf_k_weight, p.k_proj_weight);
+      writer.add(Names::hf_v_weight, p.v_proj_weight);
+    }
+    if (c.bias) {
+      writer.add(Names::hf_q_bias, slice_rows(p.in_proj_bias, 0, q_rows));
+      writer.add(Names::hf_k_bias, slice_rows(p.in_proj_bias, q_rows, kv_rows));
+      writer.add(Names::hf_v_bias, slice_rows(p.in_proj_bias, q_rows + kv_rows, kv_rows));
+      writer.add(Names::hf_o_bias, p.out_proj_bias);
+    }
+    writer.add(Names::hf_o_weight, p.out_proj_weight);
+  }
+  if (c.add_bias_kv) {
+    writer.add(Names::bias_k, p.bias_k);
+    writer.add(Names::bias_v, p.bias_v);
+  }
+}
+
+void save_module(const std::string& path, const MultiheadAttention& module, WeightNames names) {
+  SafetensorsWriter writer;
+  add_weights(writer, module, names);
+  writer.write(path);
+}
+
+}  // namespace mha::io
