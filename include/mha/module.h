@@ -4,14 +4,18 @@
 //   V = value · W_Vᵀ + b_V   (…, kv·d)     heads = sdpa(Q, K, V)  (B, h, T_q, d)
 //   output = concat(heads) · W_Oᵀ + b_O   (…, E)
 //
-// d = embed_dim / num_heads. With num_kv_heads = kv < h, query head i uses K/V head i / (h / kv).
+// d = embed_dim / num_heads, or head_dim_override when set (then h·d may differ from E, as in a
+// module with some heads pruned). With num_kv_heads = kv < h, query head i uses K/V head i / (h / kv).
 // Layouts: Layout::SeqFirst inputs are (T, B, E) (PyTorch's default), Layout::BatchFirst (B, T, E);
 // a 2-D input (T, E) is unbatched in either layout.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "mha/kv_cache.h"
+#include "mha/rope.h"
 #include "mha/sdpa.h"
 #include "mha/tensor.h"
 
@@ -21,7 +25,7 @@ enum class Layout : uint8_t { SeqFirst, BatchFirst };
 
 struct MhaConfig {
   int64_t embed_dim = 0;       ///< E
-  int64_t num_heads = 0;       ///< h; must divide E
+  int64_t num_heads = 0;       ///< h; must divide E unless head_dim_override is set
   int64_t num_kv_heads = 0;    ///< kv; 0 means h. Must divide h. 1 = multi-query attention
   int64_t kdim = 0;            ///< feature size of the key input; 0 means E
   int64_t vdim = 0;            ///< feature size of the value input; 0 means E
@@ -30,8 +34,15 @@ struct MhaConfig {
   bool add_zero_attn = false;  ///< one extra all-zero key/value position (after bias_kv)
   float dropout = 0.0f;        ///< dropout probability on attention weights, in training mode only
   Layout layout = Layout::SeqFirst;
+  Rope rope;  ///< rotary embeddings on Q and K after projection (off by default; mha/rope.h)
+  /// d; 0 means embed_dim / num_heads (which must then divide). Set when h·d ≠ E, e.g. after
+  /// prune_heads (mha/prune.h); W_Q is then (h·d, E) and W_O (E, h·d).
+  int64_t head_dim_override = 0;
 
-  int64_t head_dim() const { return num_heads > 0 ? embed_dim / num_heads : 0; }
+  int64_t head_dim() const {
+    if (head_dim_override > 0) return head_dim_override;
+    return num_heads > 0 ? embed_dim / num_heads : 0;
+  }
   int64_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
   int64_t key_dim() const { return kdim > 0 ? kdim : embed_dim; }
   int64_t value_dim() const { return vdim > 0 ? vdim : embed_dim; }
@@ -91,6 +102,17 @@ struct MhaForwardOptions {
   int threads = 0;
 };
 
+struct IncrementalOptions {
+  /// Valid new tokens per sequence (B entries; right padding): sequence b appends only its first
+  /// new_lengths[b] tokens, and output rows past them are zero-attention rows (output = out_proj
+  /// bias). Empty = every sequence takes all T_new tokens.
+  std::vector<int64_t> new_lengths;
+  int64_t window = 0;  ///< sliding window W (key p visible when q − W < p ≤ q); 0 = unlimited
+  int splits = 0;      ///< split-K count for the cache part (0 = from the shapes; see attend_cache)
+  Backend backend = Backend::Auto;  ///< for the new tokens' attention among themselves
+  int threads = 0;
+};
+
 struct MhaOutput {
   Tensor output;        ///< same layout as query: (T_q, B, E), (B, T_q, E) or (T_q, E)
   Tensor attn_weights;  ///< (B, h, T_q, S) per head or (B, T_q, S) averaged; no B when unbatched.
@@ -113,6 +135,15 @@ class MultiheadAttention {
   /// query (T_q, B, E) / (B, T_q, E) / (T_q, E); key (…, T_k, kdim); value (…, T_k, vdim).
   MhaOutput forward(const Tensor& query, const Tensor& key, const Tensor& value,
                     const MhaForwardOptions& options = {}) const;
+
+  /// Incremental (KV-cache) forward: query_new / key_new / value_new hold T_new new tokens per
+  /// sequence, laid out like forward()'s inputs (1 for decoding, many for prefill). Projects them,
+  /// applies RoPE at absolute positions cache.length(b) + t, attends causally by absolute position
+  /// to everything the cache holds plus the new tokens, then appends the new K/V to the cache.
+  /// Prefill followed by token-by-token decoding equals forward() with Causal::top_left(), row
+  /// for row. Not supported with add_bias_kv / add_zero_attn.
+  MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new,
+                                KvCache& cache, const IncrementalOptions& options = {}) const;
 
  private:
   MhaConfig config_;

@@ -83,14 +83,18 @@ const char* layout_name(Layout layout, bool unbatched) {
 void MhaConfig::validate() const {
   if (embed_dim <= 0) fail("MhaConfig: embed_dim must be ≥ 1, got ", embed_dim);
   if (num_heads <= 0) fail("MhaConfig: num_heads must be ≥ 1, got ", num_heads);
-  if (embed_dim % num_heads != 0)
-    fail("MhaConfig: embed_dim ", embed_dim, " is not divisible by num_heads ", num_heads);
+  if (head_dim_override < 0)
+    fail("MhaConfig: head_dim_override must be ≥ 1 (or 0 for embed_dim / num_heads), got ", head_dim_override);
+  if (head_dim_override == 0 && embed_dim % num_heads != 0)
+    fail("MhaConfig: embed_dim ", embed_dim, " is not divisible by num_heads ", num_heads,
+         " (set head_dim_override for h·d ≠ embed_dim)");
   if (num_kv_heads < 0) fail("MhaConfig: num_kv_heads must be ≥ 1 (or 0 for num_heads), got ", num_kv_heads);
   if (num_heads % kv_heads() != 0)
     fail("MhaConfig: num_heads ", num_heads, " is not a multiple of num_kv_heads ", kv_heads());
   if (kdim < 0) fail("MhaConfig: kdim must be ≥ 1 (or 0 for embed_dim), got ", kdim);
   if (vdim < 0) fail("MhaConfig: vdim must be ≥ 1 (or 0 for embed_dim), got ", vdim);
   if (!(dropout >= 0.0f && dropout < 1.0f)) fail("MhaConfig: dropout must be in [0, 1), got ", dropout);
+  if (rope.enabled) rope.validate(head_dim());
 }
 
 int64_t parameter_count(const MhaConfig& c) {
@@ -265,6 +269,12 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
     Qv = head_view(q_out, qrows, H * d, 0, H, d);
     Kv = head_view(k_out, krows, KV * d, 0, KV, d);
     Vv = head_view(v_out, vrows, KV * d, 0, KV, d);
+  }
+
+  // ---- rotary embeddings at positions 0 … T − 1, before bias_k is appended (it has no position) ----
+  if (c.rope.enabled) {
+    apply_rope(Qv, c.rope);
+    apply_rope(Kv, c.rope);
   }
 
   // ---- bias_k / bias_v and the zero position: S = T_k + extra key positions ----
