@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what mha needs on Debian 12 (as root) and configures + builds one build tree.
+# usage: scripts/setup.sh BUILD_DIR [extra cmake args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages: compilers and build tools, the libraries mha links, and PyTorch/numpy
+# (only for regenerating golden data and the benchmark comparison).
+packages=(g++ cmake ninja-build pkg-config git libopenblas-dev libhwy-dev libpng-dev libcli11-dev
+          nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+build_dir=${1:?usage: scripts/setup.sh BUILD_DIR [cmake args]}
+shift
+cmake -S . -B "$build_dir" -G Ninja "$@" >/dev/null
+cmake --build "$build_dir" -j "$(nproc)"

@@ -1,0 +1,187 @@
+// The multi-head module: configuration, layouts, masks, parameter counts and errors.
+#include <cmath>
+#include <string>
+
+#include "mha/module.h"
+#include "support/test_support.h"
+
+namespace {
+
+using mha::Layout;
+using mha::MhaConfig;
+using mha::MultiheadAttention;
+using mha::Tensor;
+using mha::testing::random_tensor;
+
+MhaConfig config(int64_t E, int64_t h, Layout layout = Layout::BatchFirst) {
+  MhaConfig c;
+  c.embed_dim = E;
+  c.num_heads = h;
+  c.layout = layout;
+  return c;
+}
+
+/// (B, T, E) → (T, B, E)
+Tensor swap01(const Tensor& x) {
+  Tensor y({x.size(1), x.size(0), x.size(2)});
+  for (int64_t a = 0; a < x.size(0); ++a)
+    for (int64_t b = 0; b < x.size(1); ++b)
+      for (int64_t c = 0; c < x.size(2); ++c) y.at({b, a, c}) = x.at({a, b, c});
+  return y;
+}
+
+void expect_error_mentions(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected mha::Error mentioning " << needle;
+  } catch (const mha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Module, ParameterCountIsFourDModelSquaredPlusBiasesWhateverTheHeads) {
+  for (int64_t h : {1, 2, 4, 8, 12}) {
+    MhaConfig c = config(768, h);
+    EXPECT_EQ(mha::parameter_count(c), 4 * 768 * 768 + 4 * 768);  // BERT-base: 2,362,368
+    c.bias = false;
+    EXPECT_EQ(mha::parameter_count(c), 4 * 768 * 768);
+  }
+  EXPECT_EQ(mha::parameter_count(config(768, 12)), 2362368);
+  MhaConfig gqa = config(4096, 32);
+  gqa.num_kv_heads = 8;
+  gqa.bias = false;
+  // W_Q and W_O are E×E; W_K and W_V shrink by h / kv = 4.
+  EXPECT_EQ(mha::parameter_count(gqa), 2 * 4096 * 4096 + 2 * 4096 * 1024);
+  MultiheadAttention m(gqa);
+  int64_t counted = 0;
+  for (const Tensor* t : {&m.params().in_proj_weight, &m.params().out_proj_weight}) counted += t->numel();
+  EXPECT_EQ(counted, m.parameter_count());
+}
+
+TEST(Module, ConfigErrors) {
+  expect_error_mentions([] { MultiheadAttention m(config(10, 3)); }, "not divisible");
+  expect_error_mentions([] { MultiheadAttention m(config(0, 1)); }, "embed_dim");
+  expect_error_mentions([] { MultiheadAttention m(config(8, -2)); }, "num_heads");
+  MhaConfig c = config(8, 4);
+  c.num_kv_heads = 3;
+  expect_error_mentions([&] { MultiheadAttention m(c); }, "num_kv_heads 3");
+  c.num_kv_heads = 0;
+  c.dropout = 1.0f;
+  expect_error_mentions([&] { MultiheadAttention m(c); }, "dropout");
+}
+
+TEST(Module, SeqFirstEqualsBatchFirstTransposed) {
+  const Tensor x = random_tensor({3, 5, 16}, 1);
+  MultiheadAttention bf(config(16, 4, Layout::BatchFirst), 7);
+  MultiheadAttention sf(config(16, 4, Layout::SeqFirst), 7);
+  mha::MhaForwardOptions opt;
+  opt.need_weights = mha::NeedWeights::PerHead;
+  const auto a = bf.forward(x, x, x, opt);
+  const Tensor xs = swap01(x);
+  const auto b = sf.forward(xs, xs, xs, opt);
+  EXPECT_TRUE(mha::testing::all_close(swap01(b.output), a.output, 1e-6, 1e-5));
+  EXPECT_TRUE(mha::testing::all_close(b.attn_weights, a.attn_weights, 1e-6, 1e-5));
+}
+
+TEST(Module, UnbatchedEqualsBatchOfOne) {
+  MultiheadAttention m(config(12, 3), 3);
+  const Tensor x = random_tensor({4, 12}, 2), kv = random_tensor({6, 12}, 3);
+  mha::MhaForwardOptions opt;
+  opt.need_weights = mha::NeedWeights::Averaged;
+  const auto u = m.forward(x, kv, kv, opt);
+  const auto b = m.forward(x.reshaped({1, 4, 12}), kv.reshaped({1, 6, 12}), kv.reshaped({1, 6, 12}), opt);
+  EXPECT_EQ(u.output.shape(), (mha::Shape{4, 12}));
+  EXPECT_EQ(u.attn_weights.shape(), (mha::Shape{4, 6}));
+  EXPECT_TRUE(mha::testing::bitwise_equal(u.output, b.output.reshaped({4, 12})));
+}
+
+TEST(Module, FusedSelfAttentionGemmEqualsSeparateProjections) {
+  // Same values in distinct tensors take the three-GEMM path; the same tensor takes the fused one.
+  MultiheadAttention m(config(16, 2), 4);
+  const Tensor x = random_tensor({2, 7, 16}, 5);
+  const Tensor x2 = x, x3 = x;
+  EXPECT_TRUE(mha::testing::all_close(m.forward(x, x, x).output, m.forward(x, x2, x3).output, 1e-6, 1e-5));
+}
+
+TEST(Module, TorchBoolMaskMeansMaskedOut) {
+  MultiheadAttention m(config(8, 2), 5);
+  const Tensor x = random_tensor({1, 3, 8}, 6);
+  mha::BoolTensor torch_mask({3, 3}, 0);
+  torch_mask.at({0, 2}) = 1;  // PyTorch: query 0 may NOT attend key 2
+  mha::MhaForwardOptions opt;
+  opt.need_weights = mha::NeedWeights::PerHead;
+  opt.attn_mask = mha::AttnMask::from_torch_bool(torch_mask);
+  const auto r = m.forward(x, x, x, opt);
+  EXPECT_EQ(r.attn_weights.at({0, 0, 0, 2}), 0.0f);
+  EXPECT_GT(r.attn_weights.at({0, 0, 0, 1}), 0.0f);
+  EXPECT_GT(r.attn_weights.at({0, 1, 1, 2}), 0.0f);
+}
+
+TEST(Module, DropoutOnlyInTrainingAndSeeded) {
+  MhaConfig c = config(16, 4);
+  c.dropout = 0.5f;
+  MultiheadAttention m(c, 8);
+  const Tensor x = random_tensor({2, 6, 16}, 9);
+  mha::MhaForwardOptions eval;
+  MhaConfig c0 = c;
+  c0.dropout = 0.0f;
+  MultiheadAttention m0(c0, 8);
+  EXPECT_TRUE(mha::testing::bitwise_equal(m.forward(x, x, x, eval).output, m0.forward(x, x, x, eval).output));
+  mha::MhaForwardOptions train;
+  train.mode = mha::Mode::Training;
+  train.dropout_seed = 1;
+  train.need_weights = mha::NeedWeights::PerHead;
+  const auto a = m.forward(x, x, x, train), b = m.forward(x, x, x, train);
+  EXPECT_TRUE(mha::testing::bitwise_equal(a.output, b.output));
+  EXPECT_FALSE(mha::testing::bitwise_equal(a.output, m.forward(x, x, x, eval).output));
+  int zeros = 0;
+  for (float w : a.attn_weights.values()) zeros += w == 0.0f;
+  EXPECT_GT(zeros, 0);  // the returned weights are the ones used, after dropout
+}
+
+TEST(Module, GroupedQueryProjectionShapes) {
+  MhaConfig c = config(32, 8);
+  c.num_kv_heads = 2;
+  MultiheadAttention m(c, 10);
+  EXPECT_EQ(m.params().in_proj_weight.shape(), (mha::Shape{(8 + 2 * 2) * 4, 32}));
+  const Tensor x = random_tensor({2, 5, 32}, 11);
+  mha::MhaForwardOptions opt;
+  opt.need_weights = mha::NeedWeights::PerHead;
+  opt.causal = mha::Causal::top_left();
+  const auto r = m.forward(x, x, x, opt);
+  EXPECT_EQ(r.attn_weights.shape(), (mha::Shape{2, 8, 5, 5}));
+  EXPECT_EQ(r.attn_weights.at({1, 7, 0, 1}), 0.0f);
+}
+
+TEST(Module, ForwardErrorsNameArgumentsAndShapes) {
+  MultiheadAttention m(config(8, 2), 12);
+  const Tensor x = random_tensor({2, 3, 8}, 13);
+  expect_error_mentions([&] { m.forward(random_tensor({2, 3, 6}, 1), x, x); }, "(2, 3, 6)");
+  expect_error_mentions([&] { m.forward(x, random_tensor({4, 3, 8}, 1), random_tensor({4, 3, 8}, 2)); },
+                        "batch sizes differ");
+  expect_error_mentions([&] { m.forward(x, x, random_tensor({2, 4, 8}, 3)); }, "same sequence length");
+  expect_error_mentions([&] { m.forward(random_tensor({8}, 1), x, x); }, "query must be");
+  expect_error_mentions([&] { m.forward(x, random_tensor({3, 8}, 1), random_tensor({3, 8}, 2)); }, "3-D");
+  mha::MhaForwardOptions opt;
+  opt.attn_mask = mha::AttnMask::add(Tensor({3, 4}));
+  expect_error_mentions([&] { m.forward(x, x, x, opt); }, "attn_mask has shape (3, 4)");
+  opt.attn_mask = mha::AttnMask::add(Tensor({5, 3, 3}));
+  expect_error_mentions([&] { m.forward(x, x, x, opt); }, "(4, 3, 3)");
+  opt.attn_mask = {};
+  opt.key_padding_mask.is_padding = mha::BoolTensor({3, 3});
+  expect_error_mentions([&] { m.forward(x, x, x, opt); }, "key_padding_mask has shape (3, 3), expected (2, 3)");
+  MultiheadAttention broken(config(8, 2), 1);
+  broken.params().out_proj_weight = Tensor({8, 7});
+  expect_error_mentions([&] { broken.forward(x, x, x); }, "out_proj.weight has shape (8, 7)");
+}
+
+TEST(Module, ZeroLengthSequences) {
+  MultiheadAttention m(config(8, 2), 14);
+  const Tensor q({2, 0, 8}), kv = random_tensor({2, 3, 8}, 15);
+  EXPECT_EQ(m.forward(q, kv, kv).output.shape(), (mha::Shape{2, 0, 8}));
+  const Tensor q1 = random_tensor({2, 2, 8}, 16), kv0({2, 0, 8});
+  const auto r = m.forward(q1, kv0, kv0);  // nothing to attend to: heads are zero, output = b_O
+  for (int64_t i = 0; i < r.output.numel(); ++i) EXPECT_EQ(r.output.data()[i], m.params().out_proj_bias.data()[i % 8]);
+}
+
+}  // namespace
