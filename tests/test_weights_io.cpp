@@ -70,6 +70,7 @@ void expect_same_config(const MhaConfig& got, const MhaConfig& want) {
   EXPECT_EQ(got.add_zero_attn, want.add_zero_attn);
   EXPECT_EQ(got.layout, want.layout);
   EXPECT_EQ(got.dropout, want.dropout);
+  EXPECT_EQ(got.head_dim(), want.head_dim());
 }
 
 struct NamedConfig {
@@ -96,6 +97,10 @@ std::vector<NamedConfig> configs() {
   c = MhaConfig{};
   c.embed_dim = 12, c.num_heads = 3, c.bias = false;
   out.push_back({"nobias", c});
+  // h·d ≠ E (a pruned module): the head dim must survive the trip through the metadata.
+  c = MhaConfig{};
+  c.embed_dim = 8, c.num_heads = 2, c.num_kv_heads = 1, c.head_dim_override = 6;
+  out.push_back({"pruned", c});
   return out;
 }
 
@@ -213,6 +218,11 @@ TEST(WeightsIo, ConfigFromMetadataNamesTheKeyAndValue) {
   EXPECT_ERROR_MENTIONS(config_from_metadata(with("num_heads", "3"), "w.st"), "w.st", "3");
   EXPECT_ERROR_MENTIONS(config_from_metadata(with("num_kv_heads", "-1"), "w.st"), "w.st");
   EXPECT_ERROR_MENTIONS(config_from_metadata(with("dropout", "1.5"), "w.st"), "w.st");
+  EXPECT_ERROR_MENTIONS(config_from_metadata(with("head_dim", "four"), "w.st"), "'head_dim'", "'four'");
+  // 8 is not divisible by 3 heads, but with an explicit head dim it is a valid (pruned) module.
+  auto pruned = with("num_heads", "3");
+  pruned["head_dim"] = "2";
+  EXPECT_EQ(config_from_metadata(pruned, "w.st").head_dim(), 2);
 
   const auto m = config_from_metadata(with("batch_first", "True"), "w.st");
   EXPECT_EQ(m.layout, Layout::BatchFirst);

@@ -37,14 +37,23 @@ bool parse_bool(const std::string& label, const std::string& key, const std::str
   fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not true or false");
 }
 
-float parse_float(const std::string& label, const std::string& key, const std::string& value) {
-  float out = 0;
+template <class T>
+T parse_real(const std::string& label, const std::string& key, const std::string& value) {
+  T out = 0;
   const char* first = value.data();
   const char* last = first + value.size();
   const auto [ptr, ec] = std::from_chars(first, last, out);
   if (ec != std::errc() || ptr != last || value.empty())
     fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not a number");
   return out;
+}
+
+/// The shortest decimal form that reads back as exactly `v`.
+template <class T>
+std::string shortest(T v) {
+  char buf[64];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, ec == std::errc() ? end : buf);
 }
 
 // ---- tensor names ------------------------------------------------------------------------------
@@ -150,7 +159,8 @@ MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadat
   if (const auto* v = find_key(metadata, "add_zero_attn")) c.add_zero_attn = parse_bool(label, "add_zero_attn", *v);
   if (const auto* v = find_key(metadata, "batch_first"))
     c.layout = parse_bool(label, "batch_first", *v) ? Layout::BatchFirst : Layout::SeqFirst;
-  if (const auto* v = find_key(metadata, "dropout")) c.dropout = parse_float(label, "dropout", *v);
+  if (const auto* v = find_key(metadata, "dropout")) c.dropout = parse_real<float>(label, "dropout", *v);
+  if (const auto* v = find_key(metadata, "head_dim")) c.head_dim_override = parse_int(label, "head_dim", *v);
   try {
     c.validate();
   } catch (const Error& e) {
@@ -174,11 +184,8 @@ std::map<std::string, std::string> metadata_from_config(const MhaConfig& config)
   };
   // Written only when they differ from the default, as in the conformance cases.
   if (config.kv_heads() != config.num_heads) m["num_kv_heads"] = std::to_string(config.kv_heads());
-  if (config.dropout != 0.0f) {
-    char buf[32];
-    const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, config.dropout);  // shortest exact form
-    m["dropout"] = std::string(buf, ec == std::errc() ? end : buf);
-  }
+  if (config.dropout != 0.0f) m["dropout"] = shortest(config.dropout);
+  if (config.head_dim_override > 0) m["head_dim"] = std::to_string(config.head_dim());
   return m;
 }
 
