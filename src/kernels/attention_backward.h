@@ -1,0 +1,42 @@
+// kernels/attention_backward.h — the kernel-level interface of the SDPA backward pass.
+//
+// Forward (per query row i, head h, K/V head g = h / group):
+//   s_j  = scale · q_i·k_j + add_ij          (hidden keys: s_j = −inf)
+//   p_j  = exp(s_j − lse_i)                   lse_i = log Σ_j exp(s_j)
+//   p̃_j  = p_j · keep_ij / (1 − p_drop)       (p̃ = p without dropout)
+//   o_i  = Σ_j p̃_j v_j
+// Backward, given do_i = ∂L/∂o_i:
+//   dv_j += p̃_j do_i            dp̃_j = do_i·v_j         dp_j = dp̃_j · keep_ij / (1 − p_drop)
+//   D_i   = Σ_j p_j dp_j = do_i·o_i
+//   ds_j  = p_j (dp_j − D_i)    dq_i = scale Σ_j ds_j k_j     dk_j += scale ds_j q_i
+// Same masks, broadcast rules and workspace conventions as kernels/attention.h.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "kernels/attention.h"
+
+namespace mha::kernels {
+
+struct SdpaBackwardParams {
+  SdpaParams fwd;           // q, k, v, scale, masks, dropout, threads (fwd.out/weights/lse unused)
+  View4<const float> out;   // (B, h, T_q, d_v): the forward's output
+  View4<const float> dout;  // (B, h, T_q, d_v)
+  View4<const float> lse;   // (B, h, T_q, 1)
+  View4<float> dq;          // (B, h, T_q, d)
+  View4<float> dk;          // (B, kv, T_k, d)
+  View4<float> dv;          // (B, kv, T_k, d_v)
+};
+
+// ---- the reference oracle: plain loops, double accumulation, single-threaded ----------------
+/// Recomputes each row's softmax in double (reads neither out nor lse).
+size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p);
+void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace);
+
+// ---- the fused kernel: blocks of queries × keys, P recomputed from the saved lse -------------
+bool fused_backward_supports(const SdpaBackwardParams& p, std::string* why);
+size_t fused_backward_workspace_floats(const SdpaBackwardParams& p);
+void sdpa_backward_fused(const SdpaBackwardParams& p, float* workspace);
+
+}  // namespace mha::kernels

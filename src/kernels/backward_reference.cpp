@@ -1,0 +1,106 @@
+// kernels/backward_reference.cpp — the readable oracle for the SDPA backward pass.
+//
+// Shapes: Q (B, h, T_q, d), K (B, kv, T_k, d), V (B, kv, T_k, d_v), dO (B, h, T_q, d_v);
+// dQ like Q, dK like K, dV like V. Workspace (doubles): T_k probabilities, T_k dp, and one
+// K/V-head's dK (T_k, d) and dV (T_k, d_v) accumulators.
+//
+// One K/V head at a time: its dK/dV accumulate in double over every query row of every query head
+// of its group (SEMANTICS 6), then are rounded once. Each row's softmax is recomputed from scratch
+// in double exactly as kernels/reference.cpp forms it, so this path needs neither out nor lse and
+// stays independent of the kernel it checks. Steps cite the forward lines (reference.cpp) they
+// differentiate.
+#include <cmath>
+#include <limits>
+
+#include "kernels/attention_backward.h"
+#include "kernels/dropout_rng.h"
+
+namespace mha::kernels {
+
+size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
+  const SdpaParams& f = p.fwd;
+  return static_cast<size_t>(f.t_k() * (2 + f.d() + f.d_v()));
+}
+
+void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
+  const SdpaParams& f = p.fwd;
+  const int64_t B = f.batch(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d(), Dv = f.d_v();
+  const int64_t group = f.group();
+  const int64_t causal_offset = f.masks.causal.offset_for(Tq, Tk);
+  const double keep_scale = f.dropout.active() ? 1.0 / (1.0 - static_cast<double>(f.dropout.p)) : 1.0;
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  double* prob = workspace;          // (T_k): p_j of the current row, before dropout
+  double* dprob = prob + Tk;         // (T_k): dp_j = ∂L/∂p_j
+  double* dk_acc = dprob + Tk;       // (T_k, d)
+  double* dv_acc = dk_acc + Tk * D;  // (T_k, d_v)
+
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < KV; ++g) {
+      for (int64_t x = 0; x < Tk * D; ++x) dk_acc[x] = 0.0;
+      for (int64_t x = 0; x < Tk * Dv; ++x) dv_acc[x] = 0.0;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = 0; i < Tq; ++i) {
+          // Recompute forward step 1 (scores: scale · q·k + additive terms, hidden keys −inf)
+          // and step 3 (softmax with the maximum subtracted), in double.
+          double row_max = kNegInf;
+          for (int64_t j = 0; j < Tk; ++j) {
+            prob[j] = kNegInf;
+            if (key_hidden(f, b, h, i, j, causal_offset)) continue;
+            double dot = 0.0;
+            for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(f.q(b, h, i, c)) * f.k(b, g, j, c);
+            prob[j] = static_cast<double>(f.scale) * dot + additive_terms(f, b, h, i, j);
+            row_max = std::max(row_max, prob[j]);
+          }
+          // Forward step 2: a row with no visible key gave out = 0, a constant: its gradient is 0.
+          if (row_max == kNegInf) {
+            for (int64_t c = 0; c < D; ++c) p.dq(b, h, i, c) = 0.0f;
+            continue;
+          }
+          double sum = 0.0;
+          for (int64_t j = 0; j < Tk; ++j)
+            if (prob[j] != kNegInf) sum += std::exp(prob[j] - row_max);
+          for (int64_t j = 0; j < Tk; ++j) prob[j] = prob[j] == kNegInf ? 0.0 : std::exp(prob[j] - row_max) / sum;
+
+          // Forward step 4: out_i = Σ_j p̃_j v_j with p̃_j = p_j · keep_ij · keep_scale. So
+          //   dv_j += p̃_j · do_i      and      dp_j = keep_ij · keep_scale · (do_i · v_j).
+          // Masked keys (p_j = 0) are skipped: their V rows are never read, as in the forward.
+          double row_dot = 0.0;  // D_i = Σ_j p_j dp_j
+          for (int64_t j = 0; j < Tk; ++j) {
+            dprob[j] = 0.0;
+            if (prob[j] == 0.0) continue;
+            double factor = keep_scale;
+            if (f.dropout.active() && !dropout_keep(f.dropout.seed, f.dropout.p, b, h, i, j)) factor = 0.0;
+            if (factor == 0.0) continue;
+            double dot = 0.0;
+            for (int64_t c = 0; c < Dv; ++c) {
+              const double d_o = p.dout(b, h, i, c);
+              dot += d_o * f.v(b, g, j, c);
+              dv_acc[j * Dv + c] += prob[j] * factor * d_o;
+            }
+            dprob[j] = factor * dot;
+            row_dot += prob[j] * dprob[j];
+          }
+          // Softmax (step 3): p_j = exp(s_j) / Σ_k exp(s_k)  ⇒  ds_j = p_j (dp_j − Σ_k p_k dp_k).
+          // Step 1: s_j = scale · q_i·k_j + add  ⇒  dq_i = scale Σ_j ds_j k_j,  dk_j += scale ds_j q_i.
+          for (int64_t c = 0; c < D; ++c) {
+            double acc = 0.0;
+            for (int64_t j = 0; j < Tk; ++j)
+              if (prob[j] != 0.0) acc += prob[j] * (dprob[j] - row_dot) * f.k(b, g, j, c);
+            p.dq(b, h, i, c) = static_cast<float>(static_cast<double>(f.scale) * acc);
+          }
+          for (int64_t j = 0; j < Tk; ++j) {
+            if (prob[j] == 0.0) continue;
+            const double ds = static_cast<double>(f.scale) * prob[j] * (dprob[j] - row_dot);
+            for (int64_t c = 0; c < D; ++c) dk_acc[j * D + c] += ds * f.q(b, h, i, c);
+          }
+        }
+      }
+      for (int64_t j = 0; j < Tk; ++j) {
+        for (int64_t c = 0; c < D; ++c) p.dk(b, g, j, c) = static_cast<float>(dk_acc[j * D + c]);
+        for (int64_t c = 0; c < Dv; ++c) p.dv(b, g, j, c) = static_cast<float>(dv_acc[j * Dv + c]);
+      }
+    }
+  }
+}
+
+}  // namespace mha::kernels

@@ -1,0 +1,127 @@
+// layers/sdpa_backward.cpp — the public SDPA backward entry point: validate once (with the
+// forward's own checks), broadcast the masks, pick a kernel, carve its workspace.
+#include <cmath>
+#include <vector>
+
+#include "kernels/attention_backward.h"
+#include "mha/training.h"
+
+namespace mha {
+
+namespace {
+
+constexpr const char* kBwd = "sdpa_backward";
+
+std::string view_shape(const auto& v) { return shape_str(v.shape_vec()); }
+
+/// Stride 0 along the dimensions where an (already validated) mask view has extent 1.
+template <class T>
+View4<T> broadcast(View4<T> view, const std::array<int64_t, 4>& full) {
+  if (view.empty()) return view;
+  for (size_t a = 0; a < 4; ++a)
+    if (view.shape[a] != full[a]) view.stride[a] = 0, view.shape[a] = full[a];
+  return view;
+}
+
+void check_grad_view(const View4<float>& got, const Shape& want, const char* name) {
+  if (shape_numel(want) != 0 && got.empty()) fail(kBwd, ": the gradient view ", name, " is required");
+  if (got.shape_vec() != want) fail(kBwd, ": ", name, " has shape ", view_shape(got), ", expected ", shape_str(want));
+}
+
+kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float> k, View4<const float> v,
+                                        View4<const float> out, View4<const float> d_out, View4<const float> lse,
+                                        const SdpaOptions& opt, const SdpaGrads& grads) {
+  // The forward's checks cover q, k, v, masks, dropout and the shapes of out and lse; they only
+  // read the views' shapes, so the const views are passed through a non-const view type here.
+  SdpaOutputs shapes;
+  shapes.out = {const_cast<float*>(out.data), out.shape, out.stride};
+  shapes.lse = {const_cast<float*>(lse.data), lse.shape, lse.stride};
+  check_sdpa_args(q, k, v, opt, shapes);
+  const Shape want_out{q.shape[0], q.shape[1], q.shape[2], v.shape[3]};
+  if (shape_numel(want_out) != 0 && lse.empty())
+    fail(kBwd, ": lse (B, h, T_q, 1) from the forward is required, expected ",
+         shape_str({q.shape[0], q.shape[1], q.shape[2], 1}));
+  if (d_out.shape_vec() != want_out || (d_out.empty() && shape_numel(want_out) != 0))
+    fail(kBwd, ": d_out has shape ", view_shape(d_out), ", expected ", shape_str(want_out));
+  check_grad_view(grads.dq, q.shape_vec(), "dq");
+  check_grad_view(grads.dk, k.shape_vec(), "dk");
+  check_grad_view(grads.dv, v.shape_vec(), "dv");
+
+  kernels::SdpaBackwardParams p;
+  kernels::SdpaParams& f = p.fwd;
+  f.q = q, f.k = k, f.v = v;
+  f.scale = opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(q.shape[3]));
+  const std::array<int64_t, 4> full{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
+  const std::array<int64_t, 4> per_key{q.shape[0], 1, 1, k.shape[2]};
+  f.masks.causal = opt.masks.causal;
+  f.masks.allowed.view = broadcast(opt.masks.allowed.view, full);
+  f.masks.bias.view = broadcast(opt.masks.bias.view, full);
+  f.masks.key_padding.view = broadcast(opt.masks.key_padding.view, per_key);
+  f.masks.key_bias.view = broadcast(opt.masks.key_bias.view, per_key);
+  f.dropout = opt.dropout;
+  f.threads = opt.threads > 0 ? opt.threads : num_threads();
+  p.out = out, p.dout = d_out, p.lse = lse;
+  p.dq = grads.dq, p.dk = grads.dk, p.dv = grads.dv;
+  return p;
+}
+
+bool use_fused(const kernels::SdpaBackwardParams& p, Backend backend, std::string* why) {
+  if (backend == Backend::Reference) {
+    if (why) *why = "reference: requested";
+    return false;
+  }
+  std::string reason;
+  const bool ok = kernels::fused_backward_supports(p, &reason);
+  if (backend == Backend::Fused && !ok) fail(kBwd, ": Backend::Fused was requested but ", reason);
+  if (why) *why = ok ? "fused: supported" : "reference: " + reason;
+  return ok;
+}
+
+}  // namespace
+
+void sdpa_backward(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
+                   View4<const float> d_out, View4<const float> lse, const SdpaOptions& opt, const SdpaGrads& grads) {
+  const kernels::SdpaBackwardParams p = make_params(q, k, v, out, d_out, lse, opt, grads);
+  if (use_fused(p, opt.backend, nullptr)) {
+    std::vector<float> workspace(kernels::fused_backward_workspace_floats(p));
+    kernels::sdpa_backward_fused(p, workspace.data());
+  } else {
+    std::vector<double> workspace(kernels::reference_backward_workspace_doubles(p));
+    kernels::sdpa_backward_reference(p, workspace.data());
+  }
+}
+
+std::string sdpa_backward_dispatch_reason(View4<const float> q, View4<const float> k, View4<const float> v,
+                                          const SdpaOptions& opt) {
+  // Shapes only: contiguous views of the right extents stand in for out, lse and the gradients
+  // (never dereferenced: no kernel runs).
+  const int64_t B = q.shape[0], H = q.shape[1], Tq = q.shape[2], Dv = v.shape[3];
+  float dummy = 0.0f;
+  const View4<float> o = contiguous_view(&dummy, B, H, Tq, Dv), l = contiguous_view(&dummy, B, H, Tq, int64_t{1});
+  const auto like = [&](const View4<const float>& x) {
+    return contiguous_view(&dummy, x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+  };
+  const SdpaGrads g{like(q), like(k), like(v)};
+  const kernels::SdpaBackwardParams p = make_params(q, k, v, o, o, l, opt, g);
+  std::string why;
+  use_fused(p, opt.backend, &why);
+  return why;
+}
+
+SdpaGradTensors sdpa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& d_out,
+                              const Tensor& lse, const SdpaOptions& opt) {
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || out.dim() != 4 || d_out.dim() != 4)
+    fail(kBwd, ": q, k, v, out and d_out must be 4-D (B, h, T, d); got ", shape_str(q.shape()), ", ",
+         shape_str(k.shape()), ", ", shape_str(v.shape()), ", ", shape_str(out.shape()), ", ",
+         shape_str(d_out.shape()));
+  const Shape want_lse{q.size(0), q.size(1), q.size(2)};
+  if (lse.shape() != want_lse)
+    fail(kBwd, ": lse has shape ", shape_str(lse.shape()), ", expected ", shape_str(want_lse), " (B, h, T_q)");
+  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape())};
+  const View4<const float> lse_view = contiguous_view(lse.data(), want_lse[0], want_lse[1], want_lse[2], int64_t{1});
+  sdpa_backward(q.view4(), k.view4(), v.view4(), out.view4(), d_out.view4(), lse_view, opt,
+                {g.dq.view4(), g.dk.view4(), g.dv.view4()});
+  return g;
+}
+
+}  // namespace mha
