@@ -132,6 +132,11 @@ void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const flo
 void sdpa(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
           const SdpaOutputs& outputs);
 
+/// bfloat16 inputs: Q/K/V stored as bf16, products accumulated and the softmax computed in
+/// float32, float32 outputs. Same shapes, masks and promises as the float32 form.
+void sdpa(View4<const bf16> q, View4<const bf16> k, View4<const bf16> v, const SdpaOptions& opt,
+          const SdpaOutputs& outputs);
+
 /// Owning convenience form: Q (B, h, T_q, d), K/V (B, kv, T_k, ·) as tensors.
 struct SdpaResult {
   Tensor out;      ///< (B, h, T_q, d_v)

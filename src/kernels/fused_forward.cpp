@@ -1,14 +1,592 @@
-// kernels/fused_forward.cpp — placeholder until the fused kernel lands: Auto falls back to the
-// reference and says why.
+// kernels/fused_forward.cpp — the fused FlashAttention-style forward kernel (float32 and bfloat16
+// inputs), SIMD through Google Highway with one dynamic dispatch per call.
+//
+// Shapes: Q (B, h, T_q, d), K (B, kv, T_k, d), V (B, kv, T_k, d_v), out (B, h, T_q, d_v),
+// lse (B, h, T_q, 1); query head i reads K/V head i / group (group = h / kv).
+//
+// Blocking and memory traffic. The work items are (batch, kv-head, block of kBq = 64 queries),
+// dealt round-robin to OpenMP threads (static schedule, chunk 1, which also balances the
+// triangular causal work). One item owns the Q rows of every query head of its group, and per
+// head a running max m, running sum l and an output accumulator O (kBq × d_v, float32) in the
+// thread's scratch. It walks the keys in blocks of kBk = 64: each K/V block is read from memory
+// once per item, packed into scratch — K transposed (d × kBk) so that S = Q·Kᵀ loads contiguous
+// key vectors, V as contiguous rows (kBk × d_v) — and then used by all `group` query heads.
+// For each head: S (kBq × kBk, ~16 KiB, stays in L1/L2) = scale·Q·Kᵀ + masks; online softmax
+// (m' = max(m, rowmax S), P = exp(S − m'), l = l·e^{m−m'} + ΣP); O = e^{m−m'}·O + P·V. Both
+// products are register-blocked micro-GEMMs (kMR rows × kNV vectors of accumulators). So K and V
+// are streamed from memory T_q / kBq times per kv-head (not once per query head), Q and O once;
+// nothing of size T_q × T_k exists. Causal masks limit each item to the keys that some row of
+// the block can see (≈ half the blocks skipped); only blocks that straddle the diagonal or the
+// window edge, or any block when a per-element mask is given, are masked element by element with
+// key_hidden(), the rule the reference uses. Padded keys (and keys whose key_bias is −inf) are
+// packed as zeros without reading K or V, and their scores are −inf.
+//
+// bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
+// multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
+// itself, m, l and O stay float32). Elsewhere bf16 inputs are widened to float32 when packed.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
 #include "kernels/attention.h"
+#include "kernels/dropout_rng.h"
+#include "kernels/fused_forward.h"
 
-namespace mha::kernels {
+#ifndef MHA_FUSED_FORWARD_ONCE
+#define MHA_FUSED_FORWARD_ONCE
+namespace mha::kernels::fused {
 
-bool fused_supports(const SdpaParams&, std::string* why) {
-  if (why) *why = "the fused kernel is not built in this version";
-  return false;
+constexpr int64_t kBq = 64;        // query rows per work item
+constexpr int64_t kBk = 64;        // keys per K/V block (a multiple of every target's tile width)
+constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512)
+constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any target
+constexpr int64_t kRowsPad = kBq + kMaxMR;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/// Offsets (in floats) of one thread's scratch regions; every region starts 64-byte aligned.
+struct Layout {
+  int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, total = 0;
+  int64_t ldq = 0;  // floats between Q rows (d rounded to even)
+  int64_t ldv = 0;  // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
+};
+
+inline Layout layout_for(const SdpaParams& p) {
+  Layout L;
+  const int64_t group = p.group();
+  L.ldq = round_up(p.d(), 2);
+  L.ldv = round_up(p.d_v(), kMaxLanes);
+  int64_t off = 0;
+  auto take = [&off](int64_t floats) {
+    const int64_t at = off;
+    off += round_up(floats, 16);
+    return at;
+  };
+  L.q = take(group * kRowsPad * L.ldq);
+  L.kt = take(L.ldq * kBk);
+  L.v = take(kBk * L.ldv);
+  L.s = take(kRowsPad * kBk);
+  L.p2 = take(kRowsPad * kBk / 2);
+  L.o = take(group * kRowsPad * L.ldv);
+  L.m = take(group * kRowsPad);
+  L.l = take(group * kRowsPad);
+  L.alpha = take(kRowsPad);
+  L.kb = take(kBk);
+  L.total = off;
+  return L;
 }
-size_t fused_workspace_floats(const SdpaParams&) { return 0; }
-void sdpa_fused(const SdpaParams&, float*) {}
+
+inline float* align64(float* p) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  return reinterpret_cast<float*>((addr + 63) & ~uintptr_t{63});
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return to_float(x); }
+
+/// Two bf16 values as one 32-bit word, `lo` in the low half (the first in memory).
+inline uint32_t bf16_pair(bf16 lo, bf16 hi) { return uint32_t{lo.bits} | (uint32_t{hi.bits} << 16); }
+
+inline bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+/// Everything a work item needs, computed once per call.
+template <class T>
+struct Ctx {
+  const SdpaParams* p = nullptr;
+  View4<const T> q, k, v;
+  Layout L;
+  int64_t causal_offset = 0;
+  int64_t q_blocks = 0;
+  float keep_scale = 1.0f;
+};
+
+}  // namespace mha::kernels::fused
+#endif  // MHA_FUSED_FORWARD_ONCE
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/fused_forward.cpp"
+// SSSE3 adds nothing over SSE4 for this kernel; the portable baseline is EMU128.
+#define HWY_DISABLED_TARGETS HWY_SSSE3
+// AVX3_DL (Ice Lake / Zen 4 class) is where the bf16 dot product lives.
+#define HWY_WANT_AVX3_DL
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+#if HWY_TARGET == HWY_AVX3_DL
+#include <immintrin.h>
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::fused {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int kMR = 6;  // register tile: 6 rows × 4 vectors = 24 of the 32 registers
+constexpr int kNV = 4;
+#else
+constexpr int kMR = 4;  // 4 rows × 2 vectors, leaves room in 16 registers
+constexpr int kNV = 2;
+#endif
+static_assert(kMR <= kMaxMR);
+
+inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
+
+// ---- S = Q·Kᵀ (float32) --------------------------------------------------------------------
+// q: kMR rows of d floats, ld ldq; kt: d rows of kBk keys; s: kMR rows of kBk.
+template <int NV>
+HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT kt, int64_t d,
+                           float* HWY_RESTRICT s) {
+  const DF df;
+  const int64_t N = lanes();
+  VF acc[kMR][NV];
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(df);
+  for (int64_t c = 0; c < d; ++c) {
+    VF kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = hn::LoadU(df, kt + c * kBk + v * N);
+    for (int r = 0; r < kMR; ++r) {
+      const VF qv = hn::Set(df, q[r * ldq + c]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(qv, kv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, s + r * kBk + v * N);
+}
+
+template <int NV>
+HWY_INLINE void score_rest(int64_t rest, const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
+  if constexpr (NV > 0) {
+    if (rest == NV) return score_tile<NV>(q, ldq, kt, d, s);
+    score_rest<NV - 1>(rest, q, ldq, kt, d, s);
+  }
+}
+
+void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s) {
+  const int64_t N = lanes();
+  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+    int64_t v0 = 0;
+    for (; v0 + kNV <= nvec; v0 += kNV) score_tile<kNV>(q + r0 * ldq, ldq, kt + v0 * N, d, s + r0 * kBk + v0 * N);
+    score_rest<kNV - 1>(nvec - v0, q + r0 * ldq, ldq, kt + v0 * N, d, s + r0 * kBk + v0 * N);
+  }
+}
+
+// ---- O = alpha·O + P·V (float32) -----------------------------------------------------------
+// p: kMR rows of kBk probabilities; vp: nk rows of ldv; o: kMR rows of ldv.
+template <int NV>
+HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT alpha, const float* HWY_RESTRICT vp,
+                         int64_t ldv, int64_t nk, float* HWY_RESTRICT o) {
+  const DF df;
+  const int64_t N = lanes();
+  VF acc[kMR][NV];
+  for (int r = 0; r < kMR; ++r) {
+    const VF a = hn::Set(df, alpha[r]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = hn::Mul(hn::LoadU(df, o + r * ldv + v * N), a);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    VF vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = hn::LoadU(df, vp + j * ldv + v * N);
+    for (int r = 0; r < kMR; ++r) {
+      const VF pv = hn::Set(df, p[r * kBk + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(pv, vv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, o + r * ldv + v * N);
+}
+
+template <int NV>
+HWY_INLINE void out_rest(int64_t rest, const float* p, const float* alpha, const float* vp, int64_t ldv, int64_t nk,
+                         float* o) {
+  if constexpr (NV > 0) {
+    if (rest == NV) return out_tile<NV>(p, alpha, vp, ldv, nk, o);
+    out_rest<NV - 1>(rest, p, alpha, vp, ldv, nk, o);
+  }
+}
+
+void out_block(const float* p, const float* alpha, int64_t rows, const float* vp, int64_t ldv, int64_t nk,
+               int64_t nvec_o, float* o) {
+  const int64_t N = lanes();
+  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+    int64_t v0 = 0;
+    for (; v0 + kNV <= nvec_o; v0 += kNV)
+      out_tile<kNV>(p + r0 * kBk, alpha + r0, vp + v0 * N, ldv, nk, o + r0 * ldv + v0 * N);
+    out_rest<kNV - 1>(nvec_o - v0, p + r0 * kBk, alpha + r0, vp + v0 * N, ldv, nk, o + r0 * ldv + v0 * N);
+  }
+}
+
+// ---- the bf16 dot-product path (AVX3_DL with AVX512_BF16 only) ------------------------------
+// Operands are bf16 pairs in 32-bit words: q2 (rows × ⌈d/2⌉), kt2 (⌈d/2⌉ × kBk keys), p2 (rows ×
+// kBk/2 key pairs), v2 (⌈nk/2⌉ key pairs × ldv). vdpbf16ps adds both products of a pair to a lane.
+#if HWY_TARGET == HWY_AVX3_DL
+#define MHA_BF16_DOT __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,fma,avx2")))
+
+template <int NV>
+MHA_BF16_DOT inline void score_tile_dp(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t d2, float* s) {
+  __m512 acc[kMR][NV];
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d2; ++c) {
+    __m512i kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_si512(kt2 + c * kBk + v * 16);
+    for (int r = 0; r < kMR; ++r) {
+      const __m512i qv = _mm512_set1_epi32(static_cast<int>(q2[r * ldq2 + c]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)qv, (__m512bh)kv[v]);
+    }
+  }
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * kBk + v * 16, acc[r][v]);
+}
+
+MHA_BF16_DOT HWY_NOINLINE void score_block_dp(const uint32_t* q2, int64_t ldq2, int64_t rows, int64_t d2,
+                                              const uint32_t* kt2, int64_t nvec, float* s) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+    const uint32_t* qr = q2 + r0 * ldq2;
+    float* sr = s + r0 * kBk;
+    switch (nvec) {
+      case 1:
+        score_tile_dp<1>(qr, ldq2, kt2, d2, sr);
+        break;
+      case 2:
+        score_tile_dp<2>(qr, ldq2, kt2, d2, sr);
+        break;
+      case 3:
+        score_tile_dp<3>(qr, ldq2, kt2, d2, sr);
+        break;
+      default:
+        score_tile_dp<4>(qr, ldq2, kt2, d2, sr);
+        break;
+    }
+  }
+}
+
+template <int NV>
+MHA_BF16_DOT inline void out_tile_dp(const uint32_t* p2, const float* alpha, const uint32_t* v2, int64_t ldv,
+                                     int64_t n2, float* o) {
+  __m512 acc[kMR][NV];
+  for (int r = 0; r < kMR; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldv + v * 16), a);
+  }
+  for (int64_t j2 = 0; j2 < n2; ++j2) {
+    __m512i vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_si512(v2 + j2 * ldv + v * 16);
+    for (int r = 0; r < kMR; ++r) {
+      const __m512i pv = _mm512_set1_epi32(static_cast<int>(p2[r * (kBk / 2) + j2]));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)pv, (__m512bh)vv[v]);
+    }
+  }
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ldv + v * 16, acc[r][v]);
+}
+
+MHA_BF16_DOT HWY_NOINLINE void out_block_dp(const float* s, uint32_t* p2, const float* alpha, int64_t rows,
+                                            const uint32_t* v2, int64_t ldv, int64_t nk, int64_t nvec_o, float* o) {
+  // P rounded to bf16 (nearest even), consecutive keys paired: word j2 = (p[2·j2], p[2·j2+1]).
+  const int64_t n2 = (nk + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < (nk + 31) / 32; ++c) {
+      const __m512 lo = _mm512_loadu_ps(s + r * kBk + 32 * c), hi = _mm512_loadu_ps(s + r * kBk + 32 * c + 16);
+      _mm512_storeu_si512(p2 + r * (kBk / 2) + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+    int64_t v0 = 0;
+    const uint32_t* pr = p2 + r0 * (kBk / 2);
+    for (; v0 + 4 <= nvec_o; v0 += 4) out_tile_dp<4>(pr, alpha + r0, v2 + v0 * 16, ldv, n2, o + r0 * ldv + v0 * 16);
+    switch (nvec_o - v0) {
+      case 1:
+        out_tile_dp<1>(pr, alpha + r0, v2 + v0 * 16, ldv, n2, o + r0 * ldv + v0 * 16);
+        break;
+      case 2:
+        out_tile_dp<2>(pr, alpha + r0, v2 + v0 * 16, ldv, n2, o + r0 * ldv + v0 * 16);
+        break;
+      case 3:
+        out_tile_dp<3>(pr, alpha + r0, v2 + v0 * 16, ldv, n2, o + r0 * ldv + v0 * 16);
+        break;
+      default:
+        break;
+    }
+  }
+}
+constexpr bool kHaveDot = true;
+#else
+// Never called: the dot-product path is chosen on AVX3_DL only.
+inline void score_block_dp(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
+inline void out_block_dp(const float*, uint32_t*, const float*, int64_t, const uint32_t*, int64_t, int64_t, int64_t,
+                         float*) {}
+constexpr bool kHaveDot = false;
+#endif
+
+// ---- online softmax over one block of scores ------------------------------------------------
+// Turns S (rows × kBk, raw dot products) into the unnormalised, dropout-masked probabilities and
+// updates m, l and alpha (the factor O must be rescaled by) for the rows < nq.
+template <class T>
+void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t rows, int64_t j0, int64_t nk,
+                   bool elementwise, float* s, const float* kb, float* m, float* l, float* alpha) {
+  const SdpaParams& p = *cx.p;
+  const DF df;
+  const int64_t N = lanes(), nvec = (nk + N - 1) / N;
+  const VF vscale = hn::Set(df, p.scale);
+  for (int64_t r = 0; r < nq; ++r) {
+    float* row = s + r * kBk;
+    const int64_t i = i0 + r;
+    for (int64_t v = 0; v < nvec; ++v)
+      hn::StoreU(hn::MulAdd(hn::LoadU(df, row + v * N), vscale, hn::LoadU(df, kb + v * N)), df, row + v * N);
+    if (elementwise) {
+      const bool has_bias = !p.masks.bias.view.empty();
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        if (row[jj] == kNegInf) continue;  // padding or key_bias −inf: decided at packing
+        if (key_hidden(p, b, h, i, j0 + jj, cx.causal_offset))
+          row[jj] = kNegInf;
+        else if (has_bias)
+          row[jj] += p.masks.bias.view(b, h, i, j0 + jj);
+      }
+    }
+    VF vmax = hn::Set(df, kNegInf);
+    for (int64_t v = 0; v < nvec; ++v) vmax = hn::Max(vmax, hn::LoadU(df, row + v * N));
+    const float m_old = m[r];
+    const float m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(df, vmax)));
+    // With nothing visible yet, m stays −inf; subtracting 0 instead keeps exp(−inf − m) = 0, not NaN.
+    const float m_use = m_new == kNegInf ? 0.0f : m_new;
+    alpha[r] = std::exp(m_old - m_use);
+    const VF vm = hn::Set(df, m_use);
+    VF vsum = hn::Zero(df);
+    for (int64_t v = 0; v < nvec; ++v) {
+      const VF e = hn::Exp(df, hn::Sub(hn::LoadU(df, row + v * N), vm));
+      vsum = hn::Add(vsum, e);
+      hn::StoreU(e, df, row + v * N);
+    }
+    l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, vsum));
+    m[r] = m_new;
+    // Dropout acts on the normalised probabilities; l (the normaliser) keeps every term.
+    if (p.dropout.active())
+      for (int64_t jj = 0; jj < nk; ++jj)
+        if (row[jj] != 0.0f && !dropout_keep(p.dropout.seed, p.dropout.p, b, h, i, j0 + jj)) row[jj] = 0.0f;
+  }
+  // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
+  for (int64_t r = nq; r < rows; ++r) {
+    std::memset(s + r * kBk, 0, sizeof(float) * static_cast<size_t>(kBk));
+    alpha[r] = 0.0f;
+  }
+}
+
+// ---- one work item: (batch b, kv-head g, query block) for every query head of the group ------
+template <class T, bool kDot>
+HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
+  const SdpaParams& p = *cx.p;
+  const Layout& L = cx.L;
+  const int64_t KV = p.kv_heads(), group = p.group(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
+  const int64_t qb = item % cx.q_blocks, g = (item / cx.q_blocks) % KV, b = item / (cx.q_blocks * KV);
+  const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kMR);
+  const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
+  const int64_t ldv = L.ldv, off = cx.causal_offset, window = p.masks.causal.window;
+  const bool causal = p.masks.causal.enabled();
+  const bool per_element_masks = !p.masks.allowed.view.empty() || !p.masks.bias.view.empty();
+  const bool has_pad = !p.masks.key_padding.view.empty(), has_kbias = !p.masks.key_bias.view.empty();
+  float* const qp = ws + L.q;
+  float* const kt = ws + L.kt;
+  float* const vp = ws + L.v;
+  float* const s = ws + L.s;
+  float* const o = ws + L.o;
+  float* const kb = ws + L.kb;
+  auto* const q2 = reinterpret_cast<uint32_t*>(qp);
+  auto* const kt2 = reinterpret_cast<uint32_t*>(kt);
+  auto* const v2 = reinterpret_cast<uint32_t*>(vp);
+  auto* const p2 = reinterpret_cast<uint32_t*>(ws + L.p2);
+
+  // Q of every head of the group, rows ≥ nq zero.
+  for (int64_t hh = 0; hh < group; ++hh) {
+    const int64_t h = g * group + hh;
+    float* qh = qp + hh * kRowsPad * L.ldq;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r >= nq) {
+        std::memset(qh + r * L.ldq, 0, sizeof(float) * static_cast<size_t>(L.ldq));
+        continue;
+      }
+      const T* src = cx.q.row(b, h, i0 + r);
+      const int64_t qs = cx.q.stride[3];
+      if constexpr (kDot) {
+        uint32_t* dst = q2 + hh * kRowsPad * ldq2 + r * ldq2;
+        for (int64_t c = 0; c < d2; ++c)
+          dst[c] = bf16_pair(src[2 * c * qs], 2 * c + 1 < D ? src[(2 * c + 1) * qs] : bf16{});
+      } else {
+        for (int64_t c = 0; c < D; ++c) qh[r * L.ldq + c] = to_f32(src[c * qs]);
+      }
+    }
+    std::fill(ws + L.m + hh * kRowsPad, ws + L.m + (hh + 1) * kRowsPad, kNegInf);
+    std::fill(ws + L.l + hh * kRowsPad, ws + L.l + (hh + 1) * kRowsPad, 0.0f);
+    std::fill(o + hh * kRowsPad * ldv, o + (hh * kRowsPad + rows) * ldv, 0.0f);
+  }
+
+  // The keys some row of this block may see: (i0 + off − window, i_last + off] ∩ [0, T_k).
+  const int64_t i_last = i0 + nq - 1;
+  int64_t j_begin = 0, j_end = Tk;
+  if (causal) {
+    j_end = std::clamp<int64_t>(i_last + off + 1, 0, Tk);
+    if (window > 0) j_begin = std::clamp<int64_t>(i0 + off - window + 1, 0, Tk);
+  }
+  const int64_t ks = cx.k.stride[3], vs = cx.v.stride[3];
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
+    const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
+    // Key-only masks first: a padded key (or one with key_bias −inf) is never read.
+    for (int64_t jj = 0; jj < kBk; ++jj) {
+      float add = kNegInf;
+      if (jj < nk && !(has_pad && p.masks.key_padding.view(b, 0, 0, j0 + jj)))
+        add = has_kbias ? p.masks.key_bias.view(b, 0, 0, j0 + jj) : 0.0f;
+      kb[jj] = add;
+    }
+    if constexpr (kDot) {
+      const int64_t n2 = (nk + 1) / 2;
+      for (int64_t jj = 0; jj < kBk; ++jj) {
+        const T* src = kb[jj] != kNegInf ? cx.k.row(b, g, j0 + jj) : nullptr;
+        for (int64_t c = 0; c < d2; ++c)
+          kt2[c * kBk + jj] =
+              src ? bf16_pair(src[2 * c * ks], 2 * c + 1 < D ? src[(2 * c + 1) * ks] : bf16{}) : uint32_t{0};
+      }
+      for (int64_t j2 = 0; j2 < n2; ++j2) {
+        const T* lo = kb[2 * j2] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2) : nullptr;
+        const T* hi = 2 * j2 + 1 < nk && kb[2 * j2 + 1] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2 + 1) : nullptr;
+        uint32_t* dst = v2 + j2 * ldv;
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo ? lo[c * vs] : bf16{}, hi ? hi[c * vs] : bf16{});
+        std::fill(dst + Dv, dst + ldv, uint32_t{0});
+      }
+    } else {
+      for (int64_t jj = 0; jj < kBk; ++jj) {
+        const bool live = kb[jj] != kNegInf;
+        const T* src = live ? cx.k.row(b, g, j0 + jj) : nullptr;
+        for (int64_t c = 0; c < D; ++c) kt[c * kBk + jj] = live ? to_f32(src[c * ks]) : 0.0f;
+      }
+      for (int64_t jj = 0; jj < nk; ++jj) {
+        float* dst = vp + jj * ldv;
+        if (kb[jj] == kNegInf) {
+          std::fill(dst, dst + ldv, 0.0f);
+          continue;
+        }
+        const T* src = cx.v.row(b, g, j0 + jj);
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c * vs]);
+        std::fill(dst + Dv, dst + ldv, 0.0f);
+      }
+    }
+    // Blocks that straddle the causal diagonal or the window's lower edge are masked per element.
+    const bool partial = causal && (j0 + nk - 1 > i0 + off || (window > 0 && j0 <= i_last + off - window));
+    for (int64_t hh = 0; hh < group; ++hh) {
+      const int64_t h = g * group + hh;
+      float* oh = o + hh * kRowsPad * ldv;
+      float* alpha = ws + L.alpha;
+      if constexpr (kDot)
+        score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, kt2, nvec, s);
+      else
+        score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt, nvec, s);
+      softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
+                    ws + L.l + hh * kRowsPad, alpha);
+      if constexpr (kDot)
+        out_block_dp(s, p2, alpha, rows, v2, ldv, nk, nvec_o, oh);
+      else
+        out_block(s, alpha, rows, vp, ldv, nk, nvec_o, oh);
+    }
+  }
+
+  // Normalise and write out; a row that saw no key gives zeros and lse = −inf.
+  for (int64_t hh = 0; hh < group; ++hh) {
+    const int64_t h = g * group + hh;
+    const float* oh = o + hh * kRowsPad * ldv;
+    const float* m = ws + L.m + hh * kRowsPad;
+    const float* l = ws + L.l + hh * kRowsPad;
+    for (int64_t r = 0; r < nq; ++r) {
+      float* dst = p.out.row(b, h, i0 + r);
+      const int64_t os = p.out.stride[3];
+      const bool empty_row = l[r] == 0.0f;
+      const float inv = empty_row ? 0.0f : cx.keep_scale / l[r];
+      for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row ? 0.0f : oh[r * ldv + c] * inv;
+      if (!p.lse.empty()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
+    }
+  }
+}
+
+template <class T>
+void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T> v, float* workspace) {
+  Ctx<T> cx;
+  cx.p = &p;
+  cx.q = q;
+  cx.k = k;
+  cx.v = v;
+  cx.L = layout_for(p);
+  cx.causal_offset = p.masks.causal.offset_for(p.t_q(), p.t_k());
+  cx.q_blocks = (p.t_q() + kBq - 1) / kBq;
+  cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
+  const int64_t items = p.batch() * p.kv_heads() * cx.q_blocks;
+  if (items == 0) return;
+  constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
+  const bool dot = kMayDot && cpu_has_bf16_dot();
+  float* const base = align64(workspace);
+  const int threads = std::max(1, p.threads);
+  // Chunk 1: items are dealt round-robin, which evens out the triangular causal work. Every
+  // output row belongs to exactly one item, so the thread count cannot change any result.
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  for (int64_t it = 0; it < items; ++it) {
+    float* ws = base + omp_get_thread_num() * cx.L.total;
+    if (dot)
+      run_item<T, kMayDot>(cx, it, ws);
+    else
+      run_item<T, false>(cx, it, ws);
+  }
+}
+
+void fused_f32(const SdpaParams& p, float* workspace) { run<float>(p, p.q, p.k, p.v, workspace); }
+void fused_bf16(const SdpaParams& p, const Bf16Qkv& in, float* workspace) { run<bf16>(p, in.q, in.k, in.v, workspace); }
+int64_t dispatch_target() { return HWY_TARGET; }
+bool bf16_dot() { return kHaveDot && cpu_has_bf16_dot(); }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace mha::kernels::fused
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace mha::kernels {
+namespace fused {
+HWY_EXPORT(fused_f32);
+HWY_EXPORT(fused_bf16);
+HWY_EXPORT(dispatch_target);
+HWY_EXPORT(bf16_dot);
+}  // namespace fused
+
+bool fused_supports(const SdpaParams& p, std::string* why) {
+  if (!p.weights.empty()) {
+    if (why) *why = "attention weights were requested (the fused kernel never forms T_q x T_k)";
+    return false;
+  }
+  return true;
+}
+
+size_t fused_workspace_floats(const SdpaParams& p) {
+  const int64_t threads = std::max(1, p.threads);
+  return static_cast<size_t>(threads * fused::layout_for(p).total + 16);
+}
+
+void sdpa_fused(const SdpaParams& p, float* workspace) { HWY_DYNAMIC_DISPATCH(fused::fused_f32)(p, workspace); }
+
+void sdpa_fused_bf16(const SdpaParams& p, const Bf16Qkv& in, float* workspace) {
+  HWY_DYNAMIC_DISPATCH(fused::fused_bf16)(p, in, workspace);
+}
+
+std::vector<int64_t> fused_compiled_targets() {
+  std::vector<int64_t> out;
+  for (int64_t t = HWY_TARGETS; t != 0; t &= t - 1) out.push_back(t & ~(t - 1));
+  return out;
+}
+int64_t fused_dispatch_target() { return HWY_DYNAMIC_DISPATCH(fused::dispatch_target)(); }
+bool fused_bf16_uses_dot_instructions() { return HWY_DYNAMIC_DISPATCH(fused::bf16_dot)(); }
 
 }  // namespace mha::kernels
+#endif  // HWY_ONCE

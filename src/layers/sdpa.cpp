@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "kernels/fused_forward.h"
 
 namespace mha {
 
@@ -41,13 +42,23 @@ int resolve_threads(int requested) {
   return hw > 0 ? static_cast<int>(hw) : 1;
 }
 
-kernels::SdpaParams make_params(View4<const float> q, View4<const float> k, View4<const float> v,
-                                const SdpaOptions& opt, const SdpaOutputs& outputs) {
-  check_sdpa_args(q, k, v, opt, outputs);
+/// The float views a kernel reads; for bf16 inputs, views with the same shapes and no data
+/// (the bf16 kernel takes the data separately, kernels/fused_forward.h).
+View4<const float> params_view(View4<const float> x) { return x; }
+View4<const float> params_view(View4<const bf16> x) { return {nullptr, x.shape, x.stride}; }
+
+template <class T>
+void check_args(View4<const T> q, View4<const T> k, View4<const T> v, const SdpaOptions& opt,
+                const SdpaOutputs& outputs);
+
+template <class T>
+kernels::SdpaParams make_params(View4<const T> q, View4<const T> k, View4<const T> v, const SdpaOptions& opt,
+                                const SdpaOutputs& outputs) {
+  check_args(q, k, v, opt, outputs);
   kernels::SdpaParams p;
-  p.q = q;
-  p.k = k;
-  p.v = v;
+  p.q = params_view(q);
+  p.k = params_view(k);
+  p.v = params_view(v);
   p.scale = opt.scale ? *opt.scale : (q.shape[3] > 0 ? 1.0f / std::sqrt(static_cast<float>(q.shape[3])) : 1.0f);
   const std::array<int64_t, 4> full{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
   const std::array<int64_t, 4> per_key{q.shape[0], 1, 1, k.shape[2]};
@@ -84,8 +95,11 @@ void set_num_threads(int threads) {
 }
 int num_threads() { return resolve_threads(0); }
 
-void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
-                     const SdpaOutputs& outputs) {
+namespace {
+// One check for every storage type: only data pointers and shapes are looked at.
+template <class T>
+void check_args(View4<const T> q, View4<const T> k, View4<const T> v, const SdpaOptions& opt,
+                const SdpaOutputs& outputs) {
   if (q.empty() && q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3] != 0) fail("sdpa: query has no data");
   for (size_t a = 0; a < 4; ++a) {
     if (q.shape[a] < 0 || k.shape[a] < 0 || v.shape[a] < 0)
@@ -131,6 +145,12 @@ void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const flo
   if (opt.masks.causal.align == Causal::Align::Offset && std::llabs(opt.masks.causal.offset) > (int64_t{1} << 40))
     fail("sdpa: causal offset ", opt.masks.causal.offset, " is out of range");
 }
+}  // namespace
+
+void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
+                     const SdpaOutputs& outputs) {
+  check_args(q, k, v, opt, outputs);
+}
 
 void sdpa(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
           const SdpaOutputs& outputs) {
@@ -143,6 +163,29 @@ void sdpa(View4<const float> q, View4<const float> k, View4<const float> v, cons
     std::vector<float> workspace(kernels::reference_workspace_floats(p));
     kernels::sdpa_reference(p, workspace.data());
   }
+}
+
+void sdpa(View4<const bf16> q, View4<const bf16> k, View4<const bf16> v, const SdpaOptions& opt,
+          const SdpaOutputs& outputs) {
+  const kernels::SdpaParams p = make_params(q, k, v, opt, outputs);
+  if (shape_numel(p.out.shape_vec()) == 0 && p.weights.empty()) return;
+  if (use_fused(p, opt.backend, nullptr)) {
+    std::vector<float> workspace(kernels::fused_workspace_floats(p));
+    kernels::sdpa_fused_bf16(p, {q, k, v}, workspace.data());
+    return;
+  }
+  // The reference reads float32: widen the bf16 values (exactly) into contiguous copies.
+  auto widen = [](View4<const bf16> x) {
+    Tensor t({x.shape[0], x.shape[1], x.shape[2], x.shape[3]});
+    float* dst = t.data();
+    for (int64_t a = 0; a < x.shape[0]; ++a)
+      for (int64_t b = 0; b < x.shape[1]; ++b)
+        for (int64_t c = 0; c < x.shape[2]; ++c)
+          for (int64_t e = 0; e < x.shape[3]; ++e) *dst++ = to_float(x(a, b, c, e));
+    return t;
+  };
+  const Tensor qf = widen(q), kf = widen(k), vf = widen(v);
+  sdpa(qf.view4(), kf.view4(), vf.view4(), opt, outputs);
 }
 
 std::string sdpa_dispatch_reason(View4<const float> q, View4<const float> k, View4<const float> v,

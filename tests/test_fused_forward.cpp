@@ -1,0 +1,416 @@
+// The fused forward kernel against the reference oracle, on every compiled SIMD target: lengths
+// around the block size, head dims, every mask and their combinations, GQA ratios, strided and
+// misaligned views, dropout, lse, bf16 inputs, and bitwise-identical results for 1, 2, 3 threads.
+#include <hwy/targets.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "kernels/fused_forward.h"
+#include "mha/sdpa.h"
+#include "support/test_support.h"
+
+namespace mha {
+namespace {
+
+using testing::all_close;
+using testing::bitwise_equal;
+using testing::random_tensor;
+
+constexpr double kEps = std::numeric_limits<float>::epsilon();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int64_t kBlock = 64;  // the kernel's query and key block
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (float x : t.values())
+    if (std::isfinite(x)) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+/// Runs `body` once per compiled SIMD target this CPU supports, with dispatch forced to it.
+void for_each_target(const std::function<void()>& body) {
+  hwy::SetSupportedTargetsForTest(0);
+  const int64_t supported = hwy::SupportedTargets();
+  for (int64_t target : kernels::fused_compiled_targets()) {
+    if (!(supported & target)) continue;
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
+    ASSERT_EQ(kernels::fused_dispatch_target(), target);
+    body();
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+/// One request: inputs, masks (owned here so the views in opt stay valid) and options.
+struct Case {
+  int64_t B = 1, H = 2, KV = 2, Tq = 5, Tk = 5, D = 8, Dv = 8;
+  Tensor q, k, v, bias, key_bias;
+  BoolTensor allowed, key_padding;
+  SdpaOptions opt;
+
+  void make_inputs(uint64_t seed) {
+    q = random_tensor({B, H, Tq, D}, seed);
+    k = random_tensor({B, KV, Tk, D}, seed + 1);
+    v = random_tensor({B, KV, Tk, Dv}, seed + 2, -2.0f, 2.0f);
+  }
+  float scale() const { return opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(D)); }
+  /// Score magnitude bound: |scale·q·k| + |bias| + |key_bias|; errors scale with it.
+  double score_bound() const {
+    return scale() * static_cast<double>(D) * max_abs(q) * max_abs(k) + max_abs(bias) + max_abs(key_bias);
+  }
+  /// float32 tolerance for out: score errors (a few ε·bound) and exp's error move each
+  /// probability relatively, the weighted sum adds ε·√T_k; all scaled by max|v|.
+  double out_tol() const {
+    return kEps * max_abs(v) * (4.0 * std::sqrt(static_cast<double>(Tk)) + 4.0 * score_bound() + 16.0);
+  }
+  double lse_tol() const { return kEps * (8.0 * score_bound() + 4.0 * std::log(Tk + 1.0) + 16.0); }
+};
+
+struct Result {
+  Tensor out, lse;
+};
+
+Result run(const Case& c, Backend backend, int threads = 2) {
+  Result r{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+  SdpaOptions opt = c.opt;
+  opt.backend = backend;
+  opt.threads = threads;
+  sdpa(c.q.view4(), c.k.view4(), c.v.view4(), opt, {r.out.view4(), {}, r.lse.view4()});
+  return r;
+}
+
+void expect_close(const Case& c, const Result& got, const Result& want, double extra_out_tol = 0) {
+  EXPECT_TRUE(all_close(got.out, want.out, c.out_tol() + extra_out_tol, 0));
+  // lse: relative to its size (it carries the max score); −inf must match exactly.
+  EXPECT_TRUE(all_close(got.lse, want.lse, c.lse_tol(), 4 * kEps));
+}
+
+/// Fused on every target against one reference run.
+void check_all_targets(const Case& c) {
+  const Result want = run(c, Backend::Reference);
+  for_each_target([&] { expect_close(c, run(c, Backend::Fused), want); });
+}
+
+std::vector<int64_t> lengths() {
+  if (kSanitized) return {0, 1, 7, kBlock, kBlock + 1, 3 * kBlock + 5};
+  return {0, 1, 2, 7, kBlock - 1, kBlock, kBlock + 1, 3 * kBlock + 5, 250};
+}
+
+TEST(FusedForward, LengthsAroundTheBlockSize) {
+  for (int64_t tq : lengths())
+    for (int64_t tk : lengths())
+      for (Causal causal : {Causal::none(), Causal::bottom_right()}) {
+        SCOPED_TRACE(::testing::Message() << "T_q " << tq << " T_k " << tk << " causal " << causal.enabled());
+        Case c;
+        c.H = 2, c.KV = 1, c.Tq = tq, c.Tk = tk, c.D = 16, c.Dv = 24;
+        c.opt.masks.causal = causal;
+        c.make_inputs(static_cast<uint64_t>(tq * 1000 + tk));
+        check_all_targets(c);
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST(FusedForward, HeadDims) {
+  for (int64_t d : {1, 8, 16, 32, 40, 64, 80, 96, 128, 256})
+    for (int64_t dv : {d, d == 1 ? int64_t{3} : d / 2 + 1}) {
+      SCOPED_TRACE(::testing::Message() << "d " << d << " d_v " << dv);
+      Case c;
+      c.Tq = kSanitized ? 20 : 70, c.Tk = kSanitized ? 30 : 133, c.D = d, c.Dv = dv;
+      c.opt.masks.causal = Causal::top_left();
+      c.make_inputs(static_cast<uint64_t>(d * 7 + dv));
+      check_all_targets(c);
+    }
+}
+
+/// Sets a mask configuration on a case with B=2, H=4, KV=2.
+struct MaskCase {
+  const char* name;
+  std::function<void(Case&)> apply;
+};
+
+BoolTensor random_bools(const Shape& shape, uint64_t seed, float p_true) {
+  const Tensor u = random_tensor(shape, seed, 0.0f, 1.0f);
+  BoolTensor b(shape);
+  for (int64_t i = 0; i < u.numel(); ++i) b.data()[i] = u.data()[i] < p_true;
+  return b;
+}
+
+void set_allowed(Case& c, bool broadcast) {
+  c.allowed = broadcast ? random_bools({1, 1, c.Tq, c.Tk}, 11, 0.7f) : random_bools({c.B, c.H, c.Tq, c.Tk}, 12, 0.7f);
+  const int64_t heads = broadcast ? 1 : c.H, batch = broadcast ? 1 : c.B;
+  for (int64_t j = 0; j < c.Tk; ++j) c.allowed.data()[3 * c.Tk + j] = 0;  // (0, 0, 3): fully masked
+  c.opt.masks.allowed.view = contiguous_view<const uint8_t>(c.allowed.data(), batch, heads, c.Tq, c.Tk);
+}
+
+void set_bias(Case& c, bool broadcast) {
+  c.bias = broadcast ? random_tensor({1, 1, c.Tq, c.Tk}, 21) : random_tensor({c.B, c.H, c.Tq, c.Tk}, 22);
+  const Tensor u = random_tensor(c.bias.shape(), 23, 0.0f, 1.0f);
+  for (int64_t i = 0; i < c.bias.numel(); ++i)
+    if (u.data()[i] < 0.2f) c.bias.data()[i] = -kInf;
+  for (int64_t j = 0; j < c.Tk; ++j) c.bias.data()[5 * c.Tk + j] = -kInf;  // a fully masked row
+  const int64_t heads = broadcast ? 1 : c.H, batch = broadcast ? 1 : c.B;
+  c.opt.masks.bias.view = contiguous_view<const float>(c.bias.data(), batch, heads, c.Tq, c.Tk);
+}
+
+void set_key_bias(Case& c) {
+  c.key_bias = random_tensor({c.B, 1, 1, c.Tk}, 31);
+  for (int64_t j = 0; j < c.Tk; j += 5) c.key_bias.data()[j] = -kInf;
+  c.opt.masks.key_bias.view = c.key_bias.view4();
+}
+
+/// Padding: batch 0 pads its last keys and a few in the middle, batch 1 pads every key. The
+/// padded K and V rows hold NaN: if any were read, NaN would reach the output.
+void set_key_padding(Case& c) {
+  c.key_padding = BoolTensor({c.B, 1, 1, c.Tk});
+  for (int64_t j = 0; j < c.Tk; ++j) {
+    c.key_padding.data()[j] = j >= c.Tk - 40 || (j % 9 == 4);
+    if (c.B > 1) c.key_padding.data()[c.Tk + j] = 1;
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t g = 0; g < c.KV; ++g)
+      for (int64_t j = 0; j < c.Tk; ++j) {
+        if (!c.key_padding.data()[b * c.Tk + j]) continue;
+        for (int64_t e = 0; e < c.D; ++e) c.k.at({b, g, j, e}) = nan;
+        for (int64_t e = 0; e < c.Dv; ++e) c.v.at({b, g, j, e}) = nan;
+      }
+  c.opt.masks.key_padding.view = c.key_padding.view4();
+}
+
+std::vector<MaskCase> mask_cases() {
+  return {
+      {"allowed", [](Case& c) { set_allowed(c, false); }},
+      {"allowed broadcast", [](Case& c) { set_allowed(c, true); }},
+      {"bias with -inf", [](Case& c) { set_bias(c, false); }},
+      {"bias broadcast", [](Case& c) { set_bias(c, true); }},
+      {"key bias", [](Case& c) { set_key_bias(c); }},
+      {"key padding (NaN in padded rows)", [](Case& c) { set_key_padding(c); }},
+      {"causal top-left", [](Case& c) { c.opt.masks.causal = Causal::top_left(); }},
+      {"causal bottom-right", [](Case& c) { c.opt.masks.causal = Causal::bottom_right(); }},
+      {"causal offset -5", [](Case& c) { c.opt.masks.causal = Causal::with_offset(-5); }},
+      {"causal offset 30", [](Case& c) { c.opt.masks.causal = Causal::with_offset(30); }},
+      {"causal offset hides all", [](Case& c) { c.opt.masks.causal = Causal::with_offset(-1000); }},
+      {"window 1", [](Case& c) { c.opt.masks.causal = Causal::bottom_right().with_window(1); }},
+      {"window 17 top-left", [](Case& c) { c.opt.masks.causal = Causal::top_left().with_window(17); }},
+      {"window 70 bottom-right", [](Case& c) { c.opt.masks.causal = Causal::bottom_right().with_window(70); }},
+      {"scale override", [](Case& c) { c.opt.scale = 0.5f; }},
+      {"everything",
+       [](Case& c) {
+         set_allowed(c, false);
+         set_bias(c, true);
+         set_key_bias(c);
+         set_key_padding(c);
+         c.opt.masks.causal = Causal::bottom_right().with_window(50);
+       }},
+      {"padding + causal + dropout",
+       [](Case& c) {
+         set_key_padding(c);
+         c.opt.masks.causal = Causal::top_left();
+         c.opt.dropout = {0.3f, 1234};
+       }},
+  };
+}
+
+TEST(FusedForward, EveryMaskKindAndCombination) {
+  for (const MaskCase& mc : mask_cases())
+    for (int64_t tq : {int64_t{70}, int64_t{150}}) {
+      SCOPED_TRACE(::testing::Message() << mc.name << ", T_q " << tq);
+      Case c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = 150, c.D = 32, c.Dv = 16;
+      c.make_inputs(7);
+      mc.apply(c);
+      check_all_targets(c);
+    }
+}
+
+TEST(FusedForward, GroupedQueryRatios) {
+  for (int64_t kv : {8, 4, 2, 1}) {
+    SCOPED_TRACE(::testing::Message() << "kv heads " << kv);
+    Case c;
+    c.B = 1, c.H = 8, c.KV = kv, c.Tq = 67, c.Tk = 90, c.D = 16, c.Dv = 16;
+    c.opt.masks.causal = Causal::bottom_right();
+    c.make_inputs(static_cast<uint64_t>(kv));
+    check_all_targets(c);
+  }
+}
+
+TEST(FusedForward, DropoutMatchesTheReference) {
+  for (float p : {0.1f, 0.5f}) {
+    Case c;
+    c.B = 2, c.H = 2, c.KV = 1, c.Tq = 80, c.Tk = 130, c.D = 24, c.Dv = 20;
+    c.opt.dropout = {p, 99};
+    c.make_inputs(3);
+    // Kept weights are scaled by 1/(1 − p), and so is the rounding error.
+    const Result want = run(c, Backend::Reference);
+    for_each_target([&] { expect_close(c, run(c, Backend::Fused), want, c.out_tol() / (1.0 - p)); });
+  }
+}
+
+/// A window into a bigger buffer: offset by one float (misaligned), rows further apart than
+/// their length, elements `step` apart.
+struct Strided {
+  std::vector<float> buf;
+  View4<float> view;
+  Strided(const Shape& s, int64_t step) {
+    const int64_t row = s[3] * step + 3;
+    buf.assign(static_cast<size_t>(1 + s[0] * s[1] * s[2] * row), -7.0f);
+    view = {buf.data() + 1, {s[0], s[1], s[2], s[3]}, {s[1] * s[2] * row, s[2] * row, row, step}};
+  }
+  Strided(const Tensor& t, int64_t step) : Strided(t.shape(), step) {
+    for (int64_t a = 0; a < t.size(0); ++a)
+      for (int64_t b = 0; b < t.size(1); ++b)
+        for (int64_t c = 0; c < t.size(2); ++c)
+          for (int64_t e = 0; e < t.size(3); ++e) view(a, b, c, e) = t.at({a, b, c, e});
+  }
+  Tensor gather() const {
+    Tensor t({view.shape[0], view.shape[1], view.shape[2], view.shape[3]});
+    for (int64_t a = 0; a < view.shape[0]; ++a)
+      for (int64_t b = 0; b < view.shape[1]; ++b)
+        for (int64_t c = 0; c < view.shape[2]; ++c)
+          for (int64_t e = 0; e < view.shape[3]; ++e) t.at({a, b, c, e}) = view(a, b, c, e);
+    return t;
+  }
+};
+
+TEST(FusedForward, StridedAndMisalignedViews) {
+  Case c;
+  c.B = 2, c.H = 4, c.KV = 2, c.Tq = 70, c.Tk = 100, c.D = 20, c.Dv = 12;
+  c.opt.masks.causal = Causal::bottom_right();
+  c.make_inputs(5);
+  set_key_padding(c);
+  const Result want = run(c, Backend::Reference);
+  for_each_target([&] {
+    const Result contiguous = run(c, Backend::Fused);
+    expect_close(c, contiguous, want);
+    for (int64_t step : {1, 2}) {
+      const Strided q(c.q, step), k(c.k, step), v(c.v, step + 1);
+      Strided out(Shape{c.B, c.H, c.Tq, c.Dv}, step), lse(Shape{c.B, c.H, c.Tq, 1}, 2);
+      SdpaOptions opt = c.opt;
+      opt.backend = Backend::Fused;
+      sdpa(q.view, k.view, v.view, opt, {out.view, {}, lse.view});
+      // Packing makes the arithmetic independent of the layout: bitwise the same result.
+      EXPECT_TRUE(bitwise_equal(out.gather(), contiguous.out)) << "step " << step;
+      EXPECT_TRUE(bitwise_equal(lse.gather(), contiguous.lse)) << "step " << step;
+    }
+  });
+}
+
+TEST(FusedForward, ThreadCountDoesNotChangeABit) {
+  Case c;
+  c.B = 2, c.H = 4, c.KV = 2, c.Tq = kSanitized ? 140 : 300, c.Tk = kSanitized ? 100 : 260, c.D = 64, c.Dv = 64;
+  c.opt.masks.causal = Causal::bottom_right();
+  c.opt.dropout = {0.2f, 5};
+  c.make_inputs(9);
+  for_each_target([&] {
+    const Result one = run(c, Backend::Fused, 1);
+    for (int threads : {2, 3}) {
+      const Result many = run(c, Backend::Fused, threads);
+      EXPECT_TRUE(bitwise_equal(many.out, one.out)) << threads << " threads";
+      EXPECT_TRUE(bitwise_equal(many.lse, one.lse)) << threads << " threads";
+    }
+  });
+}
+
+// ---- bfloat16 ------------------------------------------------------------------------------
+
+BF16Tensor to_bf16_tensor(const Tensor& t) {
+  BF16Tensor b(t.shape());
+  for (int64_t i = 0; i < t.numel(); ++i) b.data()[i] = to_bf16(t.data()[i]);
+  return b;
+}
+Tensor widened(const BF16Tensor& b) {
+  Tensor t(b.shape());
+  for (int64_t i = 0; i < b.numel(); ++i) t.data()[i] = to_float(b.data()[i]);
+  return t;
+}
+
+/// bf16 inputs against the reference on the same values widened to float. The inputs are exact,
+/// so Q·Kᵀ is as accurate as in float32; P·V may round P to bf16 (relative error ≤ 2⁻⁹ per
+/// probability), which moves the output by at most 2⁻⁹·Σp|v| ≤ 2⁻⁹·max|v|, doubled for margin.
+void check_bf16(Case& c) {
+  const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
+  c.q = widened(qb), c.k = widened(kb), c.v = widened(vb);
+  const Result want = run(c, Backend::Reference);
+  const double bf16_tol = 2.0 * std::ldexp(1.0, -9) * max_abs(c.v);
+  for_each_target([&] {
+    Result got{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+    SdpaOptions opt = c.opt;
+    opt.backend = Backend::Fused;
+    sdpa(qb.view4(), kb.view4(), vb.view4(), opt, {got.out.view4(), {}, got.lse.view4()});
+    expect_close(c, got, want, bf16_tol);
+  });
+}
+
+TEST(FusedForward, Bf16MatchesTheReference) {
+  for (int64_t d : {1, 7, 64, 80}) {
+    for (const MaskCase& mc : mask_cases()) {
+      if (d != 64 && std::string(mc.name) != "everything") continue;
+      SCOPED_TRACE(::testing::Message() << mc.name << ", d " << d);
+      Case c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = 70, c.Tk = kSanitized ? 80 : 150, c.D = d, c.Dv = d + 1;
+      c.make_inputs(13);
+      mc.apply(c);
+      check_bf16(c);
+    }
+  }
+}
+
+TEST(FusedForward, Bf16Lengths) {
+  for (int64_t tq : {0, 1, 65})
+    for (int64_t tk : {0, 1, 2, 63, 197}) {
+      SCOPED_TRACE(::testing::Message() << "T_q " << tq << " T_k " << tk);
+      Case c;
+      c.H = 4, c.KV = 1, c.Tq = tq, c.Tk = tk, c.D = 32, c.Dv = 48;
+      c.opt.masks.causal = Causal::bottom_right();
+      c.make_inputs(17);
+      check_bf16(c);
+    }
+}
+
+TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {
+  const bool avx3_dl = (hwy::SupportedTargets() & HWY_AVX3_DL) != 0 && __builtin_cpu_supports("avx512bf16");
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_EQ(kernels::fused_bf16_uses_dot_instructions(), avx3_dl);
+  std::string names;
+  for (int64_t t : kernels::fused_compiled_targets()) names += std::string(hwy::TargetName(t)) + " ";
+  std::printf("compiled targets: %s; dispatching to %s; bf16 dot product: %s\n", names.c_str(),
+              hwy::TargetName(kernels::fused_dispatch_target()), avx3_dl ? "yes" : "no");
+}
+
+// ---- dispatch -------------------------------------------------------------------------------
+
+TEST(FusedForward, WeightsFallBackToTheReferenceWithAReason) {
+  Case c;
+  c.Tq = 9, c.Tk = 11;
+  c.make_inputs(1);
+  Tensor out({c.B, c.H, c.Tq, c.Dv}), w({c.B, c.H, c.Tq, c.Tk});
+  SdpaOutputs outs{out.view4(), w.view4(), {}};
+  EXPECT_NE(sdpa_dispatch_reason(c.q.view4(), c.k.view4(), c.v.view4(), c.opt, outs).find("weights"),
+            std::string::npos);
+  SdpaOptions fused = c.opt;
+  fused.backend = Backend::Fused;
+  EXPECT_THROW(sdpa(c.q.view4(), c.k.view4(), c.v.view4(), fused, outs), Error);
+  EXPECT_EQ(sdpa_dispatch_reason(c.q.view4(), c.k.view4(), c.v.view4(), c.opt, {out.view4(), {}, {}}),
+            "fused: supported");
+  // bf16 with weights: the reference on widened values, same answer as float32 on those values.
+  const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
+  sdpa(qb.view4(), kb.view4(), vb.view4(), c.opt, outs);
+  Tensor out_f({c.B, c.H, c.Tq, c.Dv}), w_f({c.B, c.H, c.Tq, c.Tk});
+  sdpa(widened(qb).view4(), widened(kb).view4(), widened(vb).view4(), c.opt, {out_f.view4(), w_f.view4(), {}});
+  EXPECT_TRUE(bitwise_equal(out, out_f));
+  EXPECT_TRUE(bitwise_equal(w, w_f));
+}
+
+}  // namespace
+}  // namespace mha
