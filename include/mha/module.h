@@ -12,7 +12,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "mha/kv_cache.h"
+#include "mha/rope.h"
 #include "mha/sdpa.h"
 #include "mha/tensor.h"
 
@@ -31,6 +34,7 @@ struct MhaConfig {
   bool add_zero_attn = false;  ///< one extra all-zero key/value position (after bias_kv)
   float dropout = 0.0f;        ///< dropout probability on attention weights, in training mode only
   Layout layout = Layout::SeqFirst;
+  Rope rope;  ///< rotary embeddings on Q and K after projection (off by default; mha/rope.h)
   /// d; 0 means embed_dim / num_heads (which must then divide). Set when h·d ≠ E, e.g. after
   /// prune_heads (mha/prune.h); W_Q is then (h·d, E) and W_O (E, h·d).
   int64_t head_dim_override = 0;
@@ -98,6 +102,17 @@ struct MhaForwardOptions {
   int threads = 0;
 };
 
+struct IncrementalOptions {
+  /// Valid new tokens per sequence (B entries; right padding): sequence b appends only its first
+  /// new_lengths[b] tokens, and output rows past them are zero-attention rows (output = out_proj
+  /// bias). Empty = every sequence takes all T_new tokens.
+  std::vector<int64_t> new_lengths;
+  int64_t window = 0;  ///< sliding window W (key p visible when q − W < p ≤ q); 0 = unlimited
+  int splits = 0;      ///< split-K count for the cache part (0 = from the shapes; see attend_cache)
+  Backend backend = Backend::Auto;  ///< for the new tokens' attention among themselves
+  int threads = 0;
+};
+
 struct MhaOutput {
   Tensor output;        ///< same layout as query: (T_q, B, E), (B, T_q, E) or (T_q, E)
   Tensor attn_weights;  ///< (B, h, T_q, S) per head or (B, T_q, S) averaged; no B when unbatched.
@@ -120,6 +135,15 @@ class MultiheadAttention {
   /// query (T_q, B, E) / (B, T_q, E) / (T_q, E); key (…, T_k, kdim); value (…, T_k, vdim).
   MhaOutput forward(const Tensor& query, const Tensor& key, const Tensor& value,
                     const MhaForwardOptions& options = {}) const;
+
+  /// Incremental (KV-cache) forward: query_new / key_new / value_new hold T_new new tokens per
+  /// sequence, laid out like forward()'s inputs (1 for decoding, many for prefill). Projects them,
+  /// applies RoPE at absolute positions cache.length(b) + t, attends causally by absolute position
+  /// to everything the cache holds plus the new tokens, then appends the new K/V to the cache.
+  /// Prefill followed by token-by-token decoding equals forward() with Causal::top_left(), row
+  /// for row. Not supported with add_bias_kv / add_zero_attn.
+  MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new,
+                                KvCache& cache, const IncrementalOptions& options = {}) const;
 
  private:
   MhaConfig config_;

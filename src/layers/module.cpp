@@ -94,6 +94,7 @@ void MhaConfig::validate() const {
   if (kdim < 0) fail("MhaConfig: kdim must be ≥ 1 (or 0 for embed_dim), got ", kdim);
   if (vdim < 0) fail("MhaConfig: vdim must be ≥ 1 (or 0 for embed_dim), got ", vdim);
   if (!(dropout >= 0.0f && dropout < 1.0f)) fail("MhaConfig: dropout must be in [0, 1), got ", dropout);
+  if (rope.enabled) rope.validate(head_dim());
 }
 
 int64_t parameter_count(const MhaConfig& c) {
@@ -268,6 +269,12 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
     Qv = head_view(q_out, qrows, H * d, 0, H, d);
     Kv = head_view(k_out, krows, KV * d, 0, KV, d);
     Vv = head_view(v_out, vrows, KV * d, 0, KV, d);
+  }
+
+  // ---- rotary embeddings at positions 0 … T − 1, before bias_k is appended (it has no position) ----
+  if (c.rope.enabled) {
+    apply_rope(Qv, c.rope);
+    apply_rope(Kv, c.rope);
   }
 
   // ---- bias_k / bias_v and the zero position: S = T_k + extra key positions ----

@@ -1,0 +1,119 @@
+// mha/kv_cache.h — a key/value cache for autoregressive decoding, and attention over it.
+//
+// One KvCache serves one attention layer: K and V are preallocated as (batch, kv_heads, capacity,
+// d) in float32 or bfloat16 and filled by append(); nothing is reallocated per step. Every sequence
+// of the batch has its own length (the absolute position of its next token), so a batch of prompts
+// of different lengths decodes together.
+//
+// Ring mode (sliding-window attention): the cache holds the last `capacity` positions of each
+// sequence; position p lives in slot p mod capacity. Lengths stay absolute, so rotary embeddings
+// and causal / window masks use true positions however long the sequence grows.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "mha/tensor.h"
+
+namespace mha {
+
+enum class CacheDtype : uint8_t { F32, BF16 };
+
+struct KvCacheConfig {
+  int64_t batch = 1;
+  int64_t kv_heads = 0;   ///< K/V heads (num_kv_heads of the module)
+  int64_t head_dim = 0;   ///< d of K
+  int64_t value_dim = 0;  ///< d of V; 0 = head_dim
+  int64_t capacity = 0;   ///< positions held per sequence (ring mode: the window it can serve)
+  CacheDtype dtype = CacheDtype::F32;
+  bool ring = false;  ///< keep the last `capacity` positions instead of failing when full
+
+  int64_t v_dim() const { return value_dim > 0 ? value_dim : head_dim; }
+};
+
+class KvCache {
+ public:
+  KvCache() = default;
+  /// Allocates (batch, kv_heads, capacity, d) for K and for V; throws mha::Error on bad sizes.
+  explicit KvCache(const KvCacheConfig& config);
+
+  // Copies are explicit (clone()); moves are cheap.
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+  KvCache(KvCache&&) noexcept = default;
+  KvCache& operator=(KvCache&&) noexcept = default;
+  /// A deep copy (e.g. to branch a shared prompt into several continuations).
+  KvCache clone() const;
+
+  const KvCacheConfig& config() const { return config_; }
+  int64_t batch() const { return config_.batch; }
+  int64_t capacity() const { return config_.capacity; }
+  bool ring() const { return config_.ring; }
+  CacheDtype dtype() const { return config_.dtype; }
+  size_t bytes() const;  ///< K and V storage
+
+  /// Absolute length of sequence b: positions 0 … length − 1 were appended; the next is `length`.
+  int64_t length(int64_t b) const;
+  /// First position still held (0 unless a ring has wrapped).
+  int64_t first(int64_t b) const;
+  /// Positions held: length − first.
+  int64_t stored(int64_t b) const { return length(b) - first(b); }
+  /// Positions sequence b can still take before append fails (ring: unlimited → INT64_MAX).
+  int64_t remaining(int64_t b) const;
+
+  /// Appends `counts[b]` rows of k (B, kv, T, d) / v (B, kv, T, d_v) to each sequence b (rows
+  /// 0 … counts[b] − 1; empty counts = all T). Fails with mha::Error, changing nothing, when a
+  /// non-ring sequence would exceed its capacity or a shape does not match.
+  void append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts = {});
+  /// Appends k (kv, T, d) / v (kv, T, d_v), as (1, kv, T, ·) views, to sequence b only.
+  void append_sequence(int64_t b, View4<const float> k, View4<const float> v);
+
+  void reset();           ///< every sequence back to length 0 (storage kept)
+  void reset(int64_t b);  ///< one sequence back to length 0
+
+  /// Slot of absolute position p (ring: p mod capacity).
+  int64_t slot(int64_t p) const { return config_.ring ? p % config_.capacity : p; }
+  /// Raw storage, (batch, kv_heads, capacity, d) row-major; float* or bf16* by dtype().
+  const void* k_data() const;
+  const void* v_data() const;
+  /// Reads K/V of sequence b, head g, position p (must be held) as float (for tests and tools).
+  float k_at(int64_t b, int64_t g, int64_t p, int64_t x) const;
+  float v_at(int64_t b, int64_t g, int64_t p, int64_t x) const;
+
+ private:
+  void check_batch_index(int64_t b, const char* who) const;
+  void store_sequence(View4<const float> k, View4<const float> v, int64_t b_src, int64_t b, int64_t n);
+  template <class T>
+  void store_rows(std::vector<T>& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count, int64_t dim);
+
+  KvCacheConfig config_;
+  std::vector<int64_t> lengths_;
+  std::vector<float> k32_, v32_;
+  std::vector<bf16> k16_, v16_;
+};
+
+/// Options for attention over a cache.
+struct CacheAttentionOptions {
+  std::optional<float> scale;  ///< default 1/√d
+  int64_t window = 0;          ///< sliding window W: key p visible when q − W < p ≤ q; 0 = unlimited
+  /// Split-K: the held positions of each sequence are cut into this many contiguous parts whose
+  /// (max, sum, partial output) are merged exactly by log-sum-exp. 0 = chosen from the shapes
+  /// alone. The result depends on the split count but never on the thread count.
+  int splits = 0;
+  int threads = 0;  ///< 0 = mha::num_threads()
+};
+
+/// Causal attention of q (B, h, T_q, d) against everything `cache` holds: row t of batch b is at
+/// absolute position q_start[b] + t (empty q_start = cache.length(b): the tokens right after the
+/// cache) and sees key p when p ≤ its position (and p > position − window). Query head i reads
+/// K/V head i / (h / kv). out (B, h, T_q, d_v); lse (B, h, T_q, 1) optional. A row that sees no
+/// key gives zeros and lse = −inf.
+void attend_cache(View4<const float> q, const KvCache& cache, std::span<const int64_t> q_start,
+                  const CacheAttentionOptions& options, View4<float> out, View4<float> lse = {});
+
+/// The split count attend_cache uses when options.splits = 0, for these shapes.
+int auto_cache_splits(int64_t batch, int64_t kv_heads, int64_t q_rows_per_group, int64_t keys);
+
+}  // namespace mha

@@ -1,0 +1,309 @@
+// kernels/decode.cpp — flash-decoding: a few query rows against a long KV cache.
+//
+// Shapes: Q (B, h, T_q, d); cache K (B, kv, capacity, d), V (B, kv, capacity, d_v), float32 or
+// bf16, position p in slot p (or p mod capacity in a ring); out (B, h, T_q, d_v); lse (B, h, T_q, 1).
+//
+// Blocking and memory traffic. Decoding is bound by reading the cache, not by arithmetic (one
+// multiply-add per cached element per query row). So a work item is (batch b, K/V head g, tile of
+// query rows, split s): the G = h/kv query heads of group g and up to a few queries each form the
+// item's rows, and every K row and V row of the split's positions is read once, contiguously, for
+// all of them (GQA's whole point). Keys go in blocks of 16: scores for every row, a block max, one
+// vector exp per row, then V accumulated with the probabilities. Each split keeps its own running
+// (max m, sum l, unnormalised output) in the workspace; afterwards the splits are merged exactly:
+//   M = max_s m_s,  L = Σ_s e^{m_s − M} l_s,  out = Σ_s e^{m_s − M} acc_s / L,  lse = M + log L,
+// in split order. The split count is a parameter, never the thread count, and every item is
+// computed by one thread start to finish, so results are bitwise the same for any thread count.
+//
+// SIMD: Google Highway, compiled for each x86 target and dispatched once per call.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/decode.cpp"
+#include <hwy/contrib/math/math-inl.h>
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/decode.h"
+
+#ifndef MHA_DECODE_SHARED_ONCE
+#define MHA_DECODE_SHARED_ONCE
+namespace mha::kernels::decode_detail {
+
+constexpr int64_t kBlock = 16;        // keys per block (a multiple of every target's float lanes)
+constexpr int64_t kRowsPerTile = 16;  // query rows per work item (G heads × a few queries)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+/// How the work is cut; a function of the shapes and the split count only.
+struct Plan {
+  int64_t group, tq_tile, q_tiles, rows_max, items, splits;
+};
+inline Plan make_plan(const DecodeParams& p) {
+  Plan pl;
+  pl.group = p.group();
+  pl.tq_tile = std::max<int64_t>(1, std::min<int64_t>(p.t_q(), kRowsPerTile / pl.group));
+  pl.q_tiles = p.t_q() == 0 ? 0 : (p.t_q() + pl.tq_tile - 1) / pl.tq_tile;
+  pl.rows_max = pl.group * pl.tq_tile;
+  pl.splits = std::max(1, p.splits);
+  pl.items = p.batch() * p.kv_heads * pl.q_tiles * pl.splits;
+  return pl;
+}
+/// Floats one item keeps: m and l per row, then the row outputs.
+inline int64_t partial_floats(const Plan& pl, int64_t d_v) { return pl.rows_max * (d_v + 2); }
+/// Floats of per-thread scratch: scaled query rows, one block of scores per row, a correction per row.
+inline int64_t scratch_floats(const Plan& pl, int64_t d) { return pl.rows_max * (d + kBlock + 1); }
+
+/// One work item's coordinates.
+struct Item {
+  int64_t b, g, t0, tq, lo, hi;  // query rows t0 … t0+tq−1; positions [lo, hi)
+};
+inline Item item_at(const DecodeParams& p, const Plan& pl, int64_t index) {
+  Item it;
+  const int64_t s = index % pl.splits;
+  int64_t rest = index / pl.splits;
+  const int64_t qt = rest % pl.q_tiles;
+  rest /= pl.q_tiles;
+  it.g = rest % p.kv_heads;
+  it.b = rest / p.kv_heads;
+  it.t0 = qt * pl.tq_tile;
+  it.tq = std::min(pl.tq_tile, p.t_q() - it.t0);
+  // Split s of the held positions, in whole blocks, from the sequence's own range only.
+  const int64_t first = p.key_first[it.b], end = p.key_end[it.b];
+  const int64_t n = end - first;
+  const int64_t chunk = ((n + pl.splits - 1) / pl.splits + kBlock - 1) / kBlock * kBlock;
+  it.lo = std::min(end, first + s * chunk);
+  it.hi = std::min(end, it.lo + chunk);
+  // Positions no row of this tile can see are skipped (causal and window).
+  const int64_t q_lo = p.q_start[it.b] + it.t0, q_hi = q_lo + it.tq - 1;
+  it.hi = std::min(it.hi, q_hi + 1);
+  if (p.window > 0) it.lo = std::max(it.lo, q_lo - p.window + 1);
+  if (it.hi < it.lo) it.hi = it.lo;
+  return it;
+}
+
+}  // namespace mha::kernels::decode_detail
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using namespace decode_detail;
+
+using DF = hn::ScalableTag<float>;
+
+template <class T>
+HWY_INLINE hn::Vec<DF> LoadRow(DF df, const T* p);
+template <>
+HWY_INLINE hn::Vec<DF> LoadRow<float>(DF df, const float* p) {
+  return hn::LoadU(df, p);
+}
+template <>
+HWY_INLINE hn::Vec<DF> LoadRow<uint16_t>(DF df, const uint16_t* p) {
+  // bf16 is the top half of a float32: widen and shift.
+  const hn::Rebind<uint16_t, DF> d16;
+  const hn::Rebind<uint32_t, DF> d32;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(d32, hn::LoadU(d16, p))));
+}
+HWY_INLINE float ToFloat(float x) { return x; }
+HWY_INLINE float ToFloat(uint16_t x) { return to_float(bf16{x}); }
+
+/// Scores of rows [r0, r0 + NR) against `nb` key rows: sc[r][j] = q_r · k_j (q pre-scaled).
+template <int NR, class T>
+HWY_INLINE void ScoreRows(const float* qs, int64_t d, T* const* keys, int64_t nb, int64_t r0, float* sc) {
+  const DF df;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t dv = d / L * L;
+  for (int64_t j = 0; j < nb; ++j) {
+    const T* k = keys[j];
+    hn::Vec<DF> acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = hn::Zero(df);
+    for (int64_t c = 0; c < dv; c += L) {
+      const auto kv = LoadRow(df, k + c);
+      for (int r = 0; r < NR; ++r) acc[r] = hn::MulAdd(hn::LoadU(df, qs + (r0 + r) * d + c), kv, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      float s = hn::GetLane(hn::SumOfLanes(df, acc[r]));
+      for (int64_t c = dv; c < d; ++c) s += qs[(r0 + r) * d + c] * ToFloat(k[c]);
+      sc[(r0 + r) * kBlock + j] = s;
+    }
+  }
+}
+
+/// acc_r = acc_r · corr_r + Σ_j P[r][j] · v_j for rows [r0, r0 + NR).
+template <int NR, class T>
+HWY_INLINE void AccumulateRows(const float* P, const float* corr, T* const* vals, int64_t nb, int64_t d_v, int64_t r0,
+                               float* acc) {
+  const DF df;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t dvv = d_v / L * L;
+  for (int64_t c = 0; c < dvv; c += L) {
+    hn::Vec<DF> a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = hn::Mul(hn::LoadU(df, acc + (r0 + r) * d_v + c), hn::Set(df, corr[r0 + r]));
+    for (int64_t j = 0; j < nb; ++j) {
+      const auto vv = LoadRow(df, vals[j] + c);
+      for (int r = 0; r < NR; ++r) a[r] = hn::MulAdd(hn::Set(df, P[(r0 + r) * kBlock + j]), vv, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) hn::StoreU(a[r], df, acc + (r0 + r) * d_v + c);
+  }
+  for (int64_t c = dvv; c < d_v; ++c)
+    for (int r = 0; r < NR; ++r) {
+      float x = acc[(r0 + r) * d_v + c] * corr[r0 + r];
+      for (int64_t j = 0; j < nb; ++j) x += P[(r0 + r) * kBlock + j] * ToFloat(vals[j][c]);
+      acc[(r0 + r) * d_v + c] = x;
+    }
+}
+
+template <class T>
+void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
+  const DF df;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const Plan pl = make_plan(p);
+  const Item it = item_at(p, pl, index);
+  const int64_t d = p.d(), d_v = p.d_v, G = pl.group, rows = G * it.tq;
+  float* m = partial;
+  float* l = m + pl.rows_max;
+  float* acc = l + pl.rows_max;
+  float* qs = scratch;                              // (rows, d): query rows times the scale
+  float* sc = qs + pl.rows_max * d;                 // (rows, kBlock): scores, then probabilities
+  float* corr = sc + pl.rows_max * kBlock;          // (rows): e^{m_old − m_new} of the current block
+  const int64_t q_first = p.q_start[it.b] + it.t0;  // position of the tile's first query
+  const int64_t q_last = q_first + it.tq - 1;
+  // Row r = hh·tq + t: query head g·G + hh, query t0 + t.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t hh = r / it.tq, t = r % it.tq;
+    const float* q = p.q.row(it.b, it.g * G + hh, it.t0 + t);
+    for (int64_t x = 0; x < d; ++x) qs[r * d + x] = p.scale * q[x * p.q.stride[3]];
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  std::fill(acc, acc + rows * d_v, 0.0f);
+
+  const T* kbase = static_cast<const T*>(p.k) + (it.b * p.kv_heads + it.g) * p.capacity * d;
+  const T* vbase = static_cast<const T*>(p.v) + (it.b * p.kv_heads + it.g) * p.capacity * d_v;
+  const T* keys[kBlock];
+  const T* vals[kBlock];
+  const auto neg_inf = hn::Set(df, kNegInf);
+  for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
+    const int64_t nb = std::min(kBlock, it.hi - p0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t slot = p.ring ? (p0 + j) % p.capacity : p0 + j;
+      keys[j] = kbase + slot * d;
+      vals[j] = vbase + slot * d_v;
+    }
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) ScoreRows<4>(qs, d, keys, nb, r, sc);
+    for (; r < rows; ++r) ScoreRows<1>(qs, d, keys, nb, r, sc);
+    // Causal / window masks, only where the block is not visible to every row.
+    const bool all_visible = p0 + nb - 1 <= q_first && (p.window == 0 || p0 > q_last - p.window);
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      float* s = sc + rr * kBlock;
+      const int64_t qpos = q_first + rr % it.tq;
+      if (!all_visible)
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t pos = p0 + j;
+          if (pos > qpos || (p.window > 0 && pos <= qpos - p.window)) s[j] = kNegInf;
+        }
+      for (int64_t j = nb; j < kBlock; ++j) s[j] = kNegInf;
+      float bmax = kNegInf;
+      for (int64_t j = 0; j < nb; ++j) bmax = std::max(bmax, s[j]);
+      const float m_new = std::max(m[rr], bmax);
+      if (m_new == kNegInf) {  // nothing visible yet: probabilities 0, state unchanged
+        corr[rr] = 1.0f;
+        std::fill(s, s + kBlock, 0.0f);
+        continue;
+      }
+      corr[rr] = m[rr] == kNegInf ? 0.0f : std::exp(m[rr] - m_new);
+      const auto mv = hn::Set(df, m_new);
+      auto sum = hn::Zero(df);
+      for (int64_t j = 0; j < kBlock; j += L) {
+        const auto x = hn::LoadU(df, s + j);
+        const auto e = hn::IfThenElseZero(hn::Gt(x, neg_inf), hn::Exp(df, hn::Sub(x, mv)));
+        hn::StoreU(e, df, s + j);
+        sum = hn::Add(sum, e);
+      }
+      l[rr] = l[rr] * corr[rr] + hn::GetLane(hn::SumOfLanes(df, sum));
+      m[rr] = m_new;
+    }
+    r = 0;
+    for (; r + 4 <= rows; r += 4) AccumulateRows<4>(sc, corr, vals, nb, d_v, r, acc);
+    for (; r < rows; ++r) AccumulateRows<1>(sc, corr, vals, nb, d_v, r, acc);
+  }
+}
+
+void DecodeItem(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
+  if (p.dtype == CacheDtype::BF16)
+    DecodeItemT<uint16_t>(p, index, partial, scratch);
+  else
+    DecodeItemT<float>(p, index, partial, scratch);
+}
+
+}  // namespace mha::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <omp.h>
+
+namespace mha::kernels {
+
+HWY_EXPORT(DecodeItem);
+
+using namespace decode_detail;
+
+size_t decode_workspace_floats(const DecodeParams& p) {
+  const Plan pl = make_plan(p);
+  return static_cast<size_t>(pl.items * partial_floats(pl, p.d_v) + std::max(1, p.threads) * scratch_floats(pl, p.d()));
+}
+
+void decode_attention(const DecodeParams& p, float* workspace) {
+  const Plan pl = make_plan(p);
+  if (pl.items == 0) return;
+  const int64_t part = partial_floats(pl, p.d_v);
+  float* partials = workspace;
+  float* scratch = workspace + pl.items * part;
+  const int64_t scratch_each = scratch_floats(pl, p.d());
+  auto* const item_fn = HWY_DYNAMIC_DISPATCH(DecodeItem);  // dispatched once per call
+
+#pragma omp parallel num_threads(std::max(1, p.threads))
+  {
+    float* mine = scratch + omp_get_thread_num() * scratch_each;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < pl.items; ++i) item_fn(p, i, partials + i * part, mine);
+
+      // Merge the splits of each (b, g, query tile), in split order.
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < pl.items / pl.splits; ++tile) {
+      const Item it = item_at(p, pl, tile * pl.splits);
+      const float* first = partials + tile * pl.splits * part;
+      for (int64_t r = 0; r < pl.group * it.tq; ++r) {
+        const int64_t head = it.g * pl.group + r / it.tq, query = it.t0 + r % it.tq;
+        float M = kNegInf;
+        for (int64_t s = 0; s < pl.splits; ++s) M = std::max(M, first[s * part + r]);
+        float* out = p.out.row(it.b, head, query);
+        const int64_t os = p.out.stride[3];
+        if (M == kNegInf) {  // no visible key: zeros, lse −inf (SEMANTICS 4)
+          for (int64_t x = 0; x < p.d_v; ++x) out[x * os] = 0.0f;
+          if (!p.lse.empty()) p.lse(it.b, head, query, 0) = kNegInf;
+          continue;
+        }
+        double Lsum = 0.0;
+        for (int64_t x = 0; x < p.d_v; ++x) out[x * os] = 0.0f;
+        for (int64_t s = 0; s < pl.splits; ++s) {
+          const float* ps = first + s * part;
+          if (ps[r] == kNegInf) continue;
+          const float w = std::exp(ps[r] - M);
+          Lsum += static_cast<double>(w) * ps[pl.rows_max + r];
+          const float* acc = ps + 2 * pl.rows_max + r * p.d_v;
+          for (int64_t x = 0; x < p.d_v; ++x) out[x * os] += w * acc[x];
+        }
+        const float inv = static_cast<float>(1.0 / Lsum);
+        for (int64_t x = 0; x < p.d_v; ++x) out[x * os] *= inv;
+        if (!p.lse.empty()) p.lse(it.b, head, query, 0) = M + static_cast<float>(std::log(Lsum));
+      }
+    }
+  }
+}
+
+}  // namespace mha::kernels
+#endif

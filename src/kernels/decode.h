@@ -1,0 +1,51 @@
+// kernels/decode.h — attention of a few queries against a long KV cache (flash-decoding), and
+// rotary embeddings. Kernels take validated params; they neither allocate nor do I/O.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "mha/kv_cache.h"
+#include "mha/rope.h"
+#include "mha/tensor.h"
+
+namespace mha::kernels {
+
+// ---- rotary embeddings ---------------------------------------------------------------------
+struct RopeParams {
+  View4<float> x;                  // (B, heads, T, d), rotated in place
+  const int64_t* start = nullptr;  // (B) absolute position of row 0, or null for 0
+  double theta = 10000.0;
+  int64_t dims = 0;  // even, ≤ d
+  RopeLayout layout = RopeLayout::HalfSplit;
+};
+void rope_inplace(const RopeParams& p);
+
+// ---- decode attention over a cache ---------------------------------------------------------
+struct DecodeParams {
+  View4<const float> q;     // (B, h, T_q, d)
+  const void* k = nullptr;  // (B, kv, capacity, d) contiguous, float or bf16 by dtype
+  const void* v = nullptr;  // (B, kv, capacity, d_v)
+  CacheDtype dtype = CacheDtype::F32;
+  int64_t kv_heads = 0, capacity = 0, d_v = 0;
+  bool ring = false;                   // position p lives in slot p mod capacity (else slot p)
+  const int64_t* key_first = nullptr;  // (B) first position held
+  const int64_t* key_end = nullptr;    // (B) one past the last position held
+  const int64_t* q_start = nullptr;    // (B) absolute position of query row 0
+  int64_t window = 0;                  // 0 = unlimited
+  float scale = 1.0f;
+  int splits = 1;  // ≥ 1, independent of threads
+  int threads = 1;
+  View4<float> out;  // (B, h, T_q, d_v)
+  View4<float> lse;  // (B, h, T_q, 1), optional
+
+  int64_t batch() const { return q.shape[0]; }
+  int64_t heads() const { return q.shape[1]; }
+  int64_t t_q() const { return q.shape[2]; }
+  int64_t d() const { return q.shape[3]; }
+  int64_t group() const { return heads() / kv_heads; }
+};
+size_t decode_workspace_floats(const DecodeParams& p);
+void decode_attention(const DecodeParams& p, float* workspace);
+
+}  // namespace mha::kernels

@@ -1,0 +1,231 @@
+// layers/kv_cache.cpp — the KV cache (storage, append, reset, clone) and attention over it.
+#include "mha/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/decode.h"
+#include "mha/sdpa.h"
+
+namespace mha {
+
+namespace {
+
+std::string view_shape(const auto& v) { return shape_str(v.shape_vec()); }
+
+template <class T>
+void store(T& dst, float x);
+template <>
+void store(float& dst, float x) {
+  dst = x;
+}
+template <>
+void store(bf16& dst, float x) {
+  dst = to_bf16(x);
+}
+
+}  // namespace
+
+KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
+  const KvCacheConfig& c = config_;
+  if (c.batch <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.value_dim < 0 || c.capacity <= 0)
+    fail("KvCache: batch, kv_heads, head_dim and capacity must be ≥ 1 (value_dim ≥ 0), got batch ", c.batch,
+         ", kv_heads ", c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", capacity ", c.capacity);
+  const size_t nk = static_cast<size_t>(c.batch * c.kv_heads * c.capacity * c.head_dim);
+  const size_t nv = static_cast<size_t>(c.batch * c.kv_heads * c.capacity * c.v_dim());
+  if (c.dtype == CacheDtype::BF16) {
+    k16_.resize(nk);
+    v16_.resize(nv);
+  } else {
+    k32_.resize(nk);
+    v32_.resize(nv);
+  }
+  lengths_.assign(static_cast<size_t>(c.batch), 0);
+}
+
+KvCache KvCache::clone() const {
+  KvCache copy;
+  copy.config_ = config_;
+  copy.lengths_ = lengths_;
+  copy.k32_ = k32_;
+  copy.v32_ = v32_;
+  copy.k16_ = k16_;
+  copy.v16_ = v16_;
+  return copy;
+}
+
+size_t KvCache::bytes() const {
+  return (k32_.size() + v32_.size()) * sizeof(float) + (k16_.size() + v16_.size()) * sizeof(bf16);
+}
+
+void KvCache::check_batch_index(int64_t b, const char* who) const {
+  if (b < 0 || b >= config_.batch)
+    fail("KvCache::", who, ": sequence ", b, " is out of range [0, ", config_.batch, ")");
+}
+
+int64_t KvCache::length(int64_t b) const {
+  check_batch_index(b, "length");
+  return lengths_[static_cast<size_t>(b)];
+}
+int64_t KvCache::first(int64_t b) const {
+  const int64_t len = length(b);
+  return config_.ring ? std::max<int64_t>(0, len - config_.capacity) : 0;
+}
+int64_t KvCache::remaining(int64_t b) const {
+  return config_.ring ? std::numeric_limits<int64_t>::max() : config_.capacity - length(b);
+}
+
+const void* KvCache::k_data() const {
+  return config_.dtype == CacheDtype::BF16 ? static_cast<const void*>(k16_.data()) : k32_.data();
+}
+const void* KvCache::v_data() const {
+  return config_.dtype == CacheDtype::BF16 ? static_cast<const void*>(v16_.data()) : v32_.data();
+}
+
+float KvCache::k_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
+  if (p < first(b) || p >= length(b)) fail("KvCache::k_at: position ", p, " is not held by sequence ", b);
+  const size_t i =
+      static_cast<size_t>(((b * config_.kv_heads + g) * config_.capacity + slot(p)) * config_.head_dim + x);
+  return config_.dtype == CacheDtype::BF16 ? to_float(k16_[i]) : k32_[i];
+}
+float KvCache::v_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
+  if (p < first(b) || p >= length(b)) fail("KvCache::v_at: position ", p, " is not held by sequence ", b);
+  const size_t i = static_cast<size_t>(((b * config_.kv_heads + g) * config_.capacity + slot(p)) * config_.v_dim() + x);
+  return config_.dtype == CacheDtype::BF16 ? to_float(v16_[i]) : v32_[i];
+}
+
+template <class T>
+void KvCache::store_rows(std::vector<T>& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count,
+                         int64_t dim) {
+  const int64_t len = lengths_[static_cast<size_t>(b)];
+  // A ring keeps only the last `capacity` of the new rows.
+  const int64_t skip = config_.ring ? std::max<int64_t>(0, count - config_.capacity) : 0;
+  for (int64_t g = 0; g < config_.kv_heads; ++g) {
+    T* head = dst.data() + (b * config_.kv_heads + g) * config_.capacity * dim;
+    for (int64_t t = skip; t < count; ++t) {
+      T* row = head + slot(len + t) * dim;
+      const float* in = src.row(b_src, g, t);
+      for (int64_t x = 0; x < dim; ++x) store(row[x], in[x * src.stride[3]]);
+    }
+  }
+}
+
+void KvCache::store_sequence(View4<const float> k, View4<const float> v, int64_t b_src, int64_t b, int64_t n) {
+  if (config_.dtype == CacheDtype::BF16) {
+    store_rows(k16_, k, b_src, b, n, config_.head_dim);
+    store_rows(v16_, v, b_src, b, n, config_.v_dim());
+  } else {
+    store_rows(k32_, k, b_src, b, n, config_.head_dim);
+    store_rows(v32_, v, b_src, b, n, config_.v_dim());
+  }
+  lengths_[static_cast<size_t>(b)] += n;
+}
+
+void KvCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) {
+  const KvCacheConfig& c = config_;
+  const Shape want_k{c.batch, c.kv_heads, k.shape[2], c.head_dim}, want_v{c.batch, c.kv_heads, k.shape[2], c.v_dim()};
+  if (k.shape_vec() != want_k || v.shape_vec() != want_v)
+    fail("KvCache::append: key ", view_shape(k), " and value ", view_shape(v), " must be ", shape_str(want_k), " and ",
+         shape_str(want_v), " (batch, kv_heads, T, d)");
+  const int64_t T = k.shape[2];
+  if (!counts.empty() && static_cast<int64_t>(counts.size()) != c.batch)
+    fail("KvCache::append: counts has ", counts.size(), " entries, expected one per sequence (", c.batch, ")");
+  // Check everything before changing anything.
+  for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t n = counts.empty() ? T : counts[static_cast<size_t>(b)];
+    if (n < 0 || n > T) fail("KvCache::append: counts[", b, "] = ", n, " is outside [0, ", T, "]");
+    if (n > remaining(b))
+      fail("KvCache::append: sequence ", b, " holds ", length(b), " of ", c.capacity, " positions; appending ", n,
+           " would exceed the capacity (make the cache larger, or a ring for sliding-window attention)");
+  }
+  if (T > 0 && (k.empty() || v.empty())) fail("KvCache::append: key or value has no data");
+  for (int64_t b = 0; b < c.batch; ++b) {
+    store_sequence(k, v, b, b, counts.empty() ? T : counts[static_cast<size_t>(b)]);
+  }
+}
+
+void KvCache::append_sequence(int64_t b, View4<const float> k, View4<const float> v) {
+  check_batch_index(b, "append_sequence");
+  const KvCacheConfig& c = config_;
+  const Shape want_k{1, c.kv_heads, k.shape[2], c.head_dim}, want_v{1, c.kv_heads, k.shape[2], c.v_dim()};
+  if (k.shape_vec() != want_k || v.shape_vec() != want_v)
+    fail("KvCache::append_sequence: key ", view_shape(k), " and value ", view_shape(v), " must be ", shape_str(want_k),
+         " and ", shape_str(want_v), " (1, kv_heads, T, d)");
+  const int64_t n = k.shape[2];
+  if (n > remaining(b))
+    fail("KvCache::append_sequence: sequence ", b, " holds ", length(b), " of ", c.capacity, " positions; appending ",
+         n, " would exceed the capacity");
+  if (n > 0 && (k.empty() || v.empty())) fail("KvCache::append_sequence: key or value has no data");
+  store_sequence(k, v, 0, b, n);
+}
+
+void KvCache::reset() { std::fill(lengths_.begin(), lengths_.end(), 0); }
+void KvCache::reset(int64_t b) {
+  check_batch_index(b, "reset");
+  lengths_[static_cast<size_t>(b)] = 0;
+}
+
+int auto_cache_splits(int64_t batch, int64_t kv_heads, int64_t q_rows_per_group, int64_t keys) {
+  // Enough independent items to keep many cores busy (≥ 64), but no split shorter than 256
+  // positions, where the merge would start to cost more than it saves. Thread count is not an input.
+  const int64_t units = std::max<int64_t>(1, batch * kv_heads * std::max<int64_t>(1, q_rows_per_group / 16));
+  const int64_t by_work = (64 + units - 1) / units;
+  const int64_t by_length = std::max<int64_t>(1, keys / 256);
+  return static_cast<int>(std::clamp<int64_t>(std::min(by_work, by_length), 1, 64));
+}
+
+void attend_cache(View4<const float> q, const KvCache& cache, std::span<const int64_t> q_start,
+                  const CacheAttentionOptions& options, View4<float> out, View4<float> lse) {
+  const KvCacheConfig& c = cache.config();
+  if (c.capacity == 0) fail("attend_cache: the cache is empty-constructed (no storage)");
+  const int64_t B = q.shape[0], H = q.shape[1], Tq = q.shape[2], d = q.shape[3];
+  if (B != c.batch || d != c.head_dim || H <= 0 || H % c.kv_heads != 0)
+    fail("attend_cache: query ", view_shape(q), " must be (", c.batch, ", h, T_q, ", c.head_dim,
+         ") with h a multiple of the cache's ", c.kv_heads, " kv_heads");
+  const Shape want_out{B, H, Tq, c.v_dim()};
+  if (out.shape_vec() != want_out)
+    fail("attend_cache: out has shape ", view_shape(out), ", expected ", shape_str(want_out));
+  if (!lse.empty() && lse.shape_vec() != Shape{B, H, Tq, 1})
+    fail("attend_cache: lse has shape ", view_shape(lse), ", expected ", shape_str({B, H, Tq, 1}));
+  if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
+    fail("attend_cache: q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
+  if (options.window < 0) fail("attend_cache: window must be ≥ 0 (0 = unlimited), got ", options.window);
+  if (options.splits < 0) fail("attend_cache: splits must be ≥ 0 (0 = auto), got ", options.splits);
+  if (options.scale && !std::isfinite(*options.scale)) fail("attend_cache: scale must be finite, got ", *options.scale);
+  if (B * H * Tq == 0) return;
+  if (q.empty() || out.empty()) fail("attend_cache: query or output has no data");
+
+  std::vector<int64_t> first(static_cast<size_t>(B)), end(static_cast<size_t>(B)), start(static_cast<size_t>(B));
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const size_t i = static_cast<size_t>(b);
+    first[i] = cache.first(b);
+    end[i] = cache.length(b);
+    start[i] = q_start.empty() ? end[i] : q_start[i];
+    if (start[i] < 0) fail("attend_cache: q_start[", b, "] = ", start[i], " is negative");
+    longest = std::max(longest, end[i] - first[i]);
+  }
+  kernels::DecodeParams p;
+  p.q = q;
+  p.k = cache.k_data();
+  p.v = cache.v_data();
+  p.dtype = c.dtype;
+  p.kv_heads = c.kv_heads;
+  p.capacity = c.capacity;
+  p.d_v = c.v_dim();
+  p.ring = c.ring;
+  p.key_first = first.data();
+  p.key_end = end.data();
+  p.q_start = start.data();
+  p.window = options.window;
+  p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  p.splits = options.splits > 0 ? options.splits : auto_cache_splits(B, c.kv_heads, (H / c.kv_heads) * Tq, longest);
+  p.threads = options.threads > 0 ? options.threads : num_threads();
+  p.out = out;
+  p.lse = lse;
+  std::vector<float> workspace(kernels::decode_workspace_floats(p));
+  kernels::decode_attention(p, workspace.data());
+}
+
+}  // namespace mha

@@ -1,0 +1,30 @@
+// layers/rope.cpp — the public rotary-embedding entry: validate once, then the kernel.
+#include "mha/rope.h"
+
+#include <cmath>
+
+#include "kernels/decode.h"
+
+namespace mha {
+
+void Rope::validate(int64_t head_dim) const {
+  if (!(theta > 0.0) || !std::isfinite(theta)) fail("Rope: theta must be finite and > 0, got ", theta);
+  const int64_t r = rotary_dims(head_dim);
+  if (dims < 0 || r % 2 != 0 || r > head_dim)
+    fail("Rope: rotary dims must be even and ≤ the head dim ", head_dim, " (0 = all), got ", dims);
+}
+
+void apply_rope(View4<float> x, const Rope& rope, const int64_t* start) {
+  rope.validate(x.shape[3]);
+  if (x.shape[0] * x.shape[1] * x.shape[2] * x.shape[3] == 0) return;
+  if (x.empty()) fail("apply_rope: x ", shape_str(x.shape_vec()), " has no data");
+  kernels::RopeParams p;
+  p.x = x;
+  p.start = start;
+  p.theta = rope.theta;
+  p.dims = rope.rotary_dims(x.shape[3]);
+  p.layout = rope.layout;
+  kernels::rope_inplace(p);
+}
+
+}  // namespace mha

@@ -1,0 +1,478 @@
+// Inference decoding: the KV cache, incremental forward (prefill + token-by-token decode equals the
+// full causal forward), the split-K decode kernel, sliding windows with a ring cache, and RoPE
+// against PyTorch.
+#include <hwy/targets.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "mha/kv_cache.h"
+#include "mha/module.h"
+#include "mha/rope.h"
+#include "mha/safetensors.h"
+#include "support/test_support.h"
+
+namespace mha {
+namespace {
+
+using testing::all_close;
+using testing::bitwise_equal;
+using testing::random_tensor;
+
+constexpr double kEps = 1.1920928955078125e-07;  // float32 ε
+// Prefill/decode and the full forward add the same terms in different orders (split softmax
+// merged by log-sum-exp vs one pass): a few hundred ε of the O(1) outputs covers it.
+constexpr double kF32Tol = 256 * kEps;
+
+/// Tokens [t0, t1) of a batch-first (B, T, E) tensor.
+Tensor tokens(const Tensor& x, int64_t t0, int64_t t1) {
+  const int64_t B = x.size(0), T = x.size(1), E = x.size(2);
+  Tensor out({B, t1 - t0, E});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t e = 0; e < E; ++e) out.at({b, t - t0, e}) = x.data()[(b * T + t) * E + e];
+  return out;
+}
+
+/// Writes `part` (B, n, E) into tokens [t0, t0 + n) of `all` (B, T, E).
+void put_tokens(Tensor& all, const Tensor& part, int64_t t0) {
+  const int64_t B = all.size(0), T = all.size(1), E = all.size(2), n = part.size(1);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t e = 0; e < E; ++e) all.data()[(b * T + t0 + t) * E + e] = part.at({b, t, e});
+}
+
+struct DecodeSetup {
+  int64_t E = 32, h = 4, kv = 4;
+  int64_t window = 0;
+  Rope rope;
+  CacheDtype dtype = CacheDtype::F32;
+  bool ring = false;
+};
+
+DecodeSetup setup(int64_t E = 32, int64_t h = 4, int64_t kv = 4, int64_t window = 0, Rope rope = {},
+                  CacheDtype dtype = CacheDtype::F32, bool ring = false) {
+  DecodeSetup s;
+  s.E = E, s.h = h, s.kv = kv, s.window = window, s.rope = rope, s.dtype = dtype, s.ring = ring;
+  return s;
+}
+
+MultiheadAttention make_module(const DecodeSetup& s) {
+  MhaConfig c;
+  c.embed_dim = s.E;
+  c.num_heads = s.h;
+  c.num_kv_heads = s.kv;
+  c.layout = Layout::BatchFirst;
+  c.rope = s.rope;
+  MultiheadAttention m(c, 7);
+  // Nonzero biases, so a bias added twice or at the wrong place would show.
+  for (float& x : m.params().in_proj_bias.values()) x = 0.01f * static_cast<float>(&x - m.params().in_proj_bias.data());
+  return m;
+}
+
+KvCache make_cache(const DecodeSetup& s, int64_t batch, int64_t capacity) {
+  KvCacheConfig cc;
+  cc.batch = batch;
+  cc.kv_heads = s.kv;
+  cc.head_dim = s.E / s.h;
+  cc.capacity = s.ring ? s.window : capacity;
+  cc.dtype = s.dtype;
+  cc.ring = s.ring;
+  return KvCache(cc);
+}
+
+/// Prefill `prefill` tokens, then decode the rest one by one; returns all outputs (B, T, E).
+Tensor incremental(const MultiheadAttention& m, const DecodeSetup& s, const Tensor& x, int64_t prefill,
+                   int splits = 0) {
+  const int64_t T = x.size(1);
+  KvCache cache = make_cache(s, x.size(0), T);
+  IncrementalOptions o;
+  o.window = s.window;
+  o.splits = splits;
+  Tensor all(x.shape());
+  int64_t t = 0;
+  while (t < T) {
+    const int64_t n = t == 0 ? prefill : 1;
+    const Tensor in = tokens(x, t, t + n);
+    put_tokens(all, m.forward_incremental(in, in, in, cache, o).output, t);
+    t += n;
+  }
+  EXPECT_EQ(cache.length(0), T);
+  return all;
+}
+
+Tensor full_forward(const MultiheadAttention& m, const DecodeSetup& s, const Tensor& x) {
+  MhaForwardOptions o;
+  o.causal = Causal::top_left().with_window(s.window);
+  return m.forward(x, x, x, o).output;
+}
+
+void expect_incremental_matches(const DecodeSetup& s, int64_t B, int64_t T, int64_t prefill, double tol = kF32Tol) {
+  const MultiheadAttention m = make_module(s);
+  const Tensor x = random_tensor({B, T, s.E}, 11);
+  EXPECT_TRUE(all_close(incremental(m, s, x, prefill), full_forward(m, s, x), tol, tol));
+}
+
+TEST(Incremental, PrefillThenDecodeEqualsFullForward) { expect_incremental_matches(setup(), 2, 13, 5); }
+
+TEST(Incremental, TokenByTokenFromEmptyCache) { expect_incremental_matches(setup(), 1, 9, 1); }
+
+TEST(Incremental, GroupedAndMultiQuery) {
+  expect_incremental_matches(setup(32, 4, 2), 2, 12, 4);
+  expect_incremental_matches(setup(48, 6, 1), 1, 11, 3);
+}
+
+TEST(Incremental, SlidingWindow) {
+  expect_incremental_matches(setup(32, 4, 2, 3), 2, 14, 6);
+  expect_incremental_matches(setup(32, 4, 4, 1), 1, 7, 2);
+}
+
+TEST(Incremental, SlidingWindowRingCache) {
+  // A ring of W positions; the prefill chunk (9) is longer than the ring (4).
+  expect_incremental_matches(setup(32, 4, 2, 4, Rope{}, CacheDtype::F32, true), 2, 20, 9);
+}
+
+TEST(Incremental, Rope) {
+  expect_incremental_matches(setup(32, 4, 2, 0, Rope::half_split()), 2, 12, 5);
+  expect_incremental_matches(setup(48, 4, 4, 0, Rope::interleaved(500.0, 8)), 1, 10, 4);
+  expect_incremental_matches(setup(32, 4, 1, 5, Rope::half_split(10000.0, 4), CacheDtype::F32, true), 1, 17, 7);
+}
+
+TEST(Incremental, Bf16CacheWithinBf16Rounding) {
+  // K and V are rounded to bf16 (relative error 2⁻⁹); the outputs move by about that much.
+  expect_incremental_matches(setup(32, 4, 2, 0, Rope{}, CacheDtype::BF16), 1, 12, 4, 8.0 / 512);
+}
+
+TEST(Incremental, SplitCountDoesNotChangeTheAnswer) {
+  const DecodeSetup s = setup(32, 4, 2);
+  const MultiheadAttention m = make_module(s);
+  const Tensor x = random_tensor({1, 40, s.E}, 5);
+  EXPECT_TRUE(all_close(incremental(m, s, x, 3, 1), incremental(m, s, x, 3, 5), kF32Tol, kF32Tol));
+}
+
+TEST(Incremental, BatchOfDifferentLengths) {
+  // Prompts of 6, 3 and 1 tokens, right-padded to 6, then 4 decoded tokens each; every sequence
+  // must equal its own full causal forward. Padding holds NaN: it must never be read.
+  const DecodeSetup s = setup(32, 4, 2, 0, Rope::half_split());
+  const MultiheadAttention m = make_module(s);
+  const std::vector<int64_t> prompt{6, 3, 1};
+  const int64_t B = 3, P = 6, steps = 4;
+  std::vector<Tensor> seq;
+  for (int64_t b = 0; b < B; ++b) seq.push_back(random_tensor({1, prompt[b] + steps, s.E}, 100 + b));
+  Tensor first({B, P, s.E}, std::numeric_limits<float>::quiet_NaN());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < prompt[b]; ++t)
+      for (int64_t e = 0; e < s.E; ++e) first.at({b, t, e}) = seq[b].at({0, t, e});
+  KvCache cache = make_cache(s, B, 16);
+  IncrementalOptions o;
+  o.new_lengths = prompt;
+  const Tensor pre = m.forward_incremental(first, first, first, cache, o).output;
+  std::vector<Tensor> got;
+  for (int64_t b = 0; b < B; ++b) {
+    Tensor mine({1, prompt[b] + steps, s.E});
+    for (int64_t t = 0; t < prompt[b]; ++t)
+      for (int64_t e = 0; e < s.E; ++e) mine.at({0, t, e}) = pre.at({b, t, e});
+    got.push_back(std::move(mine));
+    // Rows past a sequence's prompt are zero-attention rows: output = out_proj bias (0 here).
+    for (int64_t t = prompt[b]; t < P; ++t)
+      for (int64_t e = 0; e < s.E; ++e) ASSERT_EQ(pre.at({b, t, e}), 0.0f);
+  }
+  o.new_lengths.clear();
+  for (int64_t k = 0; k < steps; ++k) {
+    Tensor step({B, 1, s.E});
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t e = 0; e < s.E; ++e) step.at({b, 0, e}) = seq[b].at({0, prompt[b] + k, e});
+    const Tensor y = m.forward_incremental(step, step, step, cache, o).output;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t e = 0; e < s.E; ++e) got[b].at({0, prompt[b] + k, e}) = y.at({b, 0, e});
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    EXPECT_EQ(cache.length(b), prompt[b] + steps);
+    EXPECT_TRUE(all_close(got[b], full_forward(m, s, seq[b]), kF32Tol, kF32Tol)) << "sequence " << b;
+  }
+}
+
+TEST(Incremental, SeqFirstLayoutAndCrossInputs) {
+  // Seq-first (T, B, E) inputs and distinct key/value inputs (kdim / vdim) go through the same path.
+  MhaConfig c;
+  c.embed_dim = 16, c.num_heads = 2, c.num_kv_heads = 1, c.kdim = 12, c.vdim = 20;
+  const MultiheadAttention m(c, 3);
+  const int64_t T = 7, B = 2;
+  const Tensor q = random_tensor({T, B, 16}, 1), k = random_tensor({T, B, 12}, 2), v = random_tensor({T, B, 20}, 3);
+  MhaForwardOptions fo;
+  fo.causal = Causal::top_left();
+  const Tensor want = m.forward(q, k, v, fo).output;
+  KvCache cache(KvCacheConfig{.batch = B, .kv_heads = 1, .head_dim = 8, .capacity = T});
+  auto rows = [&](const Tensor& x, int64_t t0, int64_t t1) {
+    Tensor out({t1 - t0, B, x.size(2)});
+    std::copy(x.data() + t0 * B * x.size(2), x.data() + t1 * B * x.size(2), out.data());
+    return out;
+  };
+  Tensor got({T, B, 16});
+  for (int64_t t0 : {0, 4, 5, 6}) {
+    const int64_t t1 = t0 == 0 ? 4 : t0 + 1;
+    const Tensor y = m.forward_incremental(rows(q, t0, t1), rows(k, t0, t1), rows(v, t0, t1), cache).output;
+    std::copy(y.data(), y.data() + y.numel(), got.data() + t0 * B * 16);
+  }
+  EXPECT_TRUE(all_close(got, want, kF32Tol, kF32Tol));
+}
+
+// ---- the KV cache ----------------------------------------------------------------------------
+
+TEST(KvCache, AppendLengthsResetClone) {
+  KvCache cache(KvCacheConfig{.batch = 2, .kv_heads = 2, .head_dim = 3, .capacity = 5});
+  const Tensor k = random_tensor({2, 2, 3, 3}, 1), v = random_tensor({2, 2, 3, 3}, 2);
+  const std::vector<int64_t> counts{3, 1};
+  cache.append(k.view4(), v.view4(), counts);
+  EXPECT_EQ(cache.length(0), 3);
+  EXPECT_EQ(cache.length(1), 1);
+  EXPECT_EQ(cache.k_at(0, 1, 2, 2), k.at({0, 1, 2, 2}));
+  EXPECT_EQ(cache.v_at(1, 0, 0, 1), v.at({1, 0, 0, 1}));
+  KvCache copy = cache.clone();
+  cache.reset(0);
+  EXPECT_EQ(cache.length(0), 0);
+  EXPECT_EQ(cache.length(1), 1);
+  EXPECT_EQ(copy.length(0), 3);  // the clone is independent
+  EXPECT_EQ(copy.k_at(0, 1, 2, 2), k.at({0, 1, 2, 2}));
+  cache.reset();
+  EXPECT_EQ(cache.length(1), 0);
+  EXPECT_EQ(cache.bytes(), 2u * 2 * 2 * 5 * 3 * sizeof(float));
+}
+
+TEST(KvCache, CapacityErrorChangesNothing) {
+  KvCache cache(KvCacheConfig{.batch = 2, .kv_heads = 1, .head_dim = 2, .capacity = 4});
+  const Tensor k = random_tensor({2, 1, 3, 2}, 1);
+  cache.append(k.view4(), k.view4());
+  try {
+    cache.append(k.view4(), k.view4());
+    FAIL() << "expected mha::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache.length(0), 3);
+  EXPECT_EQ(cache.length(1), 3);
+}
+
+TEST(KvCache, RingKeepsTheLastPositions) {
+  KvCache cache(KvCacheConfig{.batch = 1, .kv_heads = 1, .head_dim = 1, .capacity = 3, .ring = true});
+  const Tensor k({1, 1, 5, 1}, {10, 11, 12, 13, 14});
+  cache.append(k.view4(), k.view4());
+  EXPECT_EQ(cache.length(0), 5);
+  EXPECT_EQ(cache.first(0), 2);
+  for (int64_t p = 2; p < 5; ++p) EXPECT_EQ(cache.k_at(0, 0, p, 0), 10.0f + static_cast<float>(p));
+  EXPECT_THROW(cache.k_at(0, 0, 1, 0), Error);
+}
+
+TEST(KvCache, BadArguments) {
+  EXPECT_THROW(KvCache(KvCacheConfig{.batch = 1, .kv_heads = 0, .head_dim = 4, .capacity = 4}), Error);
+  EXPECT_THROW(KvCache(KvCacheConfig{.batch = 1, .kv_heads = 1, .head_dim = 4, .capacity = 0}), Error);
+  KvCache cache(KvCacheConfig{.batch = 2, .kv_heads = 2, .head_dim = 4, .capacity = 8});
+  const Tensor wrong = random_tensor({2, 1, 3, 4}, 1);
+  EXPECT_THROW(cache.append(wrong.view4(), wrong.view4()), Error);
+  const Tensor k = random_tensor({2, 2, 3, 4}, 1);
+  const std::vector<int64_t> too_many{4, 1}, one{1};
+  EXPECT_THROW(cache.append(k.view4(), k.view4(), too_many), Error);
+  EXPECT_THROW(cache.append(k.view4(), k.view4(), one), Error);
+  EXPECT_THROW(cache.length(2), Error);
+  EXPECT_THROW(cache.reset(-1), Error);
+
+  const DecodeSetup s = setup(32, 4, 2);
+  const MultiheadAttention m = make_module(s);
+  const Tensor x = random_tensor({2, 3, 32}, 1);
+  KvCache bad_heads(KvCacheConfig{.batch = 2, .kv_heads = 4, .head_dim = 8, .capacity = 8});
+  EXPECT_THROW(m.forward_incremental(x, x, x, bad_heads), Error);
+  KvCache small = make_cache(s, 2, 4);
+  m.forward_incremental(x, x, x, small);
+  EXPECT_THROW(m.forward_incremental(x, x, x, small), Error);  // 6 > 4
+  EXPECT_EQ(small.length(0), 3);
+  KvCache ring(KvCacheConfig{.batch = 2, .kv_heads = 2, .head_dim = 8, .capacity = 4, .ring = true});
+  EXPECT_THROW(m.forward_incremental(x, x, x, ring), Error);  // a ring needs a window ≤ 4
+  IncrementalOptions o;
+  o.new_lengths = {1};
+  KvCache fresh = make_cache(s, 2, 8);
+  EXPECT_THROW(m.forward_incremental(x, x, x, fresh, o), Error);
+  o.new_lengths = {1, 4};
+  EXPECT_THROW(m.forward_incremental(x, x, x, fresh, o), Error);
+
+  MhaConfig c;
+  c.embed_dim = 32, c.num_heads = 4, c.rope = Rope::half_split(10000.0, 5);
+  EXPECT_THROW(c.validate(), Error);  // odd rotary dims
+  c.rope = Rope::half_split(10000.0, 10);
+  EXPECT_THROW(c.validate(), Error);  // more than d = 8
+  c.rope = Rope::half_split(-1.0);
+  EXPECT_THROW(c.validate(), Error);
+}
+
+// ---- the split-K decode kernel ---------------------------------------------------------------
+
+struct CacheCase {
+  KvCache cache;
+  Tensor q;
+};
+
+/// A (B=2, kv=2) cache of different lengths per sequence and h = 6 queries of T_q rows.
+CacheCase cache_case(CacheDtype dtype, int64_t tq, int64_t d = 20) {
+  CacheCase c{KvCache(KvCacheConfig{.batch = 2, .kv_heads = 2, .head_dim = d, .capacity = 700, .dtype = dtype}),
+              random_tensor({2, 6, tq, d}, 9)};
+  const Tensor k = random_tensor({2, 2, 700, d}, 10, -2.0f, 2.0f), v = random_tensor({2, 2, 700, d}, 11);
+  const std::vector<int64_t> lens{700, 333};
+  c.cache.append(k.view4(), v.view4(), lens);
+  return c;
+}
+
+Tensor attend(const CacheCase& c, int splits, int threads, int64_t window = 0, Tensor* lse = nullptr) {
+  Tensor out({2, 6, c.q.size(2), c.cache.config().head_dim});
+  CacheAttentionOptions o;
+  o.splits = splits;
+  o.threads = threads;
+  o.window = window;
+  View4<float> lse_view;
+  if (lse) {
+    *lse = Tensor({2, 6, c.q.size(2)});
+    lse_view = contiguous_view(lse->data(), 2, 6, c.q.size(2), 1);
+  }
+  attend_cache(c.q.view4(), c.cache, {}, o, out.view4(), lse_view);
+  return out;
+}
+
+/// The reference SDPA over the same cache contents (as float), queries at positions length + t.
+Tensor oracle(const CacheCase& c, int64_t window) {
+  const int64_t d = c.cache.config().head_dim, tq = c.q.size(2);
+  Tensor out({2, 6, tq, d});
+  for (int64_t b = 0; b < 2; ++b) {
+    const int64_t L = c.cache.length(b);
+    Tensor k({1, 2, L + tq, d}), v({1, 2, L + tq, d}), q({1, 6, tq, d});
+    for (int64_t g = 0; g < 2; ++g)
+      for (int64_t p = 0; p < L; ++p)
+        for (int64_t x = 0; x < d; ++x) {
+          k.at({0, g, p, x}) = c.cache.k_at(b, g, p, x);
+          v.at({0, g, p, x}) = c.cache.v_at(b, g, p, x);
+        }
+    // Rows L … L+tq−1 are the queries' own positions, masked away below (not in the cache).
+    BoolTensor pad({1, L + tq}, 0);
+    for (int64_t p = L; p < L + tq; ++p) pad.at({0, p}) = 1;
+    std::copy(c.q.data() + b * 6 * tq * d, c.q.data() + (b + 1) * 6 * tq * d, q.data());
+    SdpaOptions o;
+    o.backend = Backend::Reference;
+    o.masks.causal = Causal::with_offset(L).with_window(window);
+    o.masks.key_padding.view = {pad.data(), {1, 1, 1, L + tq}, {0, 0, 0, 1}};
+    const Tensor r = sdpa(q, k, v, o).out;
+    std::copy(r.data(), r.data() + r.numel(), out.data() + b * 6 * tq * d);
+  }
+  return out;
+}
+
+TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (int64_t tq : {1, 3}) {
+      const CacheCase c = cache_case(CacheDtype::F32, tq);
+      EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
+      EXPECT_TRUE(all_close(attend(c, 2, 2, 50), oracle(c, 50), kF32Tol, kF32Tol));
+    }
+    const CacheCase c16 = cache_case(CacheDtype::BF16, 2, 19);                    // odd d: vector tails
+    EXPECT_TRUE(all_close(attend(c16, 4, 2), oracle(c16, 0), kF32Tol, kF32Tol));  // same bf16 values
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST(DecodeKernel, SplitMergeEqualsUnsplit) {
+  const CacheCase c = cache_case(CacheDtype::F32, 2);
+  Tensor lse1, lse7;
+  const Tensor one = attend(c, 1, 1, 0, &lse1);
+  EXPECT_TRUE(all_close(attend(c, 7, 1, 0, &lse7), one, kF32Tol, kF32Tol));
+  EXPECT_TRUE(all_close(lse7, lse1, kF32Tol, kF32Tol));
+  EXPECT_TRUE(all_close(attend(c, 64, 1), one, kF32Tol, kF32Tol));  // more splits than blocks
+}
+
+TEST(DecodeKernel, SameSplitsAnyThreadsBitwise) {
+  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16}) {
+    const CacheCase c = cache_case(dtype, 1);
+    const Tensor base = attend(c, 5, 1);
+    EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), base));
+    EXPECT_TRUE(bitwise_equal(attend(c, 5, 3), base));
+    EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), attend(c, 5, 2)));
+  }
+}
+
+TEST(DecodeKernel, RowWithNoVisibleKeyGivesZeros) {
+  KvCache cache(KvCacheConfig{.batch = 1, .kv_heads = 1, .head_dim = 4, .capacity = 4});
+  const Tensor q = random_tensor({1, 2, 1, 4}, 1);
+  Tensor out({1, 2, 1, 4}, 5.0f), lse({1, 2, 1}, 5.0f);
+  attend_cache(q.view4(), cache, {}, {}, out.view4(), contiguous_view(lse.data(), 1, 2, 1, 1));
+  for (float x : out.values()) EXPECT_EQ(x, 0.0f);
+  for (float x : lse.values()) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+}
+
+TEST(DecodeKernel, BadArguments) {
+  const CacheCase c = cache_case(CacheDtype::F32, 1);
+  Tensor out({2, 6, 1, 20});
+  const Tensor q5 = random_tensor({2, 5, 1, 20}, 1);  // 5 heads over 2 kv heads
+  EXPECT_THROW(attend_cache(q5.view4(), c.cache, {}, {}, out.view4()), Error);
+  Tensor small({2, 6, 1, 19});
+  EXPECT_THROW(attend_cache(c.q.view4(), c.cache, {}, {}, small.view4()), Error);
+  CacheAttentionOptions o;
+  o.window = -1;
+  EXPECT_THROW(attend_cache(c.q.view4(), c.cache, {}, o, out.view4()), Error);
+  const std::vector<int64_t> starts{1};
+  EXPECT_THROW(attend_cache(c.q.view4(), c.cache, starts, {}, out.view4()), Error);
+}
+
+// ---- RoPE against PyTorch --------------------------------------------------------------------
+
+Rope rope_from(const io::SafetensorsFile& f) {
+  const auto& meta = f.metadata();
+  Rope r;
+  r.enabled = true;
+  r.theta = std::stod(meta.at("theta"));
+  r.dims = std::stoll(meta.at("dims"));
+  r.layout = meta.at("layout") == "interleaved" ? RopeLayout::Interleaved : RopeLayout::HalfSplit;
+  return r;
+}
+
+std::string golden(const std::string& name) { return std::string(MHA_GOLDEN_DIR) + "/rope/" + name + ".safetensors"; }
+
+TEST(RopeGolden, KernelMatchesPyTorch) {
+  for (const char* name :
+       {"rope_half_split_full", "rope_half_split_partial", "rope_interleaved_partial", "rope_interleaved_full"}) {
+    SCOPED_TRACE(name);
+    const io::SafetensorsFile f = io::SafetensorsFile::open(golden(name));
+    Tensor x = f.read_f32("x");
+    const Tensor start_f = f.read_f32("start");
+    std::vector<int64_t> start;
+    for (float s : start_f.values()) start.push_back(static_cast<int64_t>(s));
+    apply_rope(x.view4(), rope_from(f), start.data());
+    // One float32 rounding of cos/sin and of the products: a few ε of |x| ≤ 1.
+    EXPECT_TRUE(all_close(x, f.read_f32("expected"), 8 * kEps, 8 * kEps));
+  }
+}
+
+TEST(RopeGolden, ModuleFullAndIncrementalMatchPyTorch) {
+  for (const char* name : {"module_llama_gqa", "module_gptj_partial"}) {
+    SCOPED_TRACE(name);
+    const io::SafetensorsFile f = io::SafetensorsFile::open(golden(name));
+    const auto& meta = f.metadata();
+    MhaConfig c;
+    c.embed_dim = std::stoll(meta.at("embed_dim"));
+    c.num_heads = std::stoll(meta.at("num_heads"));
+    c.num_kv_heads = std::stoll(meta.at("num_kv_heads"));
+    c.bias = false;
+    c.layout = Layout::BatchFirst;
+    c.rope = rope_from(f);
+    MultiheadAttention m(c);
+    m.params().in_proj_weight = f.read_f32("in_proj_weight");
+    m.params().out_proj_weight = f.read_f32("out_proj_weight");
+    const Tensor x = f.read_f32("query"), want = f.read_f32("expected");
+    MhaForwardOptions o;
+    o.causal = Causal::top_left();
+    EXPECT_TRUE(all_close(m.forward(x, x, x, o).output, want, 2e-5, 2e-4));  // the shared checker's tolerance
+    const DecodeSetup s = setup(c.embed_dim, c.num_heads, c.num_kv_heads);
+    EXPECT_TRUE(all_close(incremental(m, s, x, 2), want, 2e-5, 2e-4));
+  }
+}
+
+}  // namespace
+}  // namespace mha
