@@ -23,10 +23,11 @@ std::string view_shape(const auto& v) { return shape_str(v.shape_vec()); }
 template <class T>
 View4<T> broadcast_to(View4<T> view, const std::array<int64_t, 4>& full, const char* what) {
   if (view.empty()) return view;
+  const View4<T> original = view;
   for (size_t a = 0; a < 4; ++a) {
     if (view.shape[a] == full[a]) continue;
     if (view.shape[a] != 1)
-      fail("sdpa: ", what, " has shape ", view_shape(view),
+      fail("sdpa: ", what, " has shape ", view_shape(original),
            ", which does not broadcast to (B, h, T_q, T_k) = ", shape_str({full[0], full[1], full[2], full[3]}));
     view.stride[a] = 0;
     view.shape[a] = full[a];
