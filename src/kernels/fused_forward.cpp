@@ -113,13 +113,16 @@ struct Ctx {
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/fused_forward.cpp"
-// SSSE3 adds nothing over SSE4 for this kernel; the portable baseline is EMU128.
+// SSSE3 adds nothing over SSE4 here; the portable baseline (SCALAR in Highway 1.0.3) stays.
 #define HWY_DISABLED_TARGETS HWY_SSSE3
 // AVX3_DL (Ice Lake / Zen 4 class) is where the bf16 dot product lives.
 #define HWY_WANT_AVX3_DL
-#include "hwy/contrib/math/math-inl.h"
+// foreach_target.h must come first: it re-includes this file once per target.
+// clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+// clang-format on
 
 #if HWY_TARGET == HWY_AVX3_DL
 #include <immintrin.h>
