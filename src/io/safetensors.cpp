@@ -372,6 +372,7 @@ Tensor SafetensorsFile::read_f32(const std::string& name) const {
   const std::byte* src = impl_->data + t.begin;
   float* dst = out.data();
   const auto n = static_cast<size_t>(out.numel());
+  if (n == 0) return out;  // an empty tensor has no storage to copy into
   switch (t.dtype) {
     case DType::F32:
       std::memcpy(dst, src, n * 4);
