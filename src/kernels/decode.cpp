@@ -16,11 +16,14 @@
 //
 // SIMD: Google Highway, compiled for each x86 target and dispatched once per call.
 
+// foreach_target.h must come first, and math-inl.h after highway.h: keep this order.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/decode.cpp"
-#include <hwy/contrib/math/math-inl.h>
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
+// clang-format on
 
 #include <algorithm>
 #include <cmath>
