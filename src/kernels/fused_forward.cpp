@@ -4,14 +4,14 @@
 // Shapes: Q (B, h, T_q, d), K (B, kv, T_k, d), V (B, kv, T_k, d_v), out (B, h, T_q, d_v),
 // lse (B, h, T_q, 1); query head i reads K/V head i / group (group = h / kv).
 //
-// Blocking and memory traffic. The work items are (batch, kv-head, block of kBq = 64 queries),
+// Blocking and memory traffic. The work items are (batch, kv-head, block of kBq = 128 queries),
 // dealt round-robin to OpenMP threads (static schedule, chunk 1, which also balances the
 // triangular causal work). One item owns the Q rows of every query head of its group, and per
 // head a running max m, running sum l and an output accumulator O (kBq × d_v, float32) in the
 // thread's scratch. It walks the keys in blocks of kBk = 64: each K/V block is read from memory
 // once per item, packed into scratch — K transposed (d × kBk) so that S = Q·Kᵀ loads contiguous
 // key vectors, V as contiguous rows (kBk × d_v) — and then used by all `group` query heads.
-// For each head: S (kBq × kBk, ~16 KiB, stays in L1/L2) = scale·Q·Kᵀ + masks; online softmax
+// For each head: S (kBq × kBk, 32 KiB, stays in L1/L2) = scale·Q·Kᵀ + masks; online softmax
 // (m' = max(m, rowmax S), P = exp(S − m'), l = l·e^{m−m'} + ΣP); O = e^{m−m'}·O + P·V. Both
 // products are register-blocked micro-GEMMs (kMR rows × kNV vectors of accumulators). So K and V
 // are streamed from memory T_q / kBq times per kv-head (not once per query head), Q and O once;
@@ -40,7 +40,7 @@
 #define MHA_FUSED_FORWARD_ONCE
 namespace mha::kernels::fused {
 
-constexpr int64_t kBq = 64;        // query rows per work item
+constexpr int64_t kBq = 128;       // query rows per work item
 constexpr int64_t kBk = 64;        // keys per K/V block (a multiple of every target's tile width)
 constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512)
 constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any target
@@ -344,8 +344,12 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
   for (int64_t r = 0; r < nq; ++r) {
     float* row = s + r * kBk;
     const int64_t i = i0 + r;
-    for (int64_t v = 0; v < nvec; ++v)
-      hn::StoreU(hn::MulAdd(hn::LoadU(df, row + v * N), vscale, hn::LoadU(df, kb + v * N)), df, row + v * N);
+    VF vmax = hn::Set(df, kNegInf);
+    for (int64_t v = 0; v < nvec; ++v) {
+      const VF x = hn::MulAdd(hn::LoadU(df, row + v * N), vscale, hn::LoadU(df, kb + v * N));
+      vmax = hn::Max(vmax, x);
+      hn::StoreU(x, df, row + v * N);
+    }
     if (elementwise) {
       const bool has_bias = !p.masks.bias.view.empty();
       for (int64_t jj = 0; jj < nk; ++jj) {
@@ -355,9 +359,9 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
         else if (has_bias)
           row[jj] += p.masks.bias.view(b, h, i, j0 + jj);
       }
+      vmax = hn::Set(df, kNegInf);
+      for (int64_t v = 0; v < nvec; ++v) vmax = hn::Max(vmax, hn::LoadU(df, row + v * N));
     }
-    VF vmax = hn::Set(df, kNegInf);
-    for (int64_t v = 0; v < nvec; ++v) vmax = hn::Max(vmax, hn::LoadU(df, row + v * N));
     const float m_old = m[r];
     const float m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(df, vmax)));
     // With nothing visible yet, m stays −inf; subtracting 0 instead keeps exp(−inf − m) = 0, not NaN.
