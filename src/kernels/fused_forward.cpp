@@ -92,6 +92,12 @@ inline float to_f32(bf16 x) { return to_float(x); }
 /// Two bf16 values as one 32-bit word, `lo` in the low half (the first in memory).
 inline uint32_t bf16_pair(bf16 lo, bf16 hi) { return uint32_t{lo.bits} | (uint32_t{hi.bits} << 16); }
 
+/// Prefetches the cache lines of one row (at most 32 of them; a wider stride is not worth it).
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t off = 0; off < std::min<int64_t>(bytes, 32 * 64); off += 64) __builtin_prefetch(p + off);
+}
+
 inline bool cpu_has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
@@ -121,7 +127,6 @@ struct Ctx {
 // clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "hwy/contrib/math/math-inl.h"
 // clang-format on
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -145,6 +150,25 @@ constexpr int kNV = 2;
 static_assert(kMR <= kMaxMR);
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
+
+/// exp(x) for x ≤ 0, the only arguments the online softmax forms; exactly 0 below −87 (and for
+/// −inf, masked scores). 2^t = 2^n · 2^f with n = round(t), |f| ≤ ½, and 2^f by its degree-6
+/// Taylor polynomial (truncation error (ln 2 / 2)⁷ / 7! ≈ 1.2e-8, under float32's ε).
+HWY_INLINE VF exp_nonpositive(DF df, VF x) {
+  const hn::RebindToSigned<DF> di;
+  const VF t = hn::Max(hn::Mul(x, hn::Set(df, 1.44269504088896341f)), hn::Set(df, -126.0f));
+  const VF n = hn::Round(t);
+  const VF f = hn::Sub(t, n);
+  VF p = hn::Set(df, 1.5403530393381606e-4f);
+  p = hn::MulAdd(p, f, hn::Set(df, 1.3333558146428443e-3f));
+  p = hn::MulAdd(p, f, hn::Set(df, 9.6181291076284772e-3f));
+  p = hn::MulAdd(p, f, hn::Set(df, 5.5504108664821580e-2f));
+  p = hn::MulAdd(p, f, hn::Set(df, 0.24022650695910071f));
+  p = hn::MulAdd(p, f, hn::Set(df, 0.69314718055994531f));
+  p = hn::MulAdd(p, f, hn::Set(df, 1.0f));
+  const auto scale_bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
+  return hn::IfThenElseZero(hn::Ge(x, hn::Set(df, -87.0f)), hn::Mul(p, hn::BitCast(df, scale_bits)));
+}
 
 // ---- S = Q·Kᵀ (float32) --------------------------------------------------------------------
 // q: kMR rows of d floats, ld ldq; kt: d rows of kBk keys; s: kMR rows of kBk.
@@ -370,7 +394,7 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     const VF vm = hn::Set(df, m_use);
     VF vsum = hn::Zero(df);
     for (int64_t v = 0; v < nvec; ++v) {
-      const VF e = hn::Exp(df, hn::Sub(hn::LoadU(df, row + v * N), vm));
+      const VF e = exp_nonpositive(df, hn::Sub(hn::LoadU(df, row + v * N), vm));
       vsum = hn::Add(vsum, e);
       hn::StoreU(e, df, row + v * N);
     }
@@ -457,6 +481,10 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
       const int64_t n2 = (nk + 1) / 2;
       for (int64_t jj = 0; jj < kBk; ++jj) {
         const T* src = kb[jj] != kNegInf ? cx.k.row(b, g, j0 + jj) : nullptr;
+        if (src && ks == 1 && D % 2 == 0) {  // contiguous pairs are already the words we need
+          for (int64_t c = 0; c < d2; ++c) std::memcpy(kt2 + c * kBk + jj, src + 2 * c, sizeof(uint32_t));
+          continue;
+        }
         for (int64_t c = 0; c < d2; ++c)
           kt2[c * kBk + jj] =
               src ? bf16_pair(src[2 * c * ks], 2 * c + 1 < D ? src[(2 * c + 1) * ks] : bf16{}) : uint32_t{0};
@@ -465,7 +493,10 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
         const T* lo = kb[2 * j2] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2) : nullptr;
         const T* hi = 2 * j2 + 1 < nk && kb[2 * j2 + 1] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2 + 1) : nullptr;
         uint32_t* dst = v2 + j2 * ldv;
-        for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo ? lo[c * vs] : bf16{}, hi ? hi[c * vs] : bf16{});
+        if (lo && hi && vs == 1)  // the common case, in a loop the compiler vectorises
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo[c], hi[c]);
+        else
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo ? lo[c * vs] : bf16{}, hi ? hi[c * vs] : bf16{});
         std::fill(dst + Dv, dst + ldv, uint32_t{0});
       }
     } else {
@@ -481,8 +512,19 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
           continue;
         }
         const T* src = cx.v.row(b, g, j0 + jj);
-        for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c * vs]);
+        if (vs == 1)
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c]);
+        else
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c * vs]);
         std::fill(dst + Dv, dst + ldv, 0.0f);
+      }
+    }
+    // Ask for the next K/V block now: packing reads it from L3 or memory, and the products
+    // below give the prefetches time to land. (A prefetch reads no value; padded rows stay unread.)
+    if (j0 + kBk < j_end) {
+      for (int64_t jj = 0; jj < std::min(kBk, j_end - j0 - kBk); ++jj) {
+        prefetch_row(cx.k.row(b, g, j0 + kBk + jj), D * ks * static_cast<int64_t>(sizeof(T)));
+        prefetch_row(cx.v.row(b, g, j0 + kBk + jj), Dv * vs * static_cast<int64_t>(sizeof(T)));
       }
     }
     // Blocks that straddle the causal diagonal or the window's lower edge are masked per element.
