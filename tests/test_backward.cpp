@@ -1,5 +1,6 @@
 // Gradients: the SDPA backward (reference and fused) and the module backward, checked against
 // finite differences in double, PyTorch autograd goldens, and each other.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -217,8 +218,13 @@ TEST(SdpaBackwardReference, MatchesFiniteDifferences) {
     EXPECT_TRUE(all_close(g.dv, fd_grad(s, 2), tol, tol)) << "dv";
     double biggest = 0;  // the check must not pass vacuously
     for (const Tensor* t : {&g.dq, &g.dk, &g.dv})
-      for (float x : t->values()) ASSERT_TRUE(std::isfinite(x)), biggest = std::max(biggest, std::fabs(double(x)));
-    if (c.Tk > 0) EXPECT_GT(biggest, 1e-3);
+      for (float x : t->values()) {
+        ASSERT_TRUE(std::isfinite(x));
+        biggest = std::max(biggest, std::fabs(double(x)));
+      }
+    if (c.Tk > 0) {
+      EXPECT_GT(biggest, 1e-3);
+    }
   }
 }
 
@@ -232,6 +238,407 @@ TEST(SdpaBackward, RejectsBadShapes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("d_out"), std::string::npos) << e.what();
   }
+}
+
+// ---- the fused kernel against the reference, over sweeps -----------------------------------------------
+
+/// Fused float32 against the double reference: each gradient entry is a sum over ≈ T_k (or T_q·group)
+/// products of O(1) terms, each rounded at ε, so the error grows like ε·√n·max|g|.
+::testing::AssertionResult fused_close(const Tensor& got, const Tensor& want, int64_t n) {
+  double biggest = 0;
+  for (float x : want.values()) biggest = std::max(biggest, std::fabs(double(x)));
+  const double tol = 64 * kEpsF32 * std::sqrt(double(n) + 1) * (1 + biggest);
+  return all_close(got, want, tol, tol);
+}
+
+std::vector<SdpaCase> sweep_cases() {
+  std::vector<SdpaCase> cs;
+  const int64_t lengths[] = {0, 1, 2, 7, 63, 64, 65, 197};
+  int n = 0;
+  for (int64_t t : lengths)
+    for (int64_t d : {1, 8, 64}) {
+      SdpaCase c;
+      c.name = std::string("T");
+      c.name += std::to_string(t);
+      c.name += "_d";
+      c.name += std::to_string(d);
+      c.Tq = t, c.Tk = t == 0 ? 3 : t, c.D = d, c.Dv = d == 1 ? 3 : d;
+      // Rotate the options over the sweep so every length meets masks, GQA and dropout.
+      switch (n++ % 6) {
+        case 0:
+          c.causal = Causal::top_left();
+          break;
+        case 1:
+          c.H = 4, c.KV = 2, c.padding = true, c.B = 2;
+          break;
+        case 2:
+          c.allowed = c.bias = true, c.dead_row = true;
+          break;
+        case 3:
+          c.dropout = 0.25f, c.causal = Causal::bottom_right(), c.Tk = t + 5;
+          break;
+        case 4:
+          c.H = 3, c.KV = 1, c.key_bias = true, c.causal = Causal::bottom_right().with_window(9);
+          break;
+        default:
+          c.Tk = 2 * t + 1;
+          break;
+      }
+      cs.push_back(c);
+    }
+  return cs;
+}
+
+TEST(SdpaBackwardFused, MatchesReferenceOverSweeps) {
+  uint64_t seed = 500;
+  for (const SdpaCase& c : sweep_cases()) {
+    SCOPED_TRACE(c.name);
+    SdpaSetup s = make_setup(c, seed += 10);
+    poison_padding(s);
+    const SdpaGradTensors want = run_backward(s, Backend::Reference);
+    const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
+    EXPECT_TRUE(fused_close(got.dq, want.dq, c.Tk)) << "dq";
+    EXPECT_TRUE(fused_close(got.dk, want.dk, c.Tq * c.H / c.KV)) << "dk";
+    EXPECT_TRUE(fused_close(got.dv, want.dv, c.Tq * c.H / c.KV)) << "dv";
+  }
+}
+
+// 1, 2 and 3 threads, and both work schemes (one item per batch·kv-head, or per key block with a
+// second dQ pass), give bitwise the same gradients.
+TEST(SdpaBackwardFused, BitwiseIdenticalForAnyThreadCount) {
+  SdpaCase big;
+  big.name = "gqa_padding_dropout_causal";
+  big.B = 2, big.H = 4, big.KV = 2, big.Tq = 150, big.Tk = 170, big.D = 16, big.Dv = 8, big.padding = true;
+  big.dropout = 0.1f, big.causal = Causal::bottom_right();
+  SdpaCase single = big;
+  single.name = "one_kv_head_masks";
+  single.B = 1, single.KV = 1, single.dropout = 0, single.allowed = single.bias = true;
+  single.causal = Causal::none();
+  for (const SdpaCase& c : {big, single}) {
+    SCOPED_TRACE(c.name);
+    SdpaSetup s = make_setup(c, 77);
+    poison_padding(s);
+    const SdpaGradTensors one = run_backward(s, Backend::Fused, 1);
+    for (int threads : {2, 3, 5}) {
+      const SdpaGradTensors other = run_backward(s, Backend::Fused, threads);
+      EXPECT_TRUE(bitwise_equal(other.dq, one.dq)) << threads << " threads, dq";
+      EXPECT_TRUE(bitwise_equal(other.dk, one.dk)) << threads << " threads, dk";
+      EXPECT_TRUE(bitwise_equal(other.dv, one.dv)) << threads << " threads, dv";
+    }
+  }
+}
+
+TEST(SdpaBackwardFused, PaddedKeysGetZeroGradient) {
+  SdpaCase c;
+  c.B = 2, c.Tq = 70, c.Tk = 80, c.D = 8, c.Dv = 8, c.padding = true;
+  SdpaSetup s = make_setup(c, 9);
+  poison_padding(s);
+  const SdpaGradTensors g = run_backward(s, Backend::Fused, 2);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t j = 0; j < c.Tk; ++j)
+      for (int64_t x = 0; x < c.D; ++x) {
+        if (!s.padding.at({b, j})) continue;
+        EXPECT_EQ(g.dk.at({b, 0, j, x}), 0.0f);
+        EXPECT_EQ(g.dv.at({b, 0, j, x}), 0.0f);
+      }
+  for (float x : g.dq.values()) ASSERT_TRUE(std::isfinite(x));
+}
+
+TEST(SdpaBackwardFused, StridedInnerDimensionFallsBackToReference) {
+  const Tensor q = random_tensor({1, 1, 4, 6}, 1), k = random_tensor({1, 1, 5, 6}, 2);
+  // Every other column of q/k as a view: inner stride 2.
+  const View4<const float> qs{q.data(), {1, 1, 4, 3}, {24, 24, 6, 2}}, ks{k.data(), {1, 1, 5, 3}, {30, 30, 6, 2}};
+  EXPECT_NE(sdpa_backward_dispatch_reason(qs, ks, ks, {}).find("reference"), std::string::npos);
+  EXPECT_EQ(sdpa_backward_dispatch_reason(q.view4(), k.view4(), k.view4(), {}), "fused: supported");
+}
+
+// ---- PyTorch autograd goldens ----------------------------------------------------------------------
+
+std::vector<std::string> golden_files(const std::string& prefix) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(MHA_GOLDEN_DIR) + "/grad"))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// float32 arithmetic against a float64 truth: the forward goldens' tolerance (2e-5 + 2e-4·|x|),
+/// scaled by the gradient's magnitude, since a gradient is a sum of many such products.
+::testing::AssertionResult grad_close(const Tensor& got, const Tensor& want) {
+  double biggest = 0;
+  for (float x : want.values()) biggest = std::max(biggest, std::fabs(double(x)));
+  return all_close(got, want, 2e-5 * std::max(1.0, biggest), 2e-4);
+}
+
+Causal causal_from(const std::string& s) {
+  if (s == "top_left") return Causal::top_left();
+  if (s == "bottom_right") return Causal::bottom_right();
+  return Causal::none();
+}
+
+TEST(SdpaBackwardGolden, MatchesPyTorchAutograd) {
+  const auto files = golden_files("sdpa_");
+  ASSERT_GE(files.size(), 10u);
+  for (const std::string& path : files) {
+    SCOPED_TRACE(path);
+    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+    const Tensor q = f.read_f32("q"), k = f.read_f32("k"), v = f.read_f32("v"), dout = f.read_f32("d_out");
+    SdpaOptions opt;
+    opt.masks.causal = causal_from(f.metadata().at("causal"));
+    if (f.metadata().count("scale")) opt.scale = std::stof(f.metadata().at("scale"));
+    BoolTensor allowed;
+    Tensor bias;
+    if (f.contains("allowed")) {
+      allowed = f.read_bool("allowed");
+      opt.masks.allowed.view = allowed.view4();
+    }
+    if (f.contains("bias")) {
+      bias = f.read_f32("bias");
+      opt.masks.bias.view = bias.view4();
+    }
+    for (Backend backend : {Backend::Reference, Backend::Auto}) {
+      opt.backend = backend;
+      const SdpaResult fwd = sdpa(q, k, v, opt, Want::Lse);
+      const SdpaGradTensors g = sdpa_backward(q, k, v, fwd.out, dout, fwd.lse, opt);
+      EXPECT_TRUE(grad_close(g.dq, f.read_f32("grad.q"))) << "dq";
+      EXPECT_TRUE(grad_close(g.dk, f.read_f32("grad.k"))) << "dk";
+      EXPECT_TRUE(grad_close(g.dv, f.read_f32("grad.v"))) << "dv";
+    }
+  }
+}
+
+/// A module golden case: the module, its inputs and forward options.
+struct ModuleCase {
+  MultiheadAttention module;
+  Tensor query, key, value, d_output;
+  bool self_attention = false;
+  MhaForwardOptions options;
+};
+
+ModuleCase load_module_case(const io::SafetensorsFile& f) {
+  ModuleCase c{io::load_module(f),
+               f.read_f32("query"),
+               f.read_f32("key"),
+               f.read_f32("value"),
+               f.read_f32("d_output"),
+               false,
+               {}};
+  c.self_attention = c.query.storage() == c.key.storage() && c.key.storage() == c.value.storage() &&
+                     c.query.shape() == c.key.shape() && c.key.shape() == c.value.shape();
+  if (f.contains("attn_mask")) {
+    c.options.attn_mask = f.info("attn_mask").dtype == io::DType::BOOL
+                              ? AttnMask::from_torch_bool(f.read_bool("attn_mask"))
+                              : AttnMask::add(f.read_f32("attn_mask"));
+  }
+  if (f.contains("key_padding_mask")) {
+    if (f.info("key_padding_mask").dtype == io::DType::BOOL)
+      c.options.key_padding_mask.is_padding = f.read_bool("key_padding_mask");
+    else
+      c.options.key_padding_mask.additive = f.read_f32("key_padding_mask");
+  }
+  if (f.metadata().at("is_causal") == "true") c.options.causal = Causal::top_left();
+  return c;
+}
+
+std::vector<std::pair<std::string, const Tensor*>> named_grads(const MhaGradients& g) {
+  const MhaParameters& p = g.params;
+  return {{"query", &g.query},
+          {"key", &g.key},
+          {"value", &g.value},
+          {"in_proj_weight", &p.in_proj_weight},
+          {"q_proj_weight", &p.q_proj_weight},
+          {"k_proj_weight", &p.k_proj_weight},
+          {"v_proj_weight", &p.v_proj_weight},
+          {"in_proj_bias", &p.in_proj_bias},
+          {"bias_k", &p.bias_k},
+          {"bias_v", &p.bias_v},
+          {"out_proj.weight", &p.out_proj_weight},
+          {"out_proj.bias", &p.out_proj_bias}};
+}
+
+TEST(ModuleBackwardGolden, MatchesPyTorchAutograd) {
+  const auto files = golden_files("module_");
+  ASSERT_GE(files.size(), 20u);
+  for (const std::string& path : files) {
+    SCOPED_TRACE(path);
+    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+    ModuleCase c = load_module_case(f);
+    for (Backend backend : {Backend::Reference, Backend::Auto}) {
+      c.options.backend = backend;
+      const Tensor& key = c.self_attention ? c.query : c.key;  // the same object: the packed path
+      const Tensor& value = c.self_attention ? c.query : c.value;
+      MhaTrainOutput fwd = forward_train(c.module, c.query, key, value, c.options);
+      EXPECT_TRUE(all_close(fwd.output, f.read_f32("expected.output"), 2e-5, 2e-4));
+      const MhaGradients g = backward(c.module, fwd.context, c.d_output);
+      int checked = 0;
+      for (const auto& [name, got] : named_grads(g)) {
+        const bool expected = f.contains("grad." + name);
+        EXPECT_EQ(got->defined(), expected) << name;
+        if (!expected || !got->defined()) continue;
+        EXPECT_TRUE(grad_close(*got, f.read_f32("grad." + name))) << name;
+        ++checked;
+      }
+      EXPECT_GE(checked, 5);
+    }
+  }
+}
+
+// ---- module: training forward = forward; finite differences for what goldens cannot cover -----------
+
+struct ModuleFdCase {
+  std::string name;
+  MhaConfig config;
+  int64_t B = 2, Tq = 4, Tk = 5;  // B = 0: unbatched
+  Causal causal;
+  bool padding = false, mask = false, self = false;
+};
+
+Tensor make_input(const MhaConfig& c, int64_t B, int64_t T, int64_t F, uint64_t seed) {
+  if (B == 0) return random_tensor({T, F}, seed);
+  return c.layout == Layout::BatchFirst ? random_tensor({B, T, F}, seed) : random_tensor({T, B, F}, seed);
+}
+
+MhaConfig config(int64_t E, int64_t h) {
+  MhaConfig c;
+  c.embed_dim = E, c.num_heads = h;
+  return c;
+}
+
+TEST(ModuleBackward, TrainingForwardEqualsForward) {
+  MhaConfig cfg = config(8, 2);
+  cfg.add_bias_kv = cfg.add_zero_attn = true, cfg.dropout = 0.25f;
+  const MultiheadAttention m(cfg, 3);
+  const Tensor x = make_input(cfg, 2, 5, 8, 1);
+  for (Mode mode : {Mode::Eval, Mode::Training}) {
+    MhaForwardOptions o;
+    o.mode = mode, o.dropout_seed = 42, o.causal = Causal::top_left();
+    const MhaTrainOutput t = forward_train(m, x, x, x, o);
+    EXPECT_TRUE(all_close(t.output, m.forward(x, x, x, o).output, 1e-6, 1e-6));
+  }
+}
+
+std::vector<ModuleFdCase> module_fd_cases() {
+  std::vector<ModuleFdCase> cases;
+  auto add = [&](std::string name, MhaConfig cfg, auto&& edit) {
+    ModuleFdCase c;
+    c.name = std::move(name);
+    c.config = cfg;
+    edit(c);
+    cases.push_back(c);
+  };
+  add("dropout_seq_first", config(8, 2), [](ModuleFdCase& c) { c.config.dropout = 0.3f; });
+  add("dropout_gqa_bias_kv_zero_attn_causal", config(8, 4), [](ModuleFdCase& c) {
+    c.config.num_kv_heads = 2, c.config.add_bias_kv = c.config.add_zero_attn = true, c.config.dropout = 0.2f;
+    c.config.layout = Layout::BatchFirst, c.causal = Causal::bottom_right(), c.Tq = 3;
+  });
+  add("kdim_vdim_padding_mask_unbatched", config(6, 3),
+      [](ModuleFdCase& c) { c.config.kdim = 4, c.config.vdim = 5, c.B = 0, c.padding = c.mask = true; });
+  add("causal_window_bias_kv", config(8, 2), [](ModuleFdCase& c) {
+    c.config.add_bias_kv = true, c.causal = Causal::bottom_right().with_window(2), c.Tq = 4, c.Tk = 6;
+  });
+  add("self_attention_packed_dropout", config(8, 2),
+      [](ModuleFdCase& c) { c.config.dropout = 0.2f, c.Tk = c.Tq, c.self = true; });
+  add("rope_half_split_gqa_causal", config(8, 2), [](ModuleFdCase& c) {
+    c.config.num_kv_heads = 1, c.config.rope = Rope::half_split(100.0), c.causal = Causal::top_left(), c.Tk = c.Tq;
+  });
+  add("rope_interleaved_partial_bias_kv", config(16, 2),
+      [](ModuleFdCase& c) { c.config.rope = Rope::interleaved(50.0, 4), c.config.add_bias_kv = true; });
+  return cases;
+}
+
+// Central differences of the float forward, on a few entries of every gradient. Error bound: the
+// loss L = Σ out·G carries ≈ ε·Σ|out·G| of rounding, divided by 2h; plus the h² term (O(1) inputs,
+// bounded generously by 2e-3 relative).
+TEST(ModuleBackward, MatchesFiniteDifferences) {
+  for (const ModuleFdCase& c : module_fd_cases()) {
+    SCOPED_TRACE(c.name);
+    MultiheadAttention m(c.config, 7);
+    for (float& x : m.params().in_proj_bias.values()) x = 0.05f;  // nonzero biases
+    const int64_t E = c.config.embed_dim;
+    Tensor query = make_input(c.config, c.B, c.Tq, E, 11);
+    Tensor key = make_input(c.config, c.B, c.Tk, c.config.key_dim(), 12);
+    Tensor value = make_input(c.config, c.B, c.Tk, c.config.value_dim(), 13);
+    MhaForwardOptions o;
+    o.mode = Mode::Training, o.dropout_seed = 5, o.causal = c.causal, o.backend = Backend::Reference;
+    if (c.padding) {
+      o.key_padding_mask.is_padding = c.B == 0 ? BoolTensor({c.Tk}, 0) : BoolTensor({c.B, c.Tk}, 0);
+      o.key_padding_mask.is_padding.data()[c.Tk - 1] = 1;
+    }
+    if (c.mask) o.attn_mask = AttnMask::add(random_tensor({c.Tq, c.Tk}, 14));
+    const Tensor G = random_tensor(query.shape(), 15);
+    auto run = [&]() {
+      return c.self ? forward_train(m, query, query, query, o) : forward_train(m, query, key, value, o);
+    };
+    MhaTrainOutput fwd = run();
+    const MhaGradients g = backward(m, fwd.context, G);
+    auto loss = [&]() {
+      const Tensor out = run().output;
+      double l = 0, mag = 0;
+      for (int64_t x = 0; x < out.numel(); ++x) {
+        l += double(out.data()[x]) * G.data()[x];
+        mag += std::fabs(double(out.data()[x]) * G.data()[x]);
+      }
+      return std::pair{l, mag};
+    };
+    const float h = 1e-2f;
+    auto check = [&](Tensor& x, const Tensor& grad, const std::string& name, const Tensor* also = nullptr,
+                     const Tensor* also2 = nullptr) {
+      ASSERT_EQ(grad.shape(), x.shape()) << name;
+      for (int64_t e = 0; e < x.numel(); e += std::max<int64_t>(1, x.numel() / 7)) {
+        const float keep = x.data()[e];
+        x.data()[e] = keep + h;
+        const auto [up, mag] = loss();
+        x.data()[e] = keep - h;
+        const auto [down, mag2] = loss();
+        x.data()[e] = keep;
+        const double fd = (up - down) / (2.0 * h);
+        double analytic = grad.data()[e];
+        if (also) analytic += also->data()[e];
+        if (also2) analytic += also2->data()[e];
+        const double tol = 16 * kEpsF32 * std::max(mag, mag2) / h + 2e-3 * (1 + std::fabs(fd));
+        EXPECT_NEAR(analytic, fd, tol) << name << "[" << e << "]";
+      }
+    };
+    if (c.self) {
+      // One tensor fed three times: its gradient is the sum of the three per-argument ones.
+      check(query, g.query, "query+key+value", &g.key, &g.value);
+    } else {
+      check(query, g.query, "query");
+      check(key, g.key, "key");
+      check(value, g.value, "value");
+    }
+    MhaParameters& p = m.params();
+    const MhaParameters& gp = g.params;
+    const std::pair<Tensor*, const Tensor*> pairs[] = {{&p.in_proj_weight, &gp.in_proj_weight},
+                                                       {&p.q_proj_weight, &gp.q_proj_weight},
+                                                       {&p.k_proj_weight, &gp.k_proj_weight},
+                                                       {&p.v_proj_weight, &gp.v_proj_weight},
+                                                       {&p.in_proj_bias, &gp.in_proj_bias},
+                                                       {&p.bias_k, &gp.bias_k},
+                                                       {&p.bias_v, &gp.bias_v},
+                                                       {&p.out_proj_weight, &gp.out_proj_weight},
+                                                       {&p.out_proj_bias, &gp.out_proj_bias}};
+    int index = 0;
+    for (const auto& [param, grad] : pairs) {
+      EXPECT_EQ(param->defined(), grad->defined()) << "parameter " << index;
+      if (param->defined()) check(*param, *grad, "parameter " + std::to_string(index));
+      ++index;
+    }
+  }
+}
+
+TEST(ModuleBackward, RejectsMismatches) {
+  const MultiheadAttention m(config(8, 2), 1);
+  const Tensor x = random_tensor({3, 2, 8}, 1);
+  MhaTrainOutput t = forward_train(m, x, x, x);
+  EXPECT_THROW(backward(m, t.context, random_tensor({3, 2, 7}, 2)), Error);
+  const MultiheadAttention other(config(8, 4), 1);
+  EXPECT_THROW(backward(other, t.context, x), Error);
+  EXPECT_THROW(backward(m, MhaContext{}, x), Error);
+  MhaForwardOptions o;
+  o.need_weights = NeedWeights::PerHead;
+  EXPECT_THROW(forward_train(m, x, x, x, o), Error);
+  EXPECT_THROW(forward_train(m, x, random_tensor({3, 3, 8}, 3), x), Error);
 }
 
 }  // namespace

@@ -1,10 +1,411 @@
-// placeholder, replaced below
+// kernels/backward_fused.cpp — the fused FlashAttention-2 style backward pass of SDPA.
+//
+// Shapes: Q (B, h, T_q, d), K (B, kv, T_k, d), V (B, kv, T_k, d_v), O and dO (B, h, T_q, d_v),
+// lse (B, h, T_q, 1); dQ like Q, dK like K, dV like V. Query head i reads K/V head i / group.
+//
+// Blocking and memory traffic. The scores are recomputed block by block — kBr queries × kBc keys —
+// from Q, K and the forward's lse, so nothing of size T_q × T_k exists: per block
+//   S  = scale · Q_i K_jᵀ (+ masks)          P  = exp(S − lse)        (forward step "scores, softmax")
+//   dP̃ = dO_i V_jᵀ                           dP = dP̃ ∘ keep/(1 − p)   (forward step "dropout")
+//   dS = P ∘ (dP − D),  D = rowsum(dO ∘ O)                          (softmax backward)
+//   dV_j += P̃ᵀ dO_i    dK_j += scale · dSᵀ Q_i    dQ_i += scale · dS K_j
+// The five products are BLAS sgemm calls on the strided rows (no packing beyond what BLAS does;
+// kBr·kBc·d stays under OpenBLAS's single-thread threshold, so each call runs on its caller's
+// thread); the elementwise steps are Highway vectors, dispatched once per call. A block is ~16 KiB
+// of scores plus the K/V block, so everything a block touches stays in L2.
+//
+// Ownership and determinism. Work item = (batch, kv-head, key block): it owns its dK/dV rows,
+// accumulating over every query head of the group (GQA) and every query block, in order. dQ is
+// accumulated in key-block order for each query block. When B·kv offers enough parallelism, one
+// item per (batch, kv-head) walks its key blocks in order and adds into dQ directly (5 products);
+// otherwise items are (batch, kv-head, key block) for dK/dV, and a second pass over (batch, head,
+// query block) recomputes P and dS to accumulate dQ (7 products). Both schemes perform the same
+// floating-point operations in the same order per output element, so results are bitwise
+// identical for any thread count.
+//
+// Masks: causal blocks that no (query, key) pair can see are skipped; blocks that straddle the
+// diagonal or the window edge, or any block when a per-element mask exists, are masked with
+// key_hidden(), the rule every kernel shares. Padded keys are never read: a block with padding
+// copies its K/V rows with zeros in place of padded rows, and their dK/dV rows come out 0.
+// Rows whose lse is −inf (fully masked) get P = 0, hence zero gradient.
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
 #include "kernels/attention_backward.h"
-namespace mha::kernels {
-bool fused_backward_supports(const SdpaBackwardParams&, std::string* why) {
-  if (why) *why = "not yet";
+#include "kernels/dropout_rng.h"
+
+#ifndef MHA_BACKWARD_FUSED_ONCE
+#define MHA_BACKWARD_FUSED_ONCE
+namespace mha::kernels::bwd {
+
+constexpr int64_t kBc = 64;  // keys per block (also the scores' row stride)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/// Query rows per block: 64, fewer for wide heads so that kBr·kBc·max(d, d_v) stays within
+/// OpenBLAS's single-threaded size (65536·4 multiply-adds).
+inline int64_t block_rows(const SdpaParams& f) {
+  const int64_t widest = std::max<int64_t>(1, std::max(f.d(), f.d_v()));
+  return std::clamp<int64_t>(262144 / (kBc * widest), 1, 64);
+}
+
+/// One thread's scratch (offsets in floats, each region 64-byte aligned).
+struct Scratch {
+  int64_t s = 0, p = 0, pt = 0, k = 0, v = 0, dk = 0, dv = 0, total = 0;
+};
+
+inline Scratch scratch_for(const SdpaParams& f) {
+  Scratch L;
+  int64_t off = 0;
+  auto take = [&off](int64_t floats) {
+    const int64_t at = off;
+    off += round_up(floats, 16);
+    return at;
+  };
+  const int64_t br = block_rows(f);
+  L.s = take(br * kBc);   // scores, then dS
+  L.p = take(br * kBc);   // P (before dropout)
+  L.pt = take(br * kBc);  // P̃ (after dropout) and dP
+  L.k = take(kBc * f.d());
+  L.v = take(kBc * f.d_v());
+  L.dk = take(kBc * f.d());
+  L.dv = take(kBc * f.d_v());
+  L.total = off;
+  return L;
+}
+
+/// Which keys of block [j0, j1) query rows [i0, i1) can see, as far as the causal rule goes.
+enum class BlockVis { None, Partial, All };
+
+inline BlockVis causal_visibility(const Causal& c, int64_t off, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+  if (!c.enabled()) return BlockVis::All;
+  const int64_t last_q = i1 - 1, last_k = j1 - 1;
+  if (j0 > last_q + off) return BlockVis::None;                              // every key after every query's limit
+  if (c.window > 0 && last_k <= i0 + off - c.window) return BlockVis::None;  // every key before every window
+  const bool below = last_k <= i0 + off;
+  const bool inside = c.window == 0 || j0 > last_q + off - c.window;
+  return below && inside ? BlockVis::All : BlockVis::Partial;
+}
+
+/// Everything a work item needs, computed once per call.
+struct Ctx {
+  const SdpaBackwardParams* p = nullptr;
+  Scratch L;
+  int64_t br = 64, n_qblocks = 0, n_kblocks = 0, causal_offset = 0;
+  bool element_masks = false;  // allowed / bias / key_bias: every block is masked element by element
+  float keep_scale = 1.0f;
+  const float* rowdot = nullptr;  // D = rowsum(dO ∘ O), (B, h, T_q) contiguous
+};
+
+/// D_i = dO_i · O_i: the softmax backward's row term (Σ_j p_j dp_j equals it, dropout included).
+inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
+  const SdpaParams& f = p.fwd;
+  const int64_t B = f.batch(), H = f.heads(), Tq = f.t_q(), Dv = f.d_v();
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    for (int64_t i = 0; i < Tq; ++i) {
+      const float* o = p.out.row(b, h, i);
+      const float* g = p.dout.row(b, h, i);
+      double acc = 0.0;
+      for (int64_t c = 0; c < Dv; ++c) acc += static_cast<double>(o[c]) * g[c];
+      out[bh * Tq + i] = static_cast<float>(acc);
+    }
+  }
+}
+
+/// True when block [j0, j1) of batch b contains a padded key.
+inline bool has_padding(const SdpaParams& f, int64_t b, int64_t j0, int64_t j1) {
+  if (f.masks.key_padding.view.empty()) return false;
+  for (int64_t j = j0; j < j1; ++j)
+    if (f.masks.key_padding.view(b, 0, 0, j)) return true;
   return false;
 }
-size_t fused_backward_workspace_floats(const SdpaBackwardParams&) { return 0; }
-void sdpa_backward_fused(const SdpaBackwardParams&, float*) {}
+
+/// Copies K/V rows [j0, j1) of head g into contiguous scratch with zeros for padded keys, whose
+/// rows are never read (SEMANTICS 5).
+inline void copy_unpadded(const SdpaParams& f, int64_t b, int64_t g, int64_t j0, int64_t j1, float* k, float* v) {
+  const int64_t D = f.d(), Dv = f.d_v();
+  for (int64_t j = j0; j < j1; ++j) {
+    const bool pad = f.masks.key_padding.view(b, 0, 0, j) != 0;
+    float* kr = k + (j - j0) * D;
+    float* vr = v + (j - j0) * Dv;
+    if (pad) {
+      std::fill(kr, kr + D, 0.0f);
+      std::fill(vr, vr + Dv, 0.0f);
+    } else {
+      std::memcpy(kr, f.k.row(b, g, j), static_cast<size_t>(D) * sizeof(float));
+      std::memcpy(vr, f.v.row(b, g, j), static_cast<size_t>(Dv) * sizeof(float));
+    }
+  }
+}
+
+inline void sgemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha,
+              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+}
+
+}  // namespace mha::kernels::bwd
+#endif  // MHA_BACKWARD_FUSED_ONCE
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/backward_fused.cpp"
+#define HWY_DISABLED_TARGETS HWY_SSSE3
+// foreach_target.h must come first: it re-includes this file once per target.
+// clang-format off
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace mha::kernels::bwd {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+/// Softmax recomputed from the saved lse: P[r, :] = exp(S[r, :] − lse_r); 0 where S = −inf
+/// (Exp flushes to 0 far below −87), and the whole row 0 when lse_r = −inf (fully masked).
+HWY_INLINE void probabilities(const float* HWY_RESTRICT s, const float* lse, int64_t rows, int64_t cols,
+                              float* HWY_RESTRICT prob) {
+  const hn::ScalableTag<float> df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sr = s + r * kBc;
+    float* pr = prob + r * kBc;
+    if (lse[r] == kNegInf) {
+      std::fill(pr, pr + cols, 0.0f);
+      continue;
+    }
+    const auto m = hn::Set(df, lse[r]);
+    for (int64_t c = 0; c < cols; c += N) hn::StoreU(hn::Exp(df, hn::Sub(hn::LoadU(df, sr + c), m)), df, pr + c);
+  }
+}
+
+/// dS = P ∘ (dP − D_r), selected to 0 where P = 0 (masked keys, whose dP is never needed).
+HWY_INLINE void score_grads(const float* HWY_RESTRICT prob, const float* HWY_RESTRICT dp, const float* rowdot,
+                            int64_t rows, int64_t cols, float* HWY_RESTRICT ds) {
+  const hn::ScalableTag<float> df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto zero = hn::Zero(df);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto d = hn::Set(df, rowdot[r]);
+    for (int64_t c = 0; c < cols; c += N) {
+      const auto pv = hn::LoadU(df, prob + r * kBc + c);
+      const auto g = hn::Mul(pv, hn::Sub(hn::LoadU(df, dp + r * kBc + c), d));
+      hn::StoreU(hn::IfThenElseZero(hn::Gt(pv, zero), g), df, ds + r * kBc + c);
+    }
+  }
+}
+
+/// One (query block, key block) of head h: recompute P, form dS, and update whichever of
+/// dK/dV (accumulators, contiguous kBc rows) and dQ the caller asks for.
+struct BlockJob {
+  int64_t b, h, g, i0, i1, j0, j1;
+  const float* k;  // K rows of the block (strided view rows or the unpadded copy)
+  int64_t ldk;
+  const float* v;
+  int64_t ldv;
+  bool padded;
+};
+
+HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, float* ws, float* dk_acc, float* dv_acc,
+                            bool want_dq) {
+  const SdpaBackwardParams& p = *cx.p;
+  const SdpaParams& f = p.fwd;
+  const int64_t nr = job.i1 - job.i0, nc = job.j1 - job.j0, D = f.d(), Dv = f.d_v();
+  const int64_t cols = round_up(nc, static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>())));
+  float* s = ws + cx.L.s;
+  float* prob = ws + cx.L.p;
+  float* pt = ws + cx.L.pt;
+  const float* q = f.q.row(job.b, job.h, job.i0);
+  const int64_t ldq = f.q.stride[2];
+  const float* dout = p.dout.row(job.b, job.h, job.i0);
+  const int64_t lddo = p.dout.stride[2];
+  float lse[64];
+  for (int64_t r = 0; r < nr; ++r) lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
+
+  // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd).
+  sgemm(CblasNoTrans, CblasTrans, nr, nc, D, f.scale, q, ldq, job.k, job.ldk, 0.0f, s, kBc);
+  for (int64_t r = 0; r < nr; ++r) std::fill(s + r * kBc + nc, s + r * kBc + cols, kNegInf);
+  if (vis == BlockVis::Partial || cx.element_masks || job.padded)
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t i = job.i0 + r, j = job.j0 + c;
+        float& x = s[r * kBc + c];
+        x = key_hidden(f, job.b, job.h, i, j, cx.causal_offset) ? kNegInf : x + additive_terms(f, job.b, job.h, i, j);
+      }
+  // Forward "softmax": P = exp(S − lse).
+  probabilities(s, lse, nr, cols, prob);
+  // Forward "out = P̃ V": dP̃ = dO Vᵀ (into pt), then dropout's keep/(1 − p) on both P̃ and dP.
+  sgemm(CblasNoTrans, CblasTrans, nr, nc, Dv, 1.0f, dout, lddo, job.v, job.ldv, 0.0f, pt, kBc);
+  const float* p_used = prob;  // P̃
+  if (f.dropout.active()) {
+    // P̃ goes into s (free until dS is formed); dP stays in pt.
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        const bool keep = dropout_keep(f.dropout.seed, f.dropout.p, job.b, job.h, job.i0 + r, job.j0 + c);
+        const float k = keep ? cx.keep_scale : 0.0f;
+        s[r * kBc + c] = prob[r * kBc + c] * k;
+        pt[r * kBc + c] *= k;
+      }
+    p_used = s;
+  }
+  // dV_j += P̃ᵀ dO_i.
+  if (dv_acc) sgemm(CblasTrans, CblasNoTrans, nc, Dv, nr, 1.0f, p_used, kBc, dout, lddo, 1.0f, dv_acc, Dv);
+  // Softmax backward: dS = P ∘ (dP − D) (into s: P̃ has been used).
+  score_grads(prob, pt, cx.rowdot + (job.b * f.heads() + job.h) * f.t_q() + job.i0, nr, cols, s);
+  // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
+  if (dk_acc) sgemm(CblasTrans, CblasNoTrans, nc, D, nr, f.scale, s, kBc, q, ldq, 1.0f, dk_acc, D);
+  if (want_dq)
+    sgemm(CblasNoTrans, CblasNoTrans, nr, D, nc, f.scale, s, kBc, job.k, job.ldk, 1.0f, p.dq.row(job.b, job.h, job.i0),
+          p.dq.stride[2]);
+}
+
+/// The K/V rows of key block [j0, j1): the view's rows, or an unpadded copy in scratch.
+HWY_INLINE BlockJob key_block(const Ctx& cx, int64_t b, int64_t g, int64_t j0, int64_t j1, float* ws) {
+  const SdpaParams& f = cx.p->fwd;
+  BlockJob job{b, 0, g, 0, 0, j0, j1, f.k.row(b, g, j0), f.k.stride[2], f.v.row(b, g, j0), f.v.stride[2], false};
+  if (has_padding(f, b, j0, j1)) {
+    copy_unpadded(f, b, g, j0, j1, ws + cx.L.k, ws + cx.L.v);
+    job.k = ws + cx.L.k, job.ldk = f.d();
+    job.v = ws + cx.L.v, job.ldv = f.d_v();
+    job.padded = true;
+  }
+  return job;
+}
+
+/// dK/dV of key block kb of (b, g), over every query head of the group and every query block;
+/// with want_dq also the dQ contributions of this key block.
+HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb, float* ws, bool want_dq) {
+  const SdpaBackwardParams& p = *cx.p;
+  const SdpaParams& f = p.fwd;
+  const int64_t D = f.d(), Dv = f.d_v(), Tq = f.t_q(), Tk = f.t_k(), group = f.group();
+  const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
+  float* dk_acc = ws + cx.L.dk;
+  float* dv_acc = ws + cx.L.dv;
+  std::fill(dk_acc, dk_acc + (j1 - j0) * D, 0.0f);
+  std::fill(dv_acc, dv_acc + (j1 - j0) * Dv, 0.0f);
+  BlockJob job = key_block(cx, b, g, j0, j1, ws);
+  for (int64_t h = g * group; h < (g + 1) * group; ++h)
+    for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
+      const int64_t i1 = std::min(Tq, i0 + cx.br);
+      const BlockVis vis = causal_visibility(f.masks.causal, cx.causal_offset, i0, i1, j0, j1);
+      if (vis == BlockVis::None) continue;
+      job.h = h, job.i0 = i0, job.i1 = i1;
+      run_block(cx, job, vis, ws, dk_acc, dv_acc, want_dq);
+    }
+  for (int64_t j = j0; j < j1; ++j) {
+    std::memcpy(p.dk.row(b, g, j), dk_acc + (j - j0) * D, static_cast<size_t>(D) * sizeof(float));
+    std::memcpy(p.dv.row(b, g, j), dv_acc + (j - j0) * Dv, static_cast<size_t>(Dv) * sizeof(float));
+  }
+}
+
+/// dQ of query block qb of (b, h), walking the key blocks in order (the second-pass scheme).
+HWY_NOINLINE void query_block_item(const Ctx& cx, int64_t b, int64_t h, int64_t qb, float* ws) {
+  const SdpaParams& f = cx.p->fwd;
+  const int64_t Tq = f.t_q(), Tk = f.t_k(), g = h / f.group();
+  const int64_t i0 = qb * cx.br, i1 = std::min(Tq, i0 + cx.br);
+  for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {
+    const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
+    const BlockVis vis = causal_visibility(f.masks.causal, cx.causal_offset, i0, i1, j0, j1);
+    if (vis == BlockVis::None) continue;
+    BlockJob job = key_block(cx, b, g, j0, j1, ws);
+    job.h = h, job.i0 = i0, job.i1 = i1;
+    run_block(cx, job, vis, ws, nullptr, nullptr, true);
+  }
+}
+
+void backward_f32(const SdpaBackwardParams& p, float* workspace) {
+  const SdpaParams& f = p.fwd;
+  const int64_t B = f.batch(), H = f.heads(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d();
+  const int threads = std::max(1, f.threads);
+  Ctx cx;
+  cx.p = &p;
+  cx.L = scratch_for(f);
+  cx.br = block_rows(f);
+  cx.n_qblocks = (Tq + cx.br - 1) / cx.br;
+  cx.n_kblocks = (Tk + kBc - 1) / kBc;
+  cx.causal_offset = f.masks.causal.offset_for(Tq, Tk);
+  cx.element_masks = !f.masks.allowed.view.empty() || !f.masks.bias.view.empty() || !f.masks.key_bias.view.empty();
+  cx.keep_scale = f.dropout.active() ? 1.0f / (1.0f - f.dropout.p) : 1.0f;
+  float* rowdot = workspace;
+  float* scratch = workspace + round_up(B * H * Tq, 16);
+  cx.rowdot = rowdot;
+  row_dots(p, rowdot, threads);
+
+  // dQ accumulates over key blocks: start from 0 (fully masked rows stay 0).
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t i = 0; i < Tq; ++i) std::fill(p.dq.row(bh / H, bh % H, i), p.dq.row(bh / H, bh % H, i) + D, 0.0f);
+
+  if (B * KV >= 2 * threads || threads == 1) {
+    // One item per (batch, kv-head): key blocks in order, dQ added directly (5 products).
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t item = 0; item < B * KV; ++item) {
+      float* ws = scratch + omp_get_thread_num() * cx.L.total;
+      for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) key_block_item(cx, item / KV, item % KV, kb, ws, true);
+    }
+  } else {
+    // Items (batch, kv-head, key block) for dK/dV, then (batch, head, query block) for dQ.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t item = 0; item < B * KV * cx.n_kblocks; ++item) {
+      float* ws = scratch + omp_get_thread_num() * cx.L.total;
+      const int64_t bg = item / cx.n_kblocks;
+      key_block_item(cx, bg / KV, bg % KV, item % cx.n_kblocks, ws, false);
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t item = 0; item < B * H * cx.n_qblocks; ++item) {
+      float* ws = scratch + omp_get_thread_num() * cx.L.total;
+      const int64_t bh = item / cx.n_qblocks;
+      query_block_item(cx, bh / H, bh % H, item % cx.n_qblocks, ws);
+    }
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace mha::kernels::bwd
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace mha::kernels {
+namespace bwd {
+HWY_EXPORT(backward_f32);
+}  // namespace bwd
+
+bool fused_backward_supports(const SdpaBackwardParams& p, std::string* why) {
+  auto no = [why](const char* reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  const SdpaParams& f = p.fwd;
+  // BLAS takes rows with unit inner stride and a row stride of at least the row length.
+  auto rows_ok = [](const auto& v) { return v.stride[3] == 1 && v.stride[2] >= v.shape[3]; };
+  if (!rows_ok(f.q) || !rows_ok(f.k) || !rows_ok(f.v) || !rows_ok(p.dout) || !rows_ok(p.out))
+    return no("fused backward needs unit inner stride and row stride ≥ row length for q, k, v, out and d_out");
+  if (!rows_ok(p.dq) || !rows_ok(p.dk) || !rows_ok(p.dv))
+    return no("fused backward needs unit inner stride and row stride ≥ row length for dq, dk and dv");
+  if (p.lse.empty() && f.t_q() > 0) return no("fused backward needs the forward's lse");
+  if (why) *why = "supported";
+  return true;
+}
+
+size_t fused_backward_workspace_floats(const SdpaBackwardParams& p) {
+  const SdpaParams& f = p.fwd;
+  const int threads = std::max(1, f.threads);
+  return static_cast<size_t>(bwd::round_up(f.batch() * f.heads() * f.t_q(), 16) + threads * bwd::scratch_for(f).total +
+                             16);
+}
+
+void sdpa_backward_fused(const SdpaBackwardParams& p, float* workspace) {
+  HWY_DYNAMIC_DISPATCH(bwd::backward_f32)(p, workspace);
+}
+
 }  // namespace mha::kernels
+#endif  // HWY_ONCE

@@ -161,11 +161,36 @@ void build_masks(MhaContext& ctx, const MhaForwardOptions& options, int64_t B, i
   }
 }
 
+/// The transpose of apply_rope (rotation by −angle), for gradients: with out_a = x_a c − x_b s and
+/// out_b = x_b c + x_a s, dx_a = g_a c + g_b s and dx_b = g_b c − g_a s. Same angles as
+/// kernels/rope.cpp (double, positions 0 … T − 1), rounded to float the same way.
+void rope_transpose(View4<float> g, const Rope& rope) {
+  const int64_t B = g.shape[0], H = g.shape[1], T = g.shape[2], dims = rope.rotary_dims(g.shape[3]);
+  const int64_t half = dims / 2;
+  const bool interleaved = rope.layout == RopeLayout::Interleaved;
+  const int64_t a_step = interleaved ? 2 : 1, b_off = interleaved ? 1 : half;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle =
+          static_cast<double>(t) * std::pow(rope.theta, -static_cast<double>(2 * i) / static_cast<double>(dims));
+      const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+      const int64_t ia = i * a_step, ib = i * a_step + b_off;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h) {
+          float* row = g.row(b, h, t);
+          const float ga = row[ia], gb = row[ib];
+          row[ia] = ga * c + gb * s;
+          row[ib] = gb * c - ga * s;
+        }
+    }
+}
+
 bool same_config(const MhaConfig& a, const MhaConfig& b) {
   return a.embed_dim == b.embed_dim && a.num_heads == b.num_heads && a.kv_heads() == b.kv_heads() &&
          a.key_dim() == b.key_dim() && a.value_dim() == b.value_dim() && a.bias == b.bias &&
          a.add_bias_kv == b.add_bias_kv && a.add_zero_attn == b.add_zero_attn && a.layout == b.layout &&
-         a.head_dim() == b.head_dim();
+         a.head_dim() == b.head_dim() && a.rope.enabled == b.rope.enabled && a.rope.theta == b.rope.theta &&
+         a.rope.dims == b.rope.dims && a.rope.layout == b.rope.layout;
 }
 
 }  // namespace
@@ -214,6 +239,12 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
     ctx.q_heads = head_view(q_out, qrows, H * d, 0, H, d);
     ctx.k_heads = head_view(k_out, krows, KV * d, 0, KV, d);
     ctx.v_heads = head_view(v_out, krows, KV * d, 0, KV, d);
+  }
+
+  // ---- rotary embeddings at positions 0 … T − 1, before bias_k is appended (it has no position) ----
+  if (c.rope.enabled) {
+    apply_rope(ctx.q_heads, c.rope);
+    apply_rope(ctx.k_heads, c.rope);
   }
 
   // ---- bias_k / bias_v, then the zero position, appended after the real keys ----
@@ -331,6 +362,12 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
           gp.bias_v.data()[gk * d + x] = static_cast<float>(sv);
         }
     }
+  }
+
+  // Q ← rope(Q), K ← rope(K) (real positions only)  ⇒  dQ ← ropeᵀ(dQ), dK ← ropeᵀ(dK).
+  if (c.rope.enabled) {
+    rope_transpose(head_view(dq_rows, qrows, ldq, 0, H, d), c.rope);
+    rope_transpose(head_view(dk_rows, krows, ldkv, 0, KV, d), c.rope);
   }
 
   // Q = query · W_Qᵀ + b_Q  ⇒  dW_Q = dQᵀ · query, db_Q = Σ dQ, d query = dQ · W_Q (K, V alike).
