@@ -441,8 +441,11 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
     const int64_t h = g * group + hh;
     float* qh = qp + hh * kRowsPad * L.ldq;
     for (int64_t r = 0; r < rows; ++r) {
-      if (r >= nq) {
-        std::memset(qh + r * L.ldq, 0, sizeof(float) * static_cast<size_t>(L.ldq));
+      if (r >= nq) {  // padding rows of the register tiles, in whichever layout is in use
+        if constexpr (kDot)
+          std::memset(q2 + (hh * kRowsPad + r) * ldq2, 0, sizeof(uint32_t) * static_cast<size_t>(ldq2));
+        else
+          std::memset(qh + r * L.ldq, 0, sizeof(float) * static_cast<size_t>(L.ldq));
         continue;
       }
       const T* src = cx.q.row(b, h, i0 + r);
