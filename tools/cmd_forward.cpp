@@ -1,7 +1,7 @@
 // `mha forward`: the conformance contract of shared/conformance/README.md.
-#include <map>
 #include <string>
 
+#include "load_inputs.h"
 #include "mha/module.h"
 #include "mha/safetensors.h"
 #include "registry.h"
@@ -9,14 +9,6 @@
 namespace mha::cli {
 
 namespace {
-
-bool metadata_flag(const std::map<std::string, std::string>& meta, const std::string& key, bool fallback) {
-  auto it = meta.find(key);
-  if (it == meta.end()) return fallback;
-  if (it->second == "true") return true;
-  if (it->second == "false") return false;
-  fail("metadata '", key, "' must be true or false, got '", it->second, "'");
-}
 
 struct ForwardArgs {
   std::string weights, inputs, output;
@@ -26,38 +18,13 @@ struct ForwardArgs {
 void run_forward(const ForwardArgs& a) {
   const io::SafetensorsFile weights = io::SafetensorsFile::open(a.weights);
   MultiheadAttention module = io::load_module(weights);
-  const auto& meta = weights.metadata();
-
-  // Inputs may be a different file from the weights (the same file in the conformance cases).
-  const io::SafetensorsFile inputs_file =
-      a.inputs == a.weights ? io::SafetensorsFile::open(a.weights) : io::SafetensorsFile::open(a.inputs);
-  for (const char* name : {"query", "key", "value"})
-    if (!inputs_file.contains(name)) fail(a.inputs, ": input tensor '", name, "' is missing");
-  const Tensor query = inputs_file.read_f32("query");
-  const Tensor key = inputs_file.read_f32("key");
-  const Tensor value = inputs_file.read_f32("value");
-
-  MhaForwardOptions opt;
+  const LoadedInputs in = load_inputs(weights, a.inputs);
+  MhaForwardOptions opt = in.options;
   opt.threads = a.threads;
-  if (inputs_file.contains("attn_mask")) {
-    const io::DType dt = inputs_file.info("attn_mask").dtype;
-    opt.attn_mask = (dt == io::DType::BOOL || dt == io::DType::U8)
-                        ? AttnMask::from_torch_bool(inputs_file.read_bool("attn_mask"))
-                        : AttnMask::add(inputs_file.read_f32("attn_mask"));
-  }
-  if (inputs_file.contains("key_padding_mask")) {
-    const io::DType dt = inputs_file.info("key_padding_mask").dtype;
-    if (dt == io::DType::BOOL || dt == io::DType::U8)
-      opt.key_padding_mask.is_padding = inputs_file.read_bool("key_padding_mask");
-    else
-      opt.key_padding_mask.additive = inputs_file.read_f32("key_padding_mask");
-  }
-  if (metadata_flag(meta, "is_causal", false)) opt.causal = Causal::top_left();
-  const bool need_weights = metadata_flag(meta, "need_weights", false);
-  const bool average = metadata_flag(meta, "average_attn_weights", true);
-  opt.need_weights = !need_weights ? NeedWeights::None : average ? NeedWeights::Averaged : NeedWeights::PerHead;
+  const bool need_weights = in.need_weights;
+  opt.need_weights = !need_weights ? NeedWeights::None : in.average ? NeedWeights::Averaged : NeedWeights::PerHead;
 
-  const MhaOutput out = module.forward(query, key, value, opt);
+  const MhaOutput out = module.forward(in.query, in.key, in.value, opt);
   io::SafetensorsWriter writer;
   writer.add("output", out.output);
   if (need_weights) writer.add("attn_weights", out.attn_weights);

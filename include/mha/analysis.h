@@ -1,0 +1,73 @@
+// mha/analysis.h — what attention heads do, measured from their weights.
+//
+// Input: attention weights (B, h, T_q, T_k), or (h, T_q, T_k) for one sequence, as returned by
+// MultiheadAttention::forward with NeedWeights::PerHead. For each head, over every row (b, i) that
+// is not fully masked (a row of all zeros, SEMANTICS 4, is excluded from every mean):
+//   entropy     mean of −Σ_j w[i,j]·ln w[i,j]          (nats; 0·ln 0 = 0; uniform over n keys = ln n)
+//   sink        mean of w[i, 0]                         (mass on the first key)
+//   prev_token  mean of w[i, p(i) − 1]                  (mass on the previous position)
+//   self        mean of w[i, p(i)]                      (mass on the query's own position)
+//   focus       mean of max_j w[i, j]
+// where p(i) = i + offset is the key index at the query's own position. The default offset is
+// bottom-right alignment, T_k − T_q (0 for self-attention; the last query is the last key, as in
+// KV-cache decoding); MetricsOptions::query_offset sets it explicitly, e.g. to the number of real
+// keys minus T_q when bias_k / zero-attention columns were appended after the real keys. A row
+// whose p(i) − 1 (or p(i)) lies outside [0, T_k) does not enter the prev_token (self) mean; a head
+// where no row qualifies reports 0 there (e.g. T = 1 has no previous token).
+//
+// Classes, first match wins, in the lesson's order (what Clark et al. 2019 look for):
+//   attention_sink  sink > 0.4
+//   prev_token      prev_token > 0.3
+//   self_attend     self > 0.4
+//   focused         entropy < 0.5 nats
+//   broad           otherwise
+//   empty           the head has no unmasked row (nothing to measure)
+// The comparisons are strict; the thresholds are configurable (HeadThresholds).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mha/tensor.h"
+
+namespace mha {
+
+enum class HeadClass : uint8_t { AttentionSink, PrevToken, SelfAttend, Focused, Broad, Empty };
+
+/// "attention_sink", "prev_token", "self_attend", "focused", "broad", "empty".
+const char* head_class_name(HeadClass cls);
+
+struct HeadThresholds {
+  double sink = 0.4;             ///< attention_sink when sink mass > this
+  double prev_token = 0.3;       ///< prev_token when previous-position mass > this
+  double self_attend = 0.4;      ///< self_attend when diagonal mass > this
+  double focused_entropy = 0.5;  ///< focused when mean entropy (nats) < this
+};
+
+struct MetricsOptions {
+  HeadThresholds thresholds;
+  /// p(i) = i + query_offset is query i's own key position; unset = T_k − T_q (bottom-right).
+  std::optional<int64_t> query_offset;
+};
+
+struct HeadMetrics {
+  int64_t head = 0;
+  int64_t rows = 0;         ///< rows measured (all batches), fully masked rows excluded
+  double entropy = 0.0;     ///< nats
+  double sink = 0.0;        ///< mean weight on key 0
+  double prev_token = 0.0;  ///< mean weight on key p(i) − 1
+  double self = 0.0;        ///< mean weight on key p(i)
+  double focus = 0.0;       ///< mean of each row's maximum
+  HeadClass cls = HeadClass::Empty;
+};
+
+/// The class of a head from its metrics (Empty when rows == 0), in the order documented above.
+HeadClass classify(const HeadMetrics& metrics, const HeadThresholds& thresholds = {});
+
+/// One entry per head. Throws mha::Error unless `weights` is 3-D or 4-D with non-negative,
+/// finite entries (and T_k ≥ 1).
+std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOptions& options = {});
+
+}  // namespace mha

@@ -1,0 +1,88 @@
+// analysis/metrics.cpp — per-head metrics and classes from attention weights (mha/analysis.h).
+#include <cmath>
+
+#include "mha/analysis.h"
+
+namespace mha {
+
+const char* head_class_name(HeadClass cls) {
+  switch (cls) {
+    case HeadClass::AttentionSink:
+      return "attention_sink";
+    case HeadClass::PrevToken:
+      return "prev_token";
+    case HeadClass::SelfAttend:
+      return "self_attend";
+    case HeadClass::Focused:
+      return "focused";
+    case HeadClass::Broad:
+      return "broad";
+    case HeadClass::Empty:
+      return "empty";
+  }
+  return "unknown";
+}
+
+HeadClass classify(const HeadMetrics& m, const HeadThresholds& t) {
+  if (m.rows == 0) return HeadClass::Empty;
+  if (m.sink > t.sink) return HeadClass::AttentionSink;
+  if (m.prev_token > t.prev_token) return HeadClass::PrevToken;
+  if (m.self > t.self_attend) return HeadClass::SelfAttend;
+  if (m.entropy < t.focused_entropy) return HeadClass::Focused;
+  return HeadClass::Broad;
+}
+
+std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOptions& options) {
+  constexpr const char* kFn = "head_metrics";
+  if (weights.dim() != 3 && weights.dim() != 4)
+    fail(kFn, ": weights must be (B, h, T_q, T_k) or (h, T_q, T_k), got ", shape_str(weights.shape()));
+  const View4<const float> w = weights.view4();
+  const int64_t B = w.shape[0], H = w.shape[1], Tq = w.shape[2], Tk = w.shape[3];
+  if (Tk < 1 && Tq > 0) fail(kFn, ": weights ", shape_str(weights.shape()), " have no key positions (T_k = 0)");
+  for (int64_t n = 0; n < weights.numel(); ++n) {
+    const float x = weights.data()[n];
+    if (!(x >= 0.0f) || !std::isfinite(x))
+      fail(kFn, ": weights ", shape_str(weights.shape()), " must be finite and non-negative, got ", x,
+           " at flat index ", n);
+  }
+  const int64_t offset = options.query_offset.value_or(Tk - Tq);
+
+  std::vector<HeadMetrics> result(static_cast<size_t>(H));
+  for (int64_t h = 0; h < H; ++h) {
+    HeadMetrics& m = result[static_cast<size_t>(h)];
+    m.head = h;
+    // Sums in double, in a fixed order: the metrics do not depend on anything but the weights.
+    double entropy = 0, sink = 0, prev = 0, self = 0, focus = 0;
+    int64_t rows = 0, prev_rows = 0, self_rows = 0;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < Tq; ++i) {
+        const float* row = w.row(b, h, i);
+        double sum = 0, ent = 0, top = 0;
+        for (int64_t j = 0; j < Tk; ++j) {
+          const double x = row[j];
+          sum += x;
+          if (x > 0) ent -= x * std::log(x);
+          top = std::max(top, x);
+        }
+        if (sum == 0.0) continue;  // fully masked: excluded from every mean
+        ++rows;
+        entropy += ent;
+        sink += row[0];
+        focus += top;
+        const int64_t own = i + offset;
+        if (own >= 0 && own < Tk) self += row[own], ++self_rows;
+        if (own - 1 >= 0 && own - 1 < Tk) prev += row[own - 1], ++prev_rows;
+      }
+    m.rows = rows;
+    const auto mean = [](double total, int64_t count) { return count > 0 ? total / static_cast<double>(count) : 0.0; };
+    m.entropy = mean(entropy, rows);
+    m.sink = mean(sink, rows);
+    m.focus = mean(focus, rows);
+    m.prev_token = mean(prev, prev_rows);
+    m.self = mean(self, self_rows);
+    m.cls = classify(m, options.thresholds);
+  }
+  return result;
+}
+
+}  // namespace mha

@@ -1,0 +1,173 @@
+// `mha analyze`: what each head does on given inputs — metrics, class, and a picture.
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "load_inputs.h"
+#include "mha/analysis.h"
+#include "mha/image.h"
+#include "mha/module.h"
+#include "mha/prune.h"
+#include "mha/safetensors.h"
+#include "registry.h"
+
+namespace mha::cli {
+
+namespace {
+
+struct AnalyzeArgs {
+  std::string weights, inputs, image, svg, tokens, query_tokens;
+  int64_t batch = 0;
+  bool json = false, causal = false, importance = false;
+  int threads = 0;
+};
+
+std::vector<std::string> split_words(const std::string& s) {
+  std::istringstream is(s);
+  std::vector<std::string> words;
+  for (std::string w; is >> w;) words.push_back(w);
+  return words;
+}
+
+/// One batch element of per-head weights: (B, h, T_q, S) → (h, T_q, S).
+Tensor batch_slice(const Tensor& w, int64_t b) {
+  const int64_t H = w.size(1), Tq = w.size(2), S = w.size(3);
+  const float* begin = w.data() + b * H * Tq * S;
+  return Tensor({H, Tq, S}, std::vector<float>(begin, begin + H * Tq * S));
+}
+
+void run_analyze(const AnalyzeArgs& a) {
+  const io::SafetensorsFile weights_file = io::SafetensorsFile::open(a.weights);
+  const MultiheadAttention module = io::load_module(weights_file);
+  const MhaConfig& c = module.config();
+  const LoadedInputs in = load_inputs(weights_file, a.inputs);
+  MhaForwardOptions opt = in.options;
+  opt.threads = a.threads;
+  opt.need_weights = NeedWeights::PerHead;
+  if (a.causal) opt.causal = Causal::top_left();
+  const MhaOutput out = module.forward(in.query, in.key, in.value, opt);
+  // Unbatched input gives (h, T_q, S): treat it as a batch of one.
+  const Tensor w =
+      out.attn_weights.dim() == 3
+          ? out.attn_weights.reshaped({1, out.attn_weights.size(0), out.attn_weights.size(1), out.attn_weights.size(2)})
+          : out.attn_weights;
+  const int64_t B = w.size(0), H = w.size(1), Tq = w.size(2), S = w.size(3);
+  const int64_t extra = (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0), Tk = S - extra;
+
+  // Positions: the appended bias_k / zero columns come after the real keys, so query i's own key
+  // is i + T_k − T_q over the real keys (bottom-right), not over S.
+  MetricsOptions mopt;
+  mopt.query_offset = Tk - Tq;
+  const std::vector<HeadMetrics> metrics = head_metrics(w, mopt);
+  std::vector<double> importance;
+  if (a.importance) importance = head_importance(module, in.query, in.key, in.value, opt);
+
+  if (a.json) {
+    nlohmann::json j;
+    j["weights"] = a.weights;
+    j["num_heads"] = H, j["num_kv_heads"] = c.kv_heads(), j["head_dim"] = c.head_dim(), j["embed_dim"] = c.embed_dim;
+    j["batch"] = B, j["t_q"] = Tq, j["t_k"] = Tk, j["extra_key_positions"] = extra;
+    j["query_offset"] = *mopt.query_offset;
+    const HeadThresholds& t = mopt.thresholds;
+    j["thresholds"] = {{"sink", t.sink},
+                       {"prev_token", t.prev_token},
+                       {"self_attend", t.self_attend},
+                       {"focused_entropy", t.focused_entropy}};
+    j["heads"] = nlohmann::json::array();
+    for (const HeadMetrics& m : metrics) {
+      nlohmann::json h = {{"head", m.head}, {"class", head_class_name(m.cls)}, {"rows", m.rows}, {"entropy", m.entropy},
+                          {"sink", m.sink}, {"prev_token", m.prev_token},      {"self", m.self}, {"focus", m.focus}};
+      if (a.importance) h["importance"] = importance[static_cast<size_t>(m.head)];
+      j["heads"].push_back(h);
+    }
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("%lld heads (d=%lld, kv_heads=%lld) on B=%lld, T_q=%lld, T_k=%lld%s; fully masked rows excluded\n",
+                static_cast<long long>(H), static_cast<long long>(c.head_dim()), static_cast<long long>(c.kv_heads()),
+                static_cast<long long>(B), static_cast<long long>(Tq), static_cast<long long>(Tk),
+                extra ? " (+ appended bias_k / zero key positions)" : "");
+    std::printf("%4s  %-14s %5s %8s %7s %7s %7s %7s%s\n", "head", "class", "rows", "entropy", "sink", "prev", "self",
+                "focus", a.importance ? "  importance" : "");
+    for (const HeadMetrics& m : metrics) {
+      std::printf("%4lld  %-14s %5lld %8.3f %7.3f %7.3f %7.3f %7.3f", static_cast<long long>(m.head),
+                  head_class_name(m.cls), static_cast<long long>(m.rows), m.entropy, m.sink, m.prev_token, m.self,
+                  m.focus);
+      if (a.importance) std::printf("  %10.4f", importance[static_cast<size_t>(m.head)]);
+      std::printf("\n");
+    }
+    const HeadThresholds& t = mopt.thresholds;
+    std::printf(
+        "classes, first match: attention_sink (sink > %g), prev_token (prev > %g), self_attend (self > %g), "
+        "focused (entropy < %g nats), else broad\n",
+        t.sink, t.prev_token, t.self_attend, t.focused_entropy);
+    if (a.importance) std::printf("importance: ‖y − y without head‖ / ‖y‖ on these inputs\n");
+  }
+
+  if (a.image.empty() && a.svg.empty()) return;
+  if (a.batch < 0 || a.batch >= B) fail("analyze: --batch ", a.batch, " is out of range [0, ", B, ")");
+  HeatmapOptions hopt;
+  hopt.title = std::filesystem::path(a.weights).filename().string() + ", batch " + std::to_string(a.batch) +
+               " (rows: queries, columns: keys)";
+  for (const HeadMetrics& m : metrics)
+    hopt.panel_titles.push_back("head " + std::to_string(m.head) + ": " + head_class_name(m.cls));
+  std::vector<std::string> keys = split_words(a.tokens), queries = split_words(a.query_tokens);
+  if (!keys.empty()) {
+    if (static_cast<int64_t>(keys.size()) != Tk)
+      fail("analyze: --tokens has ", keys.size(), " words, but the keys have T_k = ", Tk, " positions");
+    if (queries.empty()) {
+      // Self-attention style: the queries are the last T_q tokens (bottom-right alignment).
+      if (Tq > Tk) fail("analyze: T_q = ", Tq, " > T_k = ", Tk, ": give the query labels with --query-tokens");
+      queries.assign(keys.end() - Tq, keys.end());
+    }
+    if (c.add_bias_kv) keys.push_back("<bias_k>");
+    if (c.add_zero_attn) keys.push_back("<zero>");
+    hopt.key_labels = keys;
+  }
+  if (!queries.empty()) {
+    if (static_cast<int64_t>(queries.size()) != Tq)
+      fail("analyze: --query-tokens has ", queries.size(), " words, but T_q = ", Tq);
+    hopt.query_labels = queries;
+  }
+  const Tensor panel = batch_slice(w, a.batch);
+  if (!a.image.empty()) {
+    write_heatmap_png(a.image, panel, hopt);
+    if (!a.json) std::printf("wrote %s\n", a.image.c_str());
+  }
+  if (!a.svg.empty()) {
+    write_heatmap_svg(a.svg, panel, hopt);
+    if (!a.json) std::printf("wrote %s\n", a.svg.c_str());
+  }
+}
+
+}  // namespace
+
+static void add_analyze_command(CLI::App& app) {
+  auto a = std::make_shared<AnalyzeArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "analyze",
+      "Run the module with per-head attention weights and say what each head does: mean entropy, mass on the "
+      "first key (sink), on the previous and on the own position, mean row maximum (focus), and a class "
+      "(attention_sink > prev_token > self_attend > focused > broad). Inputs as for `mha forward`.");
+  cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")
+      ->required();
+  cmd->add_option("--inputs", a->inputs, "safetensors file with query, key, value and optional masks")->required();
+  cmd->add_flag("--json", a->json, "one JSON object on stdout instead of the table");
+  cmd->add_option("--image", a->image, "write a PNG grid of per-head heat maps (one batch element)");
+  cmd->add_option("--svg", a->svg, "write the same grid as SVG");
+  cmd->add_option("--tokens", a->tokens,
+                  "space-separated labels of the T_k key positions (and of the queries in "
+                  "self-attention)");
+  cmd->add_option("--query-tokens", a->query_tokens, "space-separated labels of the T_q queries (cross-attention)");
+  cmd->add_option("--batch", a->batch, "which batch element to draw (default 0)");
+  cmd->add_flag("--causal", a->causal, "apply a causal mask (top-left), as if the metadata said is_causal");
+  cmd->add_flag("--importance", a->importance, "also score each head by ablation (relative change of the output)");
+  cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(CLI::NonNegativeNumber);
+  cmd->callback([a] { run_analyze(*a); });
+}
+
+static const CommandRegistrar registered{40, add_analyze_command};
+
+}  // namespace mha::cli

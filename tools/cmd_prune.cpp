@@ -1,0 +1,95 @@
+// `mha prune`: remove heads from saved weights; optionally score every head by ablation first.
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "load_inputs.h"
+#include "mha/module.h"
+#include "mha/prune.h"
+#include "mha/safetensors.h"
+#include "registry.h"
+
+namespace mha::cli {
+
+namespace {
+
+struct PruneArgs {
+  std::string weights, output, inputs;
+  std::vector<int64_t> heads;
+  bool importance = false, duplicate_kv = false;
+  int threads = 0;
+};
+
+double relative_l2(const Tensor& got, const Tensor& want) {
+  double num = 0, den = 0;
+  for (int64_t n = 0; n < want.numel(); ++n) {
+    const double e = static_cast<double>(got.data()[n]) - want.data()[n];
+    num += e * e;
+    den += static_cast<double>(want.data()[n]) * want.data()[n];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+void run_prune(const PruneArgs& a) {
+  if (a.importance && a.inputs.empty()) fail("prune: --importance needs --inputs (the inputs to measure on)");
+  const io::SafetensorsFile file = io::SafetensorsFile::open(a.weights);
+  const MultiheadAttention module = io::load_module(file);
+  const io::WeightNames names = io::detect_weight_names(file);
+  PruneOptions po;
+  po.uneven_groups = a.duplicate_kv ? UnevenGroups::DuplicateKV : UnevenGroups::Refuse;
+  const MultiheadAttention pruned = prune_heads(module, a.heads, po);
+
+  if (!a.inputs.empty()) {
+    const LoadedInputs in = load_inputs(file, a.inputs);
+    MhaForwardOptions opt = in.options;
+    opt.threads = a.threads;
+    if (opt.attn_mask.present() && (opt.attn_mask.allowed.dim() == 3 || opt.attn_mask.additive.dim() == 3))
+      fail(
+          "prune: the inputs' attn_mask is per head (B·num_heads, T_q, T_k); the pruned module has other heads, "
+          "so its effect cannot be measured with the same mask");
+    if (a.importance) {
+      const std::vector<double> imp = head_importance(module, in.query, in.key, in.value, opt);
+      std::printf("head importance by ablation (‖y − y without head‖ / ‖y‖):\n");
+      for (size_t h = 0; h < imp.size(); ++h) std::printf("  head %2zu  %.6f\n", h, imp[h]);
+    }
+    const Tensor y = module.forward(in.query, in.key, in.value, opt).output;
+    const Tensor yp = pruned.forward(in.query, in.key, in.value, opt).output;
+    std::printf("output change from pruning on these inputs: ‖y − y_pruned‖ / ‖y‖ = %.6f\n", relative_l2(yp, y));
+  }
+  io::save_module(a.output, pruned, names);
+  const MhaConfig& c = module.config();
+  const MhaConfig& p = pruned.config();
+  std::printf(
+      "pruned %zu of %lld heads: %lld heads (kv_heads %lld → %lld, d = %lld), parameters %lld → %lld; wrote %s\n",
+      a.heads.size(), static_cast<long long>(c.num_heads), static_cast<long long>(p.num_heads),
+      static_cast<long long>(c.kv_heads()), static_cast<long long>(p.kv_heads()), static_cast<long long>(p.head_dim()),
+      static_cast<long long>(module.parameter_count()), static_cast<long long>(pruned.parameter_count()),
+      a.output.c_str());
+}
+
+}  // namespace
+
+static void add_prune_command(CLI::App& app) {
+  auto a = std::make_shared<PruneArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "prune",
+      "Remove attention heads: rows of W_Q (and of K/V for whole grouped-query groups) and columns of W_O. The "
+      "pruned module's output equals the original's with those heads' contributions zeroed. Writes the weights "
+      "with their configuration metadata, under the same naming scheme as the input.");
+  cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")
+      ->required();
+  cmd->add_option("--heads", a->heads, "comma-separated head indices to remove, e.g. 0,3")->required()->delimiter(',');
+  cmd->add_option("--output", a->output, "where to write the pruned weights")->required();
+  cmd->add_option("--inputs", a->inputs, "inputs (as for `mha forward`) to measure the change of the output on");
+  cmd->add_flag("--importance", a->importance, "print every head's importance by ablation (needs --inputs)");
+  cmd->add_flag("--duplicate-kv", a->duplicate_kv,
+                "grouped-query weights: when groups keep different numbers of heads, copy K/V heads to stay exact "
+                "(instead of refusing)");
+  cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(CLI::NonNegativeNumber);
+  cmd->callback([a] { run_prune(*a); });
+}
+
+static const CommandRegistrar registered{45, add_prune_command};
+
+}  // namespace mha::cli
