@@ -1,0 +1,158 @@
+#!/usr/bin/python3
+"""PyTorch's nn.MultiheadAttention (or its attention core) on the shapes `mha bench` times.
+
+Eval mode, need_weights=False, batch_first=True, self-attention (query = key = value, PyTorch's
+fast path) unless --kv-seq differs, the same thread count, the same FLOP convention (attention
+core 4·B·h·T_q·T_k·d, halved when causal; projections 2·rows·in·out per GEMM). Causal is an
+attn_mask (PyTorch 1.13's module has no is_causal), which takes PyTorch off its fast path.
+
+OMP_WAIT_POLICY=passive must be in the environment before torch loads its OpenMP runtime
+(PyTorch is up to 4x faster here with it): if it is not, this script re-executes itself with it.
+
+  /usr/bin/python3 bench/pytorch_mha.py --seq 1024 --embed-dim 512 --heads 8 --threads 2 [--json]
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+if os.environ.get("OMP_WAIT_POLICY", "").lower() != "passive":
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    os.execv(sys.executable, [sys.executable] + sys.argv)
+
+import torch  # noqa: E402  (after the environment is settled)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--kv-seq", type=int, default=0)
+    p.add_argument("--embed-dim", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--kv-heads", type=int, default=0, help="core only: K/V heads, expanded for PyTorch")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--core", action="store_true", help="time the attention core (SDPA) alone")
+    p.add_argument("--core-impl", choices=["sdpa", "math", "best"], default="best",
+                   help="core: 1.13's private SDPA, softmax(QKᵀ)V in ops, or the faster of the two (default)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    a.kv_seq = a.kv_seq or a.seq
+    a.kv_heads = a.kv_heads or a.heads
+    for name in ("batch", "seq", "kv_seq", "embed_dim", "heads", "kv_heads", "repeat"):
+        if getattr(a, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.embed_dim % a.heads or a.heads % a.kv_heads:
+        p.error("--heads must divide --embed-dim and --kv-heads must divide --heads")
+    if a.kv_heads != a.heads and not a.core:
+        p.error("nn.MultiheadAttention has no grouped-query attention: --kv-heads needs --core")
+    return a
+
+
+def flops(a):
+    d = a.embed_dim // a.heads
+    core = 4.0 * a.batch * a.heads * a.seq * a.kv_seq * d * (0.5 if a.causal else 1.0)
+    if a.core:
+        return core
+    E, kvd = a.embed_dim, a.kv_heads * d
+    nq, nk = a.batch * a.seq, a.batch * a.kv_seq
+    return core + 2.0 * nq * E * E + 2.0 * 2.0 * nk * E * kvd + 2.0 * nq * E * E
+
+
+def causal_mask(a):
+    # True = may NOT attend (PyTorch's polarity), top-left aligned like is_causal.
+    return torch.ones(a.seq, a.kv_seq, dtype=torch.bool).triu(1)
+
+
+def make_core(a, dtype):
+    d = a.embed_dim // a.heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.rand(a.batch, a.heads, a.seq, d, generator=g).mul_(2).sub_(1).to(dtype)
+    k = torch.rand(a.batch, a.kv_heads, a.kv_seq, d, generator=g).mul_(2).sub_(1).to(dtype)
+    v = torch.rand(a.batch, a.kv_heads, a.kv_seq, d, generator=g).mul_(2).sub_(1).to(dtype)
+    if a.kv_heads != a.heads:  # PyTorch 1.13 has no GQA: the baseline copies K/V per query head
+        k = k.repeat_interleave(a.heads // a.kv_heads, dim=1)
+        v = v.repeat_interleave(a.heads // a.kv_heads, dim=1)
+    mask = causal_mask(a) if a.causal else None
+    scale = d ** -0.5
+
+    def math():
+        s = (q @ k.transpose(-2, -1)) * scale
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    impls = {"math": math}
+    sdpa = getattr(torch.nn.functional, "_scaled_dot_product_attention", None)
+    if sdpa is not None:  # 1.13's private SDPA: (out, weights)
+        impls["sdpa"] = lambda: sdpa(q, k, v, attn_mask=None, dropout_p=0.0, need_attn_weights=False,
+                                     is_causal=a.causal)[0]
+    if a.core_impl == "best":
+        return impls
+    if a.core_impl not in impls:
+        sys.exit(f"pytorch_mha.py: --core-impl {a.core_impl} is not in torch {torch.__version__}")
+    return {a.core_impl: impls[a.core_impl]}
+
+
+def make_module(a, dtype):
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(a.embed_dim, a.heads, batch_first=True).eval().to(dtype)
+    x = torch.rand(a.batch, a.seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
+    if a.kv_seq == a.seq:
+        key = value = x  # the same object: PyTorch's self-attention fast path
+    else:
+        key = torch.rand(a.batch, a.kv_seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
+        value = torch.rand(a.batch, a.kv_seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
+    mask = causal_mask(a) if a.causal else None
+    return {"nn.MultiheadAttention": lambda: m(x, key, value, need_weights=False, attn_mask=mask)[0]}
+
+
+def time_runs(name, fn, repeat):
+    fn()  # warm-up
+    times = []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        print(f"torch {name}: run {i + 1}/{repeat}: {times[-1]:.3f} ms", file=sys.stderr)
+    return times
+
+
+def main():
+    a = parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    what = "attention core (SDPA)" if a.core else "nn.MultiheadAttention"
+    print(f"torch {torch.__version__}: {what}, B={a.batch} T={a.seq} S={a.kv_seq} E={a.embed_dim} h={a.heads} "
+          f"causal={a.causal} dtype={a.dtype} threads={torch.get_num_threads()} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, warm-up + {a.repeat} runs", file=sys.stderr)
+    with torch.inference_mode():
+        impls = make_core(a, dtype) if a.core else make_module(a, dtype)
+        # With several implementations of the core, PyTorch is credited with its fastest.
+        runs = {name: time_runs(name, fn, a.repeat) for name, fn in impls.items()}
+    impl, times = min(runs.items(), key=lambda kv: statistics.median(kv[1]))
+    med = statistics.median(times)
+    f = flops(a)
+    result = {
+        "target": "core" if a.core else "module", "batch": a.batch, "seq": a.seq, "kv_seq": a.kv_seq,
+        "embed_dim": a.embed_dim, "heads": a.heads, "kv_heads": a.kv_heads, "causal": a.causal,
+        "dtype": a.dtype, "threads": torch.get_num_threads(), "repeat": a.repeat, "torch": torch.__version__,
+        "impl": impl,
+        "times_ms": times, "median_ms": med, "flops": f, "gflops": f / (med * 1e6),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(f"{what} ({impl}): median {med:.3f} ms, {result['gflops']:.2f} GFLOP/s, peak RSS {result['peak_rss_mb']:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+// `mha bench` through the CLI: the JSON contract of --json and one-line errors for bad arguments.
+// No timing is asserted: only that the numbers are there and make sense as numbers.
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "support/test_support.h"
+
+namespace {
+
+using mha::testing::run_command;
+
+const std::string kCli = MHA_CLI_PATH;
+
+int count_lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n + (!s.empty() && s.back() != '\n');
+}
+
+/// `extra` defaults to a small sgemm reference to keep the test quick.
+nlohmann::json bench_json(const std::string& args, const std::string& extra = " --sgemm-size 128") {
+  const auto r = run_command(kCli + " bench " + args + " --repeat 1 --json" + extra);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(count_lines(r.out), 1) << "stdout must be one JSON object: " << r.out;
+  return nlohmann::json::parse(r.out);
+}
+
+void expect_measurement_keys(const nlohmann::json& j) {
+  for (const char* key :
+       {"median_ms", "gflops", "peak_rss_mb", "sgemm_gflops", "fraction_of_sgemm", "flops", "expected_tensor_mb"}) {
+    ASSERT_TRUE(j.contains(key)) << key << " missing in " << j.dump();
+    EXPECT_TRUE(j[key].is_number()) << key;
+    EXPECT_GT(j[key].get<double>(), 0.0) << key;
+  }
+  EXPECT_NEAR(j["fraction_of_sgemm"].get<double>(), j["gflops"].get<double>() / j["sgemm_gflops"].get<double>(),
+              1e-9 * j["fraction_of_sgemm"].get<double>());
+  EXPECT_TRUE(j["dispatch"].is_string());
+}
+
+TEST(CliBench, CoreJsonHasTheKeysAndTheFlopCount) {
+  // Exactly the documented smoke command, default sgemm reference included.
+  const auto j = bench_json("--core --seq 64 --embed-dim 64 --heads 4", "");
+  expect_measurement_keys(j);
+  EXPECT_EQ(j["target"], "core");
+  EXPECT_EQ(j["seq"], 64);
+  EXPECT_EQ(j["kv_seq"], 64);
+  EXPECT_EQ(j["heads"], 4);
+  EXPECT_EQ(j["head_dim"], 16);
+  EXPECT_EQ(j["causal"], false);
+  // 4·B·h·T_q·T_k·d
+  EXPECT_EQ(j["flops"].get<double>(), 4.0 * 1 * 4 * 64 * 64 * 16);
+}
+
+TEST(CliBench, CausalCoreCountsHalfTheFlops) {
+  const auto j = bench_json("--core --causal --seq 64 --embed-dim 64 --heads 4 --threads 1");
+  EXPECT_EQ(j["causal"], true);
+  EXPECT_EQ(j["threads"], 1);
+  EXPECT_EQ(j["flops"].get<double>(), 0.5 * 4.0 * 1 * 4 * 64 * 64 * 16);
+}
+
+TEST(CliBench, ModuleForwardCountsProjectionsToo) {
+  const auto j = bench_json("--batch 2 --seq 16 --kv-seq 24 --embed-dim 32 --heads 4 --kv-heads 2");
+  expect_measurement_keys(j);
+  EXPECT_EQ(j["target"], "module");
+  const double B = 2, T = 16, S = 24, E = 32, h = 4, d = 8, kv = 2;
+  const double core = 4 * B * h * T * S * d;
+  const double proj = 2 * B * T * E * E + 2 * 2 * B * S * E * kv * d + 2 * B * T * E * E;
+  EXPECT_EQ(j["flops"].get<double>(), core + proj);
+}
+
+TEST(CliBench, Bf16CoreRunsOrSaysItIsUnavailable) {
+  const auto r = run_command(kCli +
+                             " bench --core --dtype bf16 --seq 32 --embed-dim 64 --heads 4 --repeat 1 "
+                             "--sgemm-size 128 --json");
+  if (r.exit_code == 0) {
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["dtype"], "bf16");
+    expect_measurement_keys(j);
+  } else {
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find("bf16"), std::string::npos) << r.err;
+  }
+}
+
+TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
+  struct Case {
+    const char* args;
+    const char* mentions;
+  };
+  const Case cases[] = {
+      {"--seq 0 --embed-dim 64 --heads 4", "--seq"},
+      {"--seq 8 --embed-dim 64 --heads 5", "--heads"},
+      {"--seq 8 --embed-dim 64 --heads 4 --kv-heads 3", "--kv-heads"},
+      {"--seq 8 --embed-dim -64 --heads 4", "--embed-dim"},
+      {"--seq 8 --embed-dim 64 --heads 4 --batch 0", "--batch"},
+      {"--seq 8 --embed-dim 64 --heads 4 --repeat 0", "--repeat"},
+      {"--seq 8 --embed-dim 64 --heads 4 --threads -1", "--threads"},
+      {"--seq 8 --embed-dim 64 --heads 4 --dtype f16", "--dtype"},
+      {"--seq 8 --embed-dim 64 --heads 4 --dtype bf16", "bf16"},  // the module has no bf16 forward
+      {"--seq 8 --embed-dim 64", "--heads"},
+      {"--seq 8 --embed-dim 64 --heads 4 --bogus", "--bogus"},
+  };
+  for (const Case& c : cases) {
+    const auto r = run_command(kCli + " bench " + c.args);
+    EXPECT_EQ(r.exit_code, 1) << c.args;
+    EXPECT_EQ(count_lines(r.err), 1) << c.args << ": " << r.err;
+    EXPECT_NE(r.err.find(c.mentions), std::string::npos) << c.args << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.args << ": " << r.out;
+  }
+}
+
+}  // namespace

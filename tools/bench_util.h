@@ -1,0 +1,285 @@
+// tools/bench_util.h — what `mha bench` and bench/bench_attention.cpp share: the cases they time,
+// the FLOP convention, peak memory and the machine's sgemm throughput measured in the same run.
+//
+// FLOP convention (issue 3): the attention core is 4·B·h·T_q·T_k·d (QKᵀ and PV, one multiply-add
+// = 2 FLOPs each), counted as half when causal; each projection GEMM is 2·rows·in·out. Softmax,
+// bias and mask work are not counted, so GFLOP/s compare like for like with PyTorch and sgemm.
+#pragma once
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/gemm.h"
+#include "mha/module.h"
+#include "mha/sdpa.h"
+#include "mha/tensor.h"
+
+namespace mha::bench {
+
+enum class DType : uint8_t { F32, BF16 };
+enum class Target : uint8_t { Module, Core };
+
+struct BenchConfig {
+  int64_t batch = 1, seq = 0, kv_seq = 0, embed_dim = 0, heads = 0, kv_heads = 0;
+  bool causal = false;
+  DType dtype = DType::F32;
+  Target target = Target::Module;
+  int threads = 0;  ///< 0 = library default
+
+  int64_t t_k() const { return kv_seq > 0 ? kv_seq : seq; }
+  int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t head_dim() const { return embed_dim / heads; }
+  /// Self-attention (query, key and value one tensor, one packed QKV GEMM) unless --kv-seq differs.
+  bool self_attention() const { return t_k() == seq; }
+};
+
+/// One-line errors for sizes a benchmark cannot run (mha::Error, as the CLI expects).
+inline void validate(const BenchConfig& c) {
+  if (c.batch <= 0) fail("bench: --batch must be ≥ 1, got ", c.batch);
+  if (c.seq <= 0) fail("bench: --seq must be ≥ 1, got ", c.seq);
+  if (c.kv_seq < 0) fail("bench: --kv-seq must be ≥ 1, got ", c.kv_seq);
+  if (c.embed_dim <= 0) fail("bench: --embed-dim must be ≥ 1, got ", c.embed_dim);
+  if (c.heads <= 0) fail("bench: --heads must be ≥ 1, got ", c.heads);
+  if (c.kv_heads < 0) fail("bench: --kv-heads must be ≥ 1, got ", c.kv_heads);
+  if (c.embed_dim % c.heads != 0) fail("bench: --heads ", c.heads, " must divide --embed-dim ", c.embed_dim);
+  if (c.heads % c.kv() != 0) fail("bench: --kv-heads ", c.kv(), " must divide --heads ", c.heads);
+  if (c.threads < 0) fail("bench: --threads must be ≥ 1, got ", c.threads);
+}
+
+/// 4·B·h·T_q·T_k·d, halved when causal.
+inline double core_flops(const BenchConfig& c) {
+  const double f = 4.0 * static_cast<double>(c.batch) * static_cast<double>(c.heads) * static_cast<double>(c.seq) *
+                   static_cast<double>(c.t_k()) * static_cast<double>(c.head_dim());
+  return c.causal ? 0.5 * f : f;
+}
+
+/// Q, K, V and output projections: 2·rows·in·out each.
+inline double projection_flops(const BenchConfig& c) {
+  const double E = static_cast<double>(c.embed_dim), kvd = static_cast<double>(c.kv() * c.head_dim());
+  const double nq = static_cast<double>(c.batch * c.seq), nk = static_cast<double>(c.batch * c.t_k());
+  return 2.0 * nq * E * E      // Q
+         + 2.0 * nk * E * kvd  // K
+         + 2.0 * nk * E * kvd  // V
+         + 2.0 * nq * E * E;   // output
+}
+
+inline double total_flops(const BenchConfig& c) {
+  return c.target == Target::Core ? core_flops(c) : core_flops(c) + projection_flops(c);
+}
+
+/// Bytes of the tensors a forward must hold: for the module the inputs, projected Q/K/V, the
+/// attention output, the output and the weights; for the core Q, K, V and the output. Anything
+/// beyond this (plus the process's fixed footprint) is scratch, and must not grow like T².
+inline double expected_tensor_bytes(const BenchConfig& c) {
+  const double E = static_cast<double>(c.embed_dim), d = static_cast<double>(c.head_dim());
+  const double h = static_cast<double>(c.heads), kv = static_cast<double>(c.kv());
+  const double nq = static_cast<double>(c.batch * c.seq), nk = static_cast<double>(c.batch * c.t_k());
+  const double elem = c.dtype == DType::BF16 ? 2.0 : 4.0;
+  if (c.target == Target::Core) return elem * (2.0 * nq * h * d + 2.0 * nk * kv * d) + 4.0 * nq * h * d;
+  const double inputs = c.self_attention() ? nq * E : nq * E + 2.0 * nk * E;
+  const double projected = nq * h * d + 2.0 * nk * kv * d;
+  const double weights = (h + 2.0 * kv) * d * E + E * h * d + (h + 2.0 * kv) * d + E;
+  return 4.0 * (inputs + projected + nq * h * d + nq * E + weights);
+}
+
+/// Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB).
+inline double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+/// Uniform values in [−1, 1) from a fixed seed (splitmix64): the same inputs on every run.
+inline void fill_uniform(std::span<float> values, uint64_t seed) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+  for (float& x : values) {
+    s += 0x9E3779B97F4A7C15ull;
+    uint64_t z = s;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    x = static_cast<float>(static_cast<double>(z >> 40) * 0x1.0p-23 - 1.0);
+  }
+}
+
+inline Tensor random_tensor(Shape shape, uint64_t seed) {
+  Tensor t(std::move(shape));
+  fill_uniform(t.values(), seed);
+  return t;
+}
+
+/// Whether include/mha/sdpa.h has a bfloat16 overload: sdpa(View4<const bf16> q, k, v, options,
+/// SdpaOutputs). Detected, not assumed, so this file builds before and after it lands.
+template <class T>
+concept HasSdpaFor = requires(View4<const T> x, const SdpaOptions& o, const SdpaOutputs& out) {
+  mha::sdpa(x, x, x, o, out);
+};
+inline constexpr bool kHaveBf16Sdpa = HasSdpaFor<bf16>;
+
+/// The attention core alone: sdpa on contiguous (B, h, T_q, d) and (B, kv, T_k, d) tensors.
+class CoreCase {
+ public:
+  explicit CoreCase(const BenchConfig& c) : c_(c) {
+    if (c.dtype == DType::BF16 && !kHaveBf16Sdpa)
+      fail("bench: --dtype bf16 is not available yet (include/mha/sdpa.h has no bfloat16 sdpa overload)");
+    out_ = Tensor({c.batch, c.heads, c.seq, c.head_dim()});
+    const int64_t d = c.head_dim();
+    const Tensor q = random_tensor({c.batch, c.heads, c.seq, d}, 1);
+    const Tensor k = random_tensor({c.batch, c.kv(), c.t_k(), d}, 2);
+    const Tensor v = random_tensor({c.batch, c.kv(), c.t_k(), d}, 3);
+    if (c.dtype == DType::BF16) {
+      q16_ = to_bf16_tensor(q), k16_ = to_bf16_tensor(k), v16_ = to_bf16_tensor(v);
+    } else {
+      q_ = q, k_ = k, v_ = v;
+    }
+    opt_.masks.causal = c.causal ? Causal::top_left() : Causal::none();
+    opt_.threads = c.threads;
+  }
+
+  void run() {
+    SdpaOutputs outs;
+    outs.out = out_.view4();
+    if (c_.dtype == DType::BF16)
+      run_sdpa<bf16>(q16_.view4(), k16_.view4(), v16_.view4(), outs);
+    else
+      run_sdpa<float>(q_.view4(), k_.view4(), v_.view4(), outs);
+  }
+
+  /// Which kernel Auto picks for this request, and why (sdpa_dispatch_reason; float32 shapes).
+  std::string dispatch() const {
+    float dummy = 0.0f;  // make_params reads shapes and strides only
+    const int64_t d = c_.head_dim();
+    const View4<const float> q = contiguous_view<const float>(&dummy, c_.batch, c_.heads, c_.seq, d);
+    const View4<const float> kv = contiguous_view<const float>(&dummy, c_.batch, c_.kv(), c_.t_k(), d);
+    SdpaOutputs outs;
+    outs.out = contiguous_view<float>(&dummy, c_.batch, c_.heads, c_.seq, d);
+    return sdpa_dispatch_reason(q, kv, kv, opt_, outs);
+  }
+
+ private:
+  static BF16Tensor to_bf16_tensor(const Tensor& t) {
+    BF16Tensor r(t.shape());
+    for (int64_t i = 0; i < t.numel(); ++i) r.data()[i] = to_bf16(t.data()[i]);
+    return r;
+  }
+  template <class T>
+  void run_sdpa(View4<const T> q, View4<const T> k, View4<const T> v, const SdpaOutputs& outs) {
+    if constexpr (HasSdpaFor<T>)
+      mha::sdpa(q, k, v, opt_, outs);
+    else
+      fail("bench: --dtype bf16 is not available yet (include/mha/sdpa.h has no bfloat16 sdpa overload)");
+  }
+
+  BenchConfig c_;
+  Tensor q_, k_, v_, out_;
+  BF16Tensor q16_, k16_, v16_;
+  SdpaOptions opt_;
+};
+
+/// The whole module forward: MultiheadAttention::forward, batch-first, need_weights none, eval.
+class ModuleCase {
+ public:
+  explicit ModuleCase(const BenchConfig& c) : c_(c), module_(make_config(c), /*init_seed=*/7) {
+    if (c.dtype == DType::BF16)
+      fail("bench: --dtype bf16 is not available for the module forward yet (only with --core)");
+    query_ = random_tensor({c.batch, c.seq, c.embed_dim}, 4);
+    if (!c.self_attention()) {
+      key_ = random_tensor({c.batch, c.t_k(), c.embed_dim}, 5);
+      value_ = random_tensor({c.batch, c.t_k(), c.embed_dim}, 6);
+    }
+    opt_.causal = c.causal ? Causal::top_left() : Causal::none();
+    opt_.need_weights = NeedWeights::None;
+    opt_.threads = c.threads;
+  }
+
+  void run() {
+    // Self-attention passes one tensor three times: the module then does one packed QKV GEMM.
+    const Tensor& key = c_.self_attention() ? query_ : key_;
+    const Tensor& value = c_.self_attention() ? query_ : value_;
+    const MhaOutput out = module_.forward(query_, key, value, opt_);
+    checksum_ += out.output.numel() > 0 ? out.output.data()[0] : 0.0f;
+  }
+
+  /// The dispatch for the (B, h, T, d) head views the module hands to sdpa.
+  std::string dispatch() const {
+    float dummy = 0.0f;  // make_params reads shapes and strides only
+    const int64_t E = c_.embed_dim, d = c_.head_dim(), ld = c_.self_attention() ? (c_.heads + 2 * c_.kv()) * d : E;
+    const View4<const float> q{&dummy, {c_.batch, c_.heads, c_.seq, d}, {c_.seq * ld, d, ld, 1}};
+    const int64_t ldk = c_.self_attention() ? ld : c_.kv() * d;
+    const View4<const float> kv{&dummy, {c_.batch, c_.kv(), c_.t_k(), d}, {c_.t_k() * ldk, d, ldk, 1}};
+    SdpaOptions sopt;
+    sopt.masks.causal = opt_.causal;
+    sopt.threads = c_.threads;
+    SdpaOutputs outs;
+    outs.out = View4<float>{&dummy, {c_.batch, c_.heads, c_.seq, d}, {c_.seq * E, d, E, 1}};
+    return sdpa_dispatch_reason(q, kv, kv, sopt, outs);
+  }
+
+ private:
+  static MhaConfig make_config(const BenchConfig& c) {
+    MhaConfig m;
+    m.embed_dim = c.embed_dim;
+    m.num_heads = c.heads;
+    m.num_kv_heads = c.kv_heads;
+    m.layout = Layout::BatchFirst;
+    return m;
+  }
+
+  BenchConfig c_;
+  MultiheadAttention module_;
+  Tensor query_, key_, value_;
+  MhaForwardOptions opt_;
+  float checksum_ = 0.0f;  // keeps the result observable
+};
+
+/// Sets the library's and the BLAS library's thread counts; returns the count in effect.
+inline int apply_threads(int threads) {
+  set_num_threads(threads);
+  const int n = num_threads();
+  kernels::set_blas_threads(n);
+  return n;
+}
+
+/// Times `fn` `repeat` times after one untimed warm-up; returns each time in milliseconds.
+/// `progress(i, ms)` is called after each timed run (i from 1).
+inline std::vector<double> time_runs(const std::function<void()>& fn, int repeat,
+                                     const std::function<void(int, double)>& progress = {}) {
+  using clock = std::chrono::steady_clock;
+  fn();  // warm-up: first-touch of buffers, BLAS thread start-up
+  std::vector<double> ms;
+  for (int i = 1; i <= repeat; ++i) {
+    const auto t0 = clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+    if (progress) progress(i, ms.back());
+  }
+  return ms;
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// sgemm throughput of this machine through the library's GEMM (kernels::linear, y = x·Wᵀ, the
+/// projections' layout) for n×n×n, median of `repeat` runs, with the BLAS threads already set.
+/// Measured after the case so its buffers do not count in the case's peak RSS.
+inline double sgemm_gflops(int64_t n, int repeat) {
+  std::vector<float> a(static_cast<size_t>(n * n)), b(a.size()), y(a.size());
+  fill_uniform(a, 11);
+  fill_uniform(b, 12);
+  const auto ms = time_runs([&] { kernels::linear(a.data(), n, n, n, b.data(), n, n, nullptr, y.data(), n); }, repeat);
+  return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / (median(ms) * 1e6);
+}
+
+}  // namespace mha::bench
