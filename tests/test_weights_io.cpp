@@ -71,6 +71,12 @@ void expect_same_config(const MhaConfig& got, const MhaConfig& want) {
   EXPECT_EQ(got.layout, want.layout);
   EXPECT_EQ(got.dropout, want.dropout);
   EXPECT_EQ(got.head_dim(), want.head_dim());
+  EXPECT_EQ(got.rope.enabled, want.rope.enabled);
+  if (want.rope.enabled) {
+    EXPECT_EQ(got.rope.layout, want.rope.layout);
+    EXPECT_EQ(got.rope.theta, want.rope.theta);
+    EXPECT_EQ(got.rope.dims, want.rope.dims);
+  }
 }
 
 struct NamedConfig {
@@ -97,10 +103,13 @@ std::vector<NamedConfig> configs() {
   c = MhaConfig{};
   c.embed_dim = 12, c.num_heads = 3, c.bias = false;
   out.push_back({"nobias", c});
-  // h·d ≠ E (a pruned module): the head dim must survive the trip through the metadata.
+  // h·d ≠ E (a pruned module) with RoPE: both must survive the trip through the metadata.
   c = MhaConfig{};
-  c.embed_dim = 8, c.num_heads = 2, c.num_kv_heads = 1, c.head_dim_override = 6;
-  out.push_back({"pruned", c});
+  c.embed_dim = 8, c.num_heads = 2, c.num_kv_heads = 1, c.head_dim_override = 6, c.rope = Rope::interleaved(5e5, 4);
+  out.push_back({"pruned_rope", c});
+  c = MhaConfig{};
+  c.embed_dim = 16, c.num_heads = 4, c.rope = Rope::half_split(10000.5);
+  out.push_back({"rope", c});
   return out;
 }
 
@@ -218,6 +227,7 @@ TEST(WeightsIo, ConfigFromMetadataNamesTheKeyAndValue) {
   EXPECT_ERROR_MENTIONS(config_from_metadata(with("num_heads", "3"), "w.st"), "w.st", "3");
   EXPECT_ERROR_MENTIONS(config_from_metadata(with("num_kv_heads", "-1"), "w.st"), "w.st");
   EXPECT_ERROR_MENTIONS(config_from_metadata(with("dropout", "1.5"), "w.st"), "w.st");
+  EXPECT_ERROR_MENTIONS(config_from_metadata(with("rope", "yarn"), "w.st"), "'rope'", "'yarn'");
   EXPECT_ERROR_MENTIONS(config_from_metadata(with("head_dim", "four"), "w.st"), "'head_dim'", "'four'");
   // 8 is not divisible by 3 heads, but with an explicit head dim it is a valid (pruned) module.
   auto pruned = with("num_heads", "3");

@@ -161,6 +161,18 @@ MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadat
     c.layout = parse_bool(label, "batch_first", *v) ? Layout::BatchFirst : Layout::SeqFirst;
   if (const auto* v = find_key(metadata, "dropout")) c.dropout = parse_real<float>(label, "dropout", *v);
   if (const auto* v = find_key(metadata, "head_dim")) c.head_dim_override = parse_int(label, "head_dim", *v);
+  // RoPE changes what the weights compute, so a file that had it must bring it back.
+  if (const auto* v = find_key(metadata, "rope")) {
+    if (*v == "half_split")
+      c.rope = Rope::half_split();
+    else if (*v == "interleaved")
+      c.rope = Rope::interleaved();
+    else if (*v != "none")
+      fail("config_from_metadata: ", label, ": metadata 'rope' = '", *v,
+           "' is not one of none, half_split, interleaved");
+  }
+  if (const auto* v = find_key(metadata, "rope_theta")) c.rope.theta = parse_real<double>(label, "rope_theta", *v);
+  if (const auto* v = find_key(metadata, "rope_dims")) c.rope.dims = parse_int(label, "rope_dims", *v);
   try {
     c.validate();
   } catch (const Error& e) {
@@ -186,6 +198,11 @@ std::map<std::string, std::string> metadata_from_config(const MhaConfig& config)
   if (config.kv_heads() != config.num_heads) m["num_kv_heads"] = std::to_string(config.kv_heads());
   if (config.dropout != 0.0f) m["dropout"] = shortest(config.dropout);
   if (config.head_dim_override > 0) m["head_dim"] = std::to_string(config.head_dim());
+  if (config.rope.enabled) {
+    m["rope"] = config.rope.layout == RopeLayout::Interleaved ? "interleaved" : "half_split";
+    m["rope_theta"] = shortest(config.rope.theta);
+    if (config.rope.dims > 0) m["rope_dims"] = std::to_string(config.rope.dims);
+  }
   return m;
 }
 
