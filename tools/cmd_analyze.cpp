@@ -65,6 +65,35 @@ void run_analyze(const AnalyzeArgs& a) {
   std::vector<double> importance;
   if (a.importance) importance = head_importance(module, in.query, in.key, in.value, opt);
 
+  const bool drawing = !a.image.empty() || !a.svg.empty();
+  HeatmapOptions hopt;
+  if (drawing) {
+    if (a.batch < 0 || a.batch >= B) fail("analyze: --batch ", a.batch, " is out of range [0, ", B, ")");
+    hopt.title = std::filesystem::path(a.weights).filename().string() + ", batch " + std::to_string(a.batch) +
+                 " (rows: queries, columns: keys)";
+    for (const HeadMetrics& m : metrics)
+      hopt.panel_titles.push_back("head " + std::to_string(m.head) + ": " + head_class_name(m.cls));
+    std::vector<std::string> keys = split_words(a.tokens), queries = split_words(a.query_tokens);
+    if (!keys.empty()) {
+      if (static_cast<int64_t>(keys.size()) != Tk)
+        fail("analyze: --tokens has ", keys.size(), " words, but the keys have T_k = ", Tk, " positions");
+      if (queries.empty()) {
+        // Self-attention style: the queries are the last T_q tokens (bottom-right alignment).
+        if (Tq > Tk) fail("analyze: T_q = ", Tq, " > T_k = ", Tk, ": give the query labels with --query-tokens");
+        queries.assign(keys.end() - Tq, keys.end());
+      }
+      if (c.add_bias_kv) keys.push_back("<bias_k>");
+      if (c.add_zero_attn) keys.push_back("<zero>");
+      hopt.key_labels = keys;
+    }
+    if (!queries.empty()) {
+      if (static_cast<int64_t>(queries.size()) != Tq)
+        fail("analyze: --query-tokens has ", queries.size(), " words, but T_q = ", Tq);
+      hopt.query_labels = queries;
+    }
+  }
+  const Tensor panel = drawing ? batch_slice(w, a.batch) : Tensor();
+
   if (a.json) {
     nlohmann::json j;
     j["weights"] = a.weights;
@@ -82,6 +111,11 @@ void run_analyze(const AnalyzeArgs& a) {
                           {"sink", m.sink}, {"prev_token", m.prev_token},      {"self", m.self}, {"focus", m.focus}};
       if (a.importance) h["importance"] = importance[static_cast<size_t>(m.head)];
       j["heads"].push_back(h);
+    }
+    if (drawing) {
+      // Where each head's matrix landed in the PNG, for anyone annotating or checking the picture.
+      const HeatmapLayout L = heatmap_layout(panel, hopt);
+      j["image"] = {{"batch", a.batch}, {"cell_pixels", L.cell}, {"panel_x", L.panel_x}, {"panel_y", L.panel_y}};
     }
     std::printf("%s\n", j.dump(2).c_str());
   } else {
@@ -106,32 +140,7 @@ void run_analyze(const AnalyzeArgs& a) {
     if (a.importance) std::printf("importance: ‖y − y without head‖ / ‖y‖ on these inputs\n");
   }
 
-  if (a.image.empty() && a.svg.empty()) return;
-  if (a.batch < 0 || a.batch >= B) fail("analyze: --batch ", a.batch, " is out of range [0, ", B, ")");
-  HeatmapOptions hopt;
-  hopt.title = std::filesystem::path(a.weights).filename().string() + ", batch " + std::to_string(a.batch) +
-               " (rows: queries, columns: keys)";
-  for (const HeadMetrics& m : metrics)
-    hopt.panel_titles.push_back("head " + std::to_string(m.head) + ": " + head_class_name(m.cls));
-  std::vector<std::string> keys = split_words(a.tokens), queries = split_words(a.query_tokens);
-  if (!keys.empty()) {
-    if (static_cast<int64_t>(keys.size()) != Tk)
-      fail("analyze: --tokens has ", keys.size(), " words, but the keys have T_k = ", Tk, " positions");
-    if (queries.empty()) {
-      // Self-attention style: the queries are the last T_q tokens (bottom-right alignment).
-      if (Tq > Tk) fail("analyze: T_q = ", Tq, " > T_k = ", Tk, ": give the query labels with --query-tokens");
-      queries.assign(keys.end() - Tq, keys.end());
-    }
-    if (c.add_bias_kv) keys.push_back("<bias_k>");
-    if (c.add_zero_attn) keys.push_back("<zero>");
-    hopt.key_labels = keys;
-  }
-  if (!queries.empty()) {
-    if (static_cast<int64_t>(queries.size()) != Tq)
-      fail("analyze: --query-tokens has ", queries.size(), " words, but T_q = ", Tq);
-    hopt.query_labels = queries;
-  }
-  const Tensor panel = batch_slice(w, a.batch);
+  if (!drawing) return;
   if (!a.image.empty()) {
     write_heatmap_png(a.image, panel, hopt);
     if (!a.json) std::printf("wrote %s\n", a.image.c_str());

@@ -1,0 +1,193 @@
+// `mha analyze` and `mha prune` through the command line: the table, JSON, pictures, pruned files.
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "mha/analysis.h"
+#include "mha/image.h"
+#include "mha/prune.h"
+#include "mha/safetensors.h"
+#include "support/test_support.h"
+
+namespace {
+
+using mha::testing::run_command;
+
+const std::string kCli = MHA_CLI_PATH;
+const std::string kGolden = std::string(MHA_GOLDEN_DIR) + "/forward/";
+
+constexpr int64_t kT = 8, kE = 16, kD = 8;
+
+/// Two heads with known jobs on one-hot inputs x_t = e_t: head 0 puts its weight on key 0 (a
+/// sink: constant query from the bias, only key 0 has a key vector), head 1 on the previous token
+/// (query e_t, key of position j is e_{j+1}). Causal, so row 0 of head 1 sees only key 0.
+struct Files {
+  std::string weights, inputs;
+};
+
+Files write_known_heads(const std::string& dir) {
+  mha::MhaConfig c;
+  c.embed_dim = kE, c.num_heads = 2, c.layout = mha::Layout::BatchFirst;
+  mha::MultiheadAttention m(c, 1);
+  mha::MhaParameters& p = m.params();
+  const float big = 30.0f;  // score gap 30/√8 ≈ 10.6: the winning key gets > 0.999
+  std::fill(p.in_proj_weight.values().begin(), p.in_proj_weight.values().end(), 0.0f);
+  const int64_t K0 = 2 * kD, V0 = 4 * kD;   // row offsets of the K and V blocks in in_proj_weight
+  p.in_proj_bias.at({0}) = big;             // head 0: q = big·e'_0 for every query
+  p.in_proj_weight.at({K0 + 0, 0}) = 1.0f;  // head 0: only key 0 has k = e'_0
+  for (int64_t t = 0; t < kT; ++t) {
+    p.in_proj_weight.at({kD + t, t}) = big;                            // head 1: q_t = big·e'_t
+    if (t + 1 < kT) p.in_proj_weight.at({K0 + kD + t + 1, t}) = 1.0f;  // head 1: k_t = e'_{t+1}
+    for (int64_t h = 0; h < 2; ++h) p.in_proj_weight.at({V0 + h * kD + t, t}) = 1.0f;
+  }
+  Files f{dir + "/known.safetensors", dir + "/known_inputs.safetensors"};
+  mha::io::SafetensorsWriter w;
+  mha::io::add_weights(w, m, mha::io::WeightNames::PyTorch);
+  w.set_metadata("is_causal", "true");
+  w.write(f.weights);
+  mha::Tensor x({2, kT, kE});
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t t = 0; t < kT; ++t) x.at({b, t, t}) = 1.0f;
+  mha::io::SafetensorsWriter in;
+  for (const char* name : {"query", "key", "value"}) in.add(name, x);
+  in.write(f.inputs);
+  return f;
+}
+
+void expect_one_line_failure(const mha::testing::CommandResult& r, const std::string& needle) {
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+}
+
+TEST(CliAnalyze, TableNamesEachHeadsClass) {
+  const Files f = write_known_heads(mha::testing::temp_dir());
+  const auto r = run_command(kCli + " analyze --weights " + f.weights + " --inputs " + f.inputs);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("   0  attention_sink"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("   1  prev_token"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("entropy"), std::string::npos);
+  EXPECT_NE(r.out.find("sink > 0.4"), std::string::npos);
+}
+
+TEST(CliAnalyze, JsonMatchesTheLibrary) {
+  const Files f = write_known_heads(mha::testing::temp_dir());
+  const auto r = run_command(kCli + " analyze --json --importance --weights " + f.weights + " --inputs " + f.inputs);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["num_heads"], 2);
+  EXPECT_EQ(j["t_q"], kT);
+  EXPECT_EQ(j["heads"][0]["class"], "attention_sink");
+  EXPECT_EQ(j["heads"][1]["class"], "prev_token");
+  EXPECT_GT(j["heads"][0]["sink"].get<double>(), 0.999);
+  EXPECT_GT(j["heads"][1]["prev_token"].get<double>(), 0.999);
+  EXPECT_EQ(j["heads"][1]["rows"], 2 * kT);
+  EXPECT_GT(j["heads"][1]["importance"].get<double>(), 0.0);
+  // The same numbers as head_metrics on the module's own weights (JSON keeps doubles exactly).
+  const auto wf = mha::io::SafetensorsFile::open(f.weights);
+  const auto in = mha::io::SafetensorsFile::open(f.inputs);
+  mha::MhaForwardOptions opt;
+  opt.causal = mha::Causal::top_left();
+  opt.need_weights = mha::NeedWeights::PerHead;
+  const mha::Tensor x = in.read_f32("query");
+  const auto m = mha::head_metrics(mha::io::load_module(wf).forward(x, x, x, opt).attn_weights);
+  for (size_t h = 0; h < 2; ++h) {
+    EXPECT_EQ(j["heads"][h]["entropy"].get<double>(), m[h].entropy);
+    EXPECT_EQ(j["heads"][h]["self"].get<double>(), m[h].self);
+    EXPECT_EQ(j["heads"][h]["focus"].get<double>(), m[h].focus);
+  }
+}
+
+TEST(CliAnalyze, ImageShowsTheSinkColumnAndTheMaskedTriangle) {
+  const std::string dir = mha::testing::temp_dir();
+  const Files f = write_known_heads(dir);
+  const std::string png = dir + "/heads.png", svg = dir + "/heads.svg";
+  const auto r = run_command(kCli + " analyze --json --weights " + f.weights + " --inputs " + f.inputs + " --image " +
+                             png + " --svg " + svg + " --batch 1 --tokens \"a b c d e f g h\"");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  const mha::Image img = mha::read_png(png);
+  EXPECT_GT(img.width, 2 * kT * 8);
+  mha::HeatmapLayout L;
+  L.cell = j["image"]["cell_pixels"].get<int64_t>();
+  L.panel_x = j["image"]["panel_x"].get<std::vector<int64_t>>();
+  L.panel_y = j["image"]["panel_y"].get<std::vector<int64_t>>();
+  ASSERT_EQ(L.panel_x.size(), 2u);
+  // Weights > 0.999 land within a step of the hot end of the scale; exact zeros are blank.
+  const auto near_hot = [](mha::Rgb c) {
+    const mha::Rgb hot = mha::heat_color(1.0);
+    return std::abs(c.r - hot.r) <= 2 && std::abs(c.g - hot.g) <= 2 && std::abs(c.b - hot.b) <= 2;
+  };
+  for (int64_t i = 0; i < kT; ++i) {
+    EXPECT_TRUE(near_hot(img.pixel(L.center_x(0, 0), L.center_y(0, i)))) << "sink column, row " << i;
+    if (i > 0) {
+      EXPECT_TRUE(near_hot(img.pixel(L.center_x(1, i - 1), L.center_y(1, i)))) << "previous token, row " << i;
+    }
+  }
+  EXPECT_EQ(img.pixel(L.center_x(0, kT - 1), L.center_y(0, 0)), mha::masked_color()) << "causally masked";
+  EXPECT_TRUE(std::filesystem::file_size(svg) > 1000);
+
+  expect_one_line_failure(run_command(kCli + " analyze --weights " + f.weights + " --inputs " + f.inputs + " --image " +
+                                      png + " --tokens \"too few\""),
+                          "--tokens has 2 words");
+  expect_one_line_failure(run_command(kCli + " analyze --weights " + f.weights + " --inputs " + f.inputs + " --image " +
+                                      png + " --batch 2"),
+                          "--batch 2 is out of range");
+}
+
+TEST(CliAnalyze, WorksOnGoldenCasesWithMasksAndExtraKeys) {
+  for (const char* name : {"bias_kv_zero_attn_seq_first", "gqa_causal_kpm_per_head_seq_first", "unbatched_self"}) {
+    const std::string c = kGolden + name + ".safetensors";
+    const std::string png = mha::testing::temp_dir() + "/g.png";
+    const auto r = run_command(kCli + " analyze --weights " + c + " --inputs " + c + " --image " + png);
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << r.err;
+    EXPECT_NO_THROW(mha::read_png(png)) << name;
+  }
+}
+
+TEST(CliPrune, WritesAPrunedModuleEqualToAblation) {
+  const std::string dir = mha::testing::temp_dir();
+  const std::string c = kGolden + "gqa_h8_kv2_causal_per_head.safetensors", out = dir + "/pruned.safetensors";
+  // Head 1 alone would leave K/V groups of 3 and 4: refused, naming the groups.
+  expect_one_line_failure(run_command(kCli + " prune --weights " + c + " --heads 1 --output " + out), "group 0");
+  EXPECT_FALSE(std::filesystem::exists(out));
+  const auto r = run_command(kCli + " prune --weights " + c + " --heads 1,5 --output " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("pruned 2 of 8 heads: 6 heads"), std::string::npos) << r.out;
+  const auto original = mha::io::load_module(mha::io::SafetensorsFile::open(c));
+  const auto pruned = mha::io::load_module(mha::io::SafetensorsFile::open(out));
+  EXPECT_EQ(pruned.config().num_heads, 6);
+  EXPECT_EQ(pruned.config().kv_heads(), 2);
+  const auto in = mha::io::SafetensorsFile::open(c);
+  const mha::Tensor q = in.read_f32("query"), k = in.read_f32("key"), v = in.read_f32("value");
+  const double tol = 64 * std::numeric_limits<float>::epsilon();
+  EXPECT_TRUE(mha::testing::all_close(pruned.forward(q, k, v).output,
+                                      mha::ablate_heads(original, {1, 5}).forward(q, k, v).output, tol, tol));
+  // The pruned file analyses like any other.
+  const auto a = run_command(kCli + " analyze --weights " + out + " --inputs " + c);
+  EXPECT_EQ(a.exit_code, 0) << a.err;
+  EXPECT_NE(a.out.find("6 heads"), std::string::npos) << a.out;
+}
+
+TEST(CliPrune, ImportanceAndErrors) {
+  const std::string dir = mha::testing::temp_dir();
+  const Files f = write_known_heads(dir);
+  const std::string out = dir + "/p.safetensors";
+  const auto r = run_command(kCli + " prune --weights " + f.weights + " --heads 0 --output " + out +
+                             " --importance --inputs " + f.inputs);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("head  0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("head  1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("output change from pruning"), std::string::npos) << r.out;
+  expect_one_line_failure(run_command(kCli + " prune --weights " + f.weights + " --heads 0,1 --output " + out),
+                          "cannot prune every head");
+  expect_one_line_failure(run_command(kCli + " prune --weights " + f.weights + " --heads 0,0 --output " + out),
+                          "appears twice");
+  expect_one_line_failure(run_command(kCli + " prune --weights " + f.weights + " --heads 7 --output " + out),
+                          "out of range");
+  expect_one_line_failure(
+      run_command(kCli + " prune --weights " + f.weights + " --heads 0 --output " + out + " --importance"),
+      "--importance needs --inputs");
+}
+
+}  // namespace
