@@ -35,8 +35,10 @@
 #define MHA_DECODE_SHARED_ONCE
 namespace mha::kernels::decode_detail {
 
-constexpr int64_t kBlock = 16;        // keys per block (a multiple of every target's float lanes)
-constexpr int64_t kRowsPerTile = 16;  // query rows per work item (G heads × a few queries)
+constexpr int64_t kBlock = 16;  // keys per block (a multiple of every target's float lanes)
+constexpr int64_t kRowsPerTile = 16;
+constexpr int64_t kPrefetchBlocks =
+    2;  // how far ahead K/V rows are prefetched  // query rows per work item (G heads × a few queries)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 /// How the work is cut; a function of the shapes and the split count only.
@@ -194,6 +196,16 @@ void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* sc
       const int64_t slot = p.ring ? (p0 + j) % p.capacity : p0 + j;
       keys[j] = kbase + slot * d;
       vals[j] = vbase + slot * d_v;
+    }
+    // Prefetch the K and V rows kPrefetchBlocks ahead: two interleaved streams per item (and
+    // one item per thread) are more than the hardware prefetchers keep ahead of on their own.
+    const int64_t pf = p0 + kPrefetchBlocks * kBlock;
+    for (int64_t j = 0; j < kBlock && pf + j < it.hi; ++j) {
+      const int64_t slot = p.ring ? (pf + j) % p.capacity : pf + j;
+      const char* kr = reinterpret_cast<const char*>(kbase + slot * d);
+      const char* vr = reinterpret_cast<const char*>(vbase + slot * d_v);
+      for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(kr + off);
+      for (int64_t off = 0; off < d_v * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vr + off);
     }
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) ScoreRows<4>(qs, d, keys, nb, r, sc);

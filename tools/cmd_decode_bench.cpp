@@ -1,0 +1,245 @@
+// `mha bench-decode`: time per decoded token against context length, and the K/V bytes read per
+// token divided by that time, next to this machine's memory bandwidth (a STREAM triad) measured
+// in the same run; float32 and bf16 caches; optionally prefill through the incremental path vs
+// the full forward.
+//
+// Decoding one token reads every cached K and V row once: 2·B·kv·context·d elements. Both the
+// triad and the decode loop stream through a working set larger than the last-level cache
+// (--footprint-mib, rotating over several caches), so both measure DRAM, not cache.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "mha/kv_cache.h"
+#include "mha/module.h"
+#include "registry.h"
+
+namespace mha::cli {
+
+namespace {
+
+struct DecodeBenchArgs {
+  int64_t heads = 32, kv_heads = 8, head_dim = 128, batch = 1;
+  std::vector<int64_t> contexts{512, 1024, 2048, 4096, 8192};
+  std::vector<std::string> dtypes{"f32", "bf16"};
+  int threads = 2, repeat = 20, splits = 0;
+  int64_t footprint_mib = 1024;  // bytes streamed per measurement, beyond the last-level cache
+  int64_t prefill = 0;           // tokens; 0 = skip the prefill comparison
+  int prefill_repeat = 3;
+  bool json = false;
+};
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+/// STREAM triad a[i] = b[i] + s·c[i] over three arrays of `n` doubles, first-touched by the threads
+/// that use them; best of `repeat`; bytes counted as STREAM does (3 · 8 · n, no write-allocate).
+double triad_gbs(int64_t n, int threads, int repeat) {
+  std::unique_ptr<double[]> a(new double[static_cast<size_t>(n)]), b(new double[static_cast<size_t>(n)]),
+      c(new double[static_cast<size_t>(n)]);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) a[i] = 0.0, b[i] = 1.0, c[i] = 2.0;
+  double best = 1e30;
+  for (int r = 0; r < repeat; ++r) {
+    const auto t0 = clock_type::now();
+    const double s = 3.0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
+    best = std::min(best, seconds_since(t0));
+  }
+  if (a[n / 2] != 7.0) fail("bench-decode: triad check failed");
+  return 3.0 * 8.0 * static_cast<double>(n) / best / 1e9;
+}
+
+struct DecodeResult {
+  std::string dtype;
+  int64_t context = 0;
+  double ms_best = 0, ms_median = 0, kv_bytes = 0, gbs = 0;
+};
+
+DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t context) {
+  const int64_t B = a.batch, KV = a.kv_heads, d = a.head_dim;
+  KvCacheConfig cc;
+  cc.batch = B, cc.kv_heads = KV, cc.head_dim = d, cc.capacity = context, cc.dtype = dtype;
+  const double elem = dtype == CacheDtype::BF16 ? 2.0 : 4.0;
+  const double kv_bytes = 2.0 * static_cast<double>(B * KV * context * d) * elem;
+  const int64_t n_caches =
+      std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(a.footprint_mib) * 1048576.0 / kv_bytes + 0.999));
+  std::vector<KvCache> caches;
+  {
+    const Tensor k = bench::random_tensor({B, KV, context, d}, 1), v = bench::random_tensor({B, KV, context, d}, 2);
+    for (int64_t i = 0; i < n_caches; ++i) {
+      caches.emplace_back(cc);
+      caches.back().append(k.view4(), v.view4());
+    }
+  }
+  const Tensor q = bench::random_tensor({B, a.heads, 1, d}, 3);
+  Tensor out({B, a.heads, 1, d});
+  CacheAttentionOptions o;
+  o.splits = a.splits;
+  o.threads = a.threads;
+  int64_t next = 0;
+  const auto ms = bench::time_runs(
+      [&] {
+        attend_cache(q.view4(), caches[static_cast<size_t>(next)], {}, o, out.view4());
+        next = (next + 1) % n_caches;
+      },
+      std::max<int>(a.repeat, static_cast<int>(n_caches)));
+  DecodeResult r;
+  r.dtype = dtype == CacheDtype::BF16 ? "bf16" : "f32";
+  r.context = context;
+  r.ms_best = *std::min_element(ms.begin(), ms.end());
+  r.ms_median = bench::median(ms);
+  r.kv_bytes = kv_bytes;
+  r.gbs = kv_bytes / (r.ms_best * 1e-3) / 1e9;
+  return r;
+}
+
+struct PrefillResult {
+  double full_ms = 0, incremental_ms = 0;
+};
+
+PrefillResult time_prefill(const DecodeBenchArgs& a) {
+  MhaConfig c;
+  c.embed_dim = a.heads * a.head_dim;
+  c.num_heads = a.heads;
+  c.num_kv_heads = a.kv_heads;
+  c.layout = Layout::BatchFirst;
+  const MultiheadAttention m(c, 1);
+  const Tensor x = bench::random_tensor({a.batch, a.prefill, c.embed_dim}, 4);
+  MhaForwardOptions fo;
+  fo.causal = Causal::top_left();
+  fo.threads = a.threads;
+  KvCacheConfig cc;
+  cc.batch = a.batch, cc.kv_heads = a.kv_heads, cc.head_dim = a.head_dim, cc.capacity = a.prefill;
+  KvCache cache(cc);
+  IncrementalOptions io;
+  io.threads = a.threads;
+  PrefillResult r;
+  // Interleaved, so drift in the machine's load hits both paths alike.
+  std::vector<double> full, inc;
+  for (int i = 0; i <= a.prefill_repeat; ++i) {
+    auto t0 = clock_type::now();
+    const Tensor y1 = m.forward(x, x, x, fo).output;
+    const double f = seconds_since(t0) * 1e3;
+    cache.reset();
+    t0 = clock_type::now();
+    const Tensor y2 = m.forward_incremental(x, x, x, cache, io).output;
+    const double g = seconds_since(t0) * 1e3;
+    if (i > 0) full.push_back(f), inc.push_back(g);  // the first round warms up
+  }
+  r.full_ms = bench::median(full);
+  r.incremental_ms = bench::median(inc);
+  return r;
+}
+
+void run_decode_bench(const DecodeBenchArgs& a) {
+  if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads != 0 || a.head_dim <= 0 || a.batch <= 0)
+    fail("bench-decode: need heads a multiple of kv-heads, head-dim ≥ 1 and batch ≥ 1; got heads ", a.heads,
+         ", kv-heads ", a.kv_heads, ", head-dim ", a.head_dim, ", batch ", a.batch);
+  if (a.repeat < 1 || a.threads < 1 || a.footprint_mib < 0 || a.prefill < 0)
+    fail("bench-decode: --repeat and --threads must be ≥ 1, --footprint-mib and --prefill ≥ 0");
+  for (int64_t ctx : a.contexts)
+    if (ctx < 1) fail("bench-decode: context lengths must be ≥ 1, got ", ctx);
+  for (const std::string& t : a.dtypes)
+    if (t != "f32" && t != "bf16") fail("bench-decode: --dtype takes f32 and/or bf16, got ", t);
+  const int threads = bench::apply_threads(a.threads);
+
+  // The triad streams max(footprint, 3 · 256 MiB) so it, too, comes from DRAM.
+  const int64_t triad_n = std::max<int64_t>(a.footprint_mib * 1048576 / 24, int64_t{1} << 25);
+  const double triad = triad_gbs(triad_n, threads, 10);
+
+  std::vector<DecodeResult> results;
+  for (const std::string& t : a.dtypes)
+    for (int64_t ctx : a.contexts)
+      results.push_back(time_decode(a, t == "bf16" ? CacheDtype::BF16 : CacheDtype::F32, ctx));
+  PrefillResult pre;
+  if (a.prefill > 0) pre = time_prefill(a);
+
+  auto speedup = [&](int64_t ctx) {
+    double f = 0, h = 0;
+    for (const auto& r : results)
+      if (r.context == ctx) (r.dtype == "f32" ? f : h) = r.ms_best;
+    return f > 0 && h > 0 ? f / h : 0.0;
+  };
+  if (a.json) {
+    nlohmann::json j;
+    j["config"] = {
+        {"heads", a.heads},   {"kv_heads", a.kv_heads}, {"head_dim", a.head_dim}, {"batch", a.batch},
+        {"threads", threads}, {"splits", a.splits},     {"repeat", a.repeat},     {"footprint_mib", a.footprint_mib}};
+    j["triad_gbs"] = triad;
+    for (const auto& r : results)
+      j["decode"].push_back({{"dtype", r.dtype},
+                             {"context", r.context},
+                             {"ms_per_token_best", r.ms_best},
+                             {"ms_per_token_median", r.ms_median},
+                             {"kv_bytes_per_token", r.kv_bytes},
+                             {"gbs", r.gbs},
+                             {"fraction_of_triad", r.gbs / triad},
+                             {"bf16_speedup", speedup(r.context)}});
+    if (a.prefill > 0)
+      j["prefill"] = {{"tokens", a.prefill},
+                      {"full_forward_ms", pre.full_ms},
+                      {"incremental_ms", pre.incremental_ms},
+                      {"ratio", pre.incremental_ms / pre.full_ms}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf("decode attention: h=%lld, kv_heads=%lld, d=%lld, batch %lld, %d threads, splits %s\n",
+              static_cast<long long>(a.heads), static_cast<long long>(a.kv_heads), static_cast<long long>(a.head_dim),
+              static_cast<long long>(a.batch), threads, a.splits > 0 ? std::to_string(a.splits).c_str() : "auto");
+  std::printf("STREAM triad (same run): %.1f GB/s\n\n", triad);
+  std::printf("  %-5s %8s %12s %12s %12s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s", "of triad",
+              "bf16 ×");
+  for (const auto& r : results) {
+    char ratio[32] = "";
+    if (r.dtype == "bf16" && speedup(r.context) > 0) std::snprintf(ratio, sizeof ratio, "%.2f", speedup(r.context));
+    std::printf("  %-5s %8lld %12.3f %12.1f %12.1f %8.0f%% %9s\n", r.dtype.c_str(), static_cast<long long>(r.context),
+                r.ms_best, r.kv_bytes / 1048576.0, r.gbs, 100.0 * r.gbs / triad, ratio);
+  }
+  std::printf("\n(ms/token: best of %d; the caches rotate through %lld MiB so K/V come from memory)\n",
+              std::max(a.repeat, 1), static_cast<long long>(a.footprint_mib));
+  if (a.prefill > 0)
+    std::printf("\nprefill %lld tokens (E=%lld): full forward %.1f ms, incremental path %.1f ms (%.3f×)\n",
+                static_cast<long long>(a.prefill), static_cast<long long>(a.heads * a.head_dim), pre.full_ms,
+                pre.incremental_ms, pre.incremental_ms / pre.full_ms);
+}
+
+}  // namespace
+
+static void add_decode_bench_command(CLI::App& app) {
+  auto a = std::make_shared<DecodeBenchArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "bench-decode",
+      "Time per decoded token vs context length, K/V GB/s next to a STREAM triad (f32 and bf16 caches).");
+  cmd->add_option("--heads,-H", a->heads, "query heads h")->capture_default_str();
+  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads")->capture_default_str();
+  cmd->add_option("--head-dim,-d", a->head_dim, "head dim d")->capture_default_str();
+  cmd->add_option("--batch,-B", a->batch, "sequences decoded together")->capture_default_str();
+  cmd->add_option("--contexts", a->contexts, "context lengths to time")->delimiter(',')->capture_default_str();
+  cmd->add_option("--dtype", a->dtypes, "cache dtypes: f32, bf16")->delimiter(',')->capture_default_str();
+  cmd->add_option("--threads,-t", a->threads, "threads")->capture_default_str();
+  cmd->add_option("--splits", a->splits, "split-K count (0 = auto, from the shapes)")->capture_default_str();
+  cmd->add_option("--repeat", a->repeat, "timed decode steps per point (best is reported)")->capture_default_str();
+  cmd->add_option("--footprint-mib", a->footprint_mib, "bytes streamed per measurement (beyond the LLC)")
+      ->capture_default_str();
+  cmd->add_option("--prefill", a->prefill, "also time a prefill of this many tokens: incremental vs full forward")
+      ->capture_default_str();
+  cmd->add_option("--prefill-repeat", a->prefill_repeat, "prefill rounds (median)")->capture_default_str();
+  cmd->add_flag("--json", a->json, "one JSON object on stdout");
+  cmd->callback([a] { run_decode_bench(*a); });
+}
+
+static const CommandRegistrar registered{55, add_decode_bench_command};
+
+}  // namespace mha::cli
