@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # Debian packages: compilers and build tools, the libraries mha links, and PyTorch/numpy
 # (only for regenerating golden data and the benchmark comparison).
-packages=(g++ cmake ninja-build pkg-config git libopenblas-dev libhwy-dev libpng-dev libcli11-dev
+packages=(g++ cmake ninja-build pkg-config git libdnnl-dev libhwy-dev libpng-dev libcli11-dev
           nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3 python3-numpy python3-torch)
 missing=()
 for p in "${packages[@]}"; do

@@ -157,8 +157,11 @@ TEST(Module, ForwardErrorsNameArgumentsAndShapes) {
   MultiheadAttention m(config(8, 2), 12);
   const Tensor x = random_tensor({2, 3, 8}, 13);
   expect_error_mentions([&] { m.forward(random_tensor({2, 3, 6}, 1), x, x); }, "(2, 3, 6)");
-  expect_error_mentions([&] { m.forward(x, random_tensor({4, 3, 8}, 1), random_tensor({4, 3, 8}, 2)); },
-                        "batch sizes differ");
+  expect_error_mentions(
+      [&] {
+        m.forward(x, random_tensor({4, 3, 8}, 1), random_tensor({4, 3, 8}, 2));
+      },
+      "batch sizes differ");
   expect_error_mentions([&] { m.forward(x, x, random_tensor({2, 4, 8}, 3)); }, "same sequence length");
   expect_error_mentions([&] { m.forward(random_tensor({8}, 1), x, x); }, "query must be");
   expect_error_mentions([&] { m.forward(x, random_tensor({3, 8}, 1), random_tensor({3, 8}, 2)); }, "3-D");
@@ -182,6 +185,29 @@ TEST(Module, ZeroLengthSequences) {
   const Tensor q1 = random_tensor({2, 2, 8}, 16), kv0({2, 0, 8});
   const auto r = m.forward(q1, kv0, kv0);  // nothing to attend to: heads are zero, output = b_O
   for (int64_t i = 0; i < r.output.numel(); ++i) EXPECT_EQ(r.output.data()[i], m.params().out_proj_bias.data()[i % 8]);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Module, BitwiseIdenticalForAnyThreadCount) {
+  // SEMANTICS 9: projections (oneDNN) and attention give the same bits for 1, 2 or 3 threads.
+  MhaConfig c = config(64, 8);
+  c.num_kv_heads = 2;
+  MultiheadAttention m(c, 17);
+  const Tensor x = random_tensor({2, 150, 64}, 18);
+  mha::MhaForwardOptions opt;
+  opt.causal = mha::Causal::top_left();
+  std::vector<Tensor> outputs;
+  for (int threads : {1, 2, 3}) {
+    mha::set_num_threads(threads);
+    opt.threads = threads;
+    outputs.push_back(m.forward(x, x, x, opt).output);
+  }
+  mha::set_num_threads(0);
+  EXPECT_TRUE(mha::testing::bitwise_equal(outputs[1], outputs[0]));
+  EXPECT_TRUE(mha::testing::bitwise_equal(outputs[2], outputs[0]));
 }
 
 }  // namespace

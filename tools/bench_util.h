@@ -240,12 +240,10 @@ class ModuleCase {
   float checksum_ = 0.0f;  // keeps the result observable
 };
 
-/// Sets the library's and the BLAS library's thread counts; returns the count in effect.
+/// Sets the library's thread count (kernels and GEMMs); returns the count in effect.
 inline int apply_threads(int threads) {
   set_num_threads(threads);
-  const int n = num_threads();
-  kernels::set_blas_threads(n);
-  return n;
+  return num_threads();
 }
 
 /// Times `fn` `repeat` times after one untimed warm-up; returns each time in milliseconds.

@@ -28,7 +28,6 @@
 // key_hidden(), the rule every kernel shares. Padded keys are never read: a block with padding
 // copies its K/V rows with zeros in place of padded rows, and their dK/dV rows come out 0.
 // Rows whose lse is −inf (fully masked) get P = 0, hence zero gradient.
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -38,6 +37,7 @@
 
 #include "kernels/attention_backward.h"
 #include "kernels/dropout_rng.h"
+#include "kernels/gemm.h"
 
 #ifndef MHA_BACKWARD_FUSED_ONCE
 #define MHA_BACKWARD_FUSED_ONCE
@@ -146,11 +146,6 @@ inline void copy_unpadded(const SdpaParams& f, int64_t b, int64_t g, int64_t j0,
   }
 }
 
-inline void sgemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha,
-              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
-}
 
 }  // namespace mha::kernels::bwd
 #endif  // MHA_BACKWARD_FUSED_ONCE
@@ -232,7 +227,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, fl
   for (int64_t r = 0; r < nr; ++r) lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
 
   // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd).
-  sgemm(CblasNoTrans, CblasTrans, nr, nc, D, f.scale, q, ldq, job.k, job.ldk, 0.0f, s, kBc);
+  sgemm(Trans::No, Trans::Yes, nr, nc, D, f.scale, q, ldq, job.k, job.ldk, 0.0f, s, kBc, /*threads=*/1);
   for (int64_t r = 0; r < nr; ++r) std::fill(s + r * kBc + nc, s + r * kBc + cols, kNegInf);
   if (vis == BlockVis::Partial || cx.element_masks || job.padded)
     for (int64_t r = 0; r < nr; ++r)
@@ -244,7 +239,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, fl
   // Forward "softmax": P = exp(S − lse).
   probabilities(s, lse, nr, cols, prob);
   // Forward "out = P̃ V": dP̃ = dO Vᵀ (into pt), then dropout's keep/(1 − p) on both P̃ and dP.
-  sgemm(CblasNoTrans, CblasTrans, nr, nc, Dv, 1.0f, dout, lddo, job.v, job.ldv, 0.0f, pt, kBc);
+  sgemm(Trans::No, Trans::Yes, nr, nc, Dv, 1.0f, dout, lddo, job.v, job.ldv, 0.0f, pt, kBc, /*threads=*/1);
   const float* p_used = prob;  // P̃
   if (f.dropout.active()) {
     // P̃ goes into s (free until dS is formed); dP stays in pt.
@@ -258,14 +253,14 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, fl
     p_used = s;
   }
   // dV_j += P̃ᵀ dO_i.
-  if (dv_acc) sgemm(CblasTrans, CblasNoTrans, nc, Dv, nr, 1.0f, p_used, kBc, dout, lddo, 1.0f, dv_acc, Dv);
+  if (dv_acc) sgemm(Trans::Yes, Trans::No, nc, Dv, nr, 1.0f, p_used, kBc, dout, lddo, 1.0f, dv_acc, Dv, /*threads=*/1);
   // Softmax backward: dS = P ∘ (dP − D) (into s: P̃ has been used).
   score_grads(prob, pt, cx.rowdot + (job.b * f.heads() + job.h) * f.t_q() + job.i0, nr, cols, s);
   // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
-  if (dk_acc) sgemm(CblasTrans, CblasNoTrans, nc, D, nr, f.scale, s, kBc, q, ldq, 1.0f, dk_acc, D);
+  if (dk_acc) sgemm(Trans::Yes, Trans::No, nc, D, nr, f.scale, s, kBc, q, ldq, 1.0f, dk_acc, D, /*threads=*/1);
   if (want_dq)
-    sgemm(CblasNoTrans, CblasNoTrans, nr, D, nc, f.scale, s, kBc, job.k, job.ldk, 1.0f, p.dq.row(job.b, job.h, job.i0),
-          p.dq.stride[2]);
+    sgemm(Trans::No, Trans::No, nr, D, nc, f.scale, s, kBc, job.k, job.ldk, 1.0f, p.dq.row(job.b, job.h, job.i0),
+          p.dq.stride[2], /*threads=*/1);
 }
 
 /// The K/V rows of key block [j0, j1): the view's rows, or an unpadded copy in scratch.

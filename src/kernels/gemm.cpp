@@ -1,8 +1,29 @@
+// kernels/gemm.cpp — linear layers and their gradients over oneDNN's sgemm (see gemm.h for why).
 #include "kernels/gemm.h"
 
-#include <cblas.h>
+#include <omp.h>
+
+#include <oneapi/dnnl/dnnl.h>
+
+#include "mha/error.h"
+#include "mha/sdpa.h"
 
 namespace mha::kernels {
+
+void sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
+  if (m == 0 || n == 0) return;
+  // oneDNN sizes its thread team from omp_get_max_threads(): set it for this call only (it is a
+  // per-thread setting, so concurrent callers do not see each other's).
+  const int want = threads > 0 ? threads : mha::num_threads();
+  const int before = omp_get_max_threads();
+  if (want != before) omp_set_num_threads(want);
+  const dnnl_status_t status = dnnl_sgemm(trans_a == Trans::Yes ? 'T' : 'N', trans_b == Trans::Yes ? 'T' : 'N', m, n, k,
+                                          alpha, a, lda, b, ldb, beta, c, ldc);
+  if (want != before) omp_set_num_threads(before);
+  if (status != dnnl_success)
+    fail("sgemm: oneDNN failed (status ", static_cast<int>(status), ") for m=", m, " n=", n, " k=", k);
+}
 
 void linear(const float* x, int64_t rows, int64_t in, int64_t ldx, const float* w, int64_t out, int64_t ldw,
             const float* bias, float* y, int64_t ldy) {
@@ -13,16 +34,12 @@ void linear(const float* x, int64_t rows, int64_t in, int64_t ldx, const float* 
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < out; ++c) y[r * ldy + c] = bias[c];
     beta = 1.0f;
+  } else if (in == 0) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < out; ++c) y[r * ldy + c] = 0.0f;
   }
-  if (in == 0) {
-    if (!bias)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < out; ++c) y[r * ldy + c] = 0.0f;
-    return;
-  }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), static_cast<blasint>(out),
-              static_cast<blasint>(in), 1.0f, x, static_cast<blasint>(ldx), w, static_cast<blasint>(ldw), beta, y,
-              static_cast<blasint>(ldy));
+  if (in == 0) return;
+  sgemm(Trans::No, Trans::Yes, rows, out, in, 1.0f, x, ldx, w, ldw, beta, y, ldy);
 }
 
 void linear_backward_input(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* w, int64_t in,
@@ -33,9 +50,7 @@ void linear_backward_input(const float* dy, int64_t rows, int64_t out, int64_t l
       for (int64_t c = 0; c < in; ++c) dx[r * lddx + c] = 0.0f;
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(rows), static_cast<blasint>(in),
-              static_cast<blasint>(out), 1.0f, dy, static_cast<blasint>(lddy), w, static_cast<blasint>(ldw), 0.0f, dx,
-              static_cast<blasint>(lddx));
+  sgemm(Trans::No, Trans::No, rows, in, out, 1.0f, dy, lddy, w, ldw, 0.0f, dx, lddx);
 }
 
 void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* x, int64_t in,
@@ -52,13 +67,7 @@ void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t 
       for (int64_t c = 0; c < in; ++c) dw[o * lddw + c] = 0.0f;
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<blasint>(out), static_cast<blasint>(in),
-              static_cast<blasint>(rows), 1.0f, dy, static_cast<blasint>(lddy), x, static_cast<blasint>(ldx), 0.0f, dw,
-              static_cast<blasint>(lddw));
-}
-
-void set_blas_threads(int threads) {
-  if (threads > 0) openblas_set_num_threads(threads);
+  sgemm(Trans::Yes, Trans::No, out, in, rows, 1.0f, dy, lddy, x, ldx, 0.0f, dw, lddw);
 }
 
 }  // namespace mha::kernels
