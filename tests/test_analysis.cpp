@@ -2,6 +2,7 @@
 // pictures read back from PNG.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>

@@ -1,5 +1,7 @@
 // `mha analyze` and `mha prune` through the command line: the table, JSON, pictures, pruned files.
+#include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 
