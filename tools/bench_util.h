@@ -21,17 +21,22 @@
 #include "mha/module.h"
 #include "mha/sdpa.h"
 #include "mha/tensor.h"
+#include "mha/training.h"
 
 namespace mha::bench {
 
 enum class DType : uint8_t { F32, BF16 };
 enum class Target : uint8_t { Module, Core };
+/// Forward: the forward alone. Backward: the core's backward alone (from a saved forward), or the
+/// module's training forward + backward together.
+enum class Pass : uint8_t { Forward, Backward };
 
 struct BenchConfig {
   int64_t batch = 1, seq = 0, kv_seq = 0, embed_dim = 0, heads = 0, kv_heads = 0;
   bool causal = false;
   DType dtype = DType::F32;
   Target target = Target::Module;
+  Pass pass = Pass::Forward;
   int threads = 0;  ///< 0 = library default
 
   int64_t t_k() const { return kv_seq > 0 ? kv_seq : seq; }
@@ -71,7 +76,12 @@ inline double projection_flops(const BenchConfig& c) {
          + 2.0 * nq * E * E;   // output
 }
 
+/// Backward counts the usual convention: 2.5× the forward core (five T_q×T_k×d products) and 2×
+/// each projection GEMM (input and weight gradients).
 inline double total_flops(const BenchConfig& c) {
+  if (c.pass == Pass::Backward)
+    return c.target == Target::Core ? 2.5 * core_flops(c)
+                                    : 3.5 * core_flops(c) + 3.0 * projection_flops(c);  // forward + backward
   return c.target == Target::Core ? core_flops(c) : core_flops(c) + projection_flops(c);
 }
 
@@ -223,7 +233,7 @@ class ModuleCase {
     return sdpa_dispatch_reason(q, kv, kv, sopt, outs);
   }
 
- private:
+ public:
   static MhaConfig make_config(const BenchConfig& c) {
     MhaConfig m;
     m.embed_dim = c.embed_dim;
@@ -233,11 +243,66 @@ class ModuleCase {
     return m;
   }
 
+ private:
   BenchConfig c_;
   MultiheadAttention module_;
   Tensor query_, key_, value_;
   MhaForwardOptions opt_;
   float checksum_ = 0.0f;  // keeps the result observable
+};
+
+/// The attention core's backward, from a forward run once at construction (out and lse saved).
+class CoreBackwardCase {
+ public:
+  explicit CoreBackwardCase(const BenchConfig& c) : c_(c) {
+    if (c.dtype == DType::BF16) fail("bench: --backward runs in float32 only (there is no bf16 backward)");
+    const int64_t d = c.head_dim();
+    q_ = random_tensor({c.batch, c.heads, c.seq, d}, 1);
+    k_ = random_tensor({c.batch, c.kv(), c.t_k(), d}, 2);
+    v_ = random_tensor({c.batch, c.kv(), c.t_k(), d}, 3);
+    d_out_ = random_tensor({c.batch, c.heads, c.seq, d}, 4);
+    opt_.masks.causal = c.causal ? Causal::top_left() : Causal::none();
+    opt_.threads = c.threads;
+    SdpaResult fwd = sdpa(q_, k_, v_, opt_, Want::Lse);
+    out_ = std::move(fwd.out);
+    lse_ = std::move(fwd.lse);
+  }
+  void run() { grads_ = sdpa_backward(q_, k_, v_, out_, d_out_, lse_, opt_); }
+  std::string dispatch() const { return sdpa_backward_dispatch_reason(q_.view4(), k_.view4(), v_.view4(), opt_); }
+
+ private:
+  BenchConfig c_;
+  Tensor q_, k_, v_, out_, d_out_, lse_;
+  SdpaOptions opt_;
+  SdpaGradTensors grads_;
+};
+
+/// The module's training step: forward_train + backward (gradients for inputs and parameters).
+class ModuleTrainCase {
+ public:
+  explicit ModuleTrainCase(const BenchConfig& c) : c_(c), module_(ModuleCase::make_config(c), /*init_seed=*/7) {
+    if (c.dtype == DType::BF16) fail("bench: --backward runs in float32 only (there is no bf16 backward)");
+    query_ = random_tensor({c.batch, c.seq, c.embed_dim}, 4);
+    key_ = c.self_attention() ? query_ : random_tensor({c.batch, c.t_k(), c.embed_dim}, 5);
+    value_ = c.self_attention() ? query_ : random_tensor({c.batch, c.t_k(), c.embed_dim}, 6);
+    d_output_ = random_tensor({c.batch, c.seq, c.embed_dim}, 8);
+    opt_.causal = c.causal ? Causal::top_left() : Causal::none();
+    opt_.threads = c.threads;
+  }
+  void run() {
+    const Tensor& key = c_.self_attention() ? query_ : key_;
+    const Tensor& value = c_.self_attention() ? query_ : value_;
+    MhaTrainOutput fwd = forward_train(module_, query_, key, value, opt_);
+    const MhaGradients grads = backward(module_, fwd.context, d_output_);
+    checksum_ += grads.query.numel() > 0 ? grads.query.data()[0] : 0.0f;
+  }
+
+ private:
+  BenchConfig c_;
+  MultiheadAttention module_;
+  Tensor query_, key_, value_, d_output_;
+  MhaForwardOptions opt_;
+  float checksum_ = 0.0f;
 };
 
 /// Sets the library's thread count (kernels and GEMMs); returns the count in effect.

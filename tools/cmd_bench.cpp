@@ -8,6 +8,7 @@
 #include <string>
 
 #include "bench_util.h"
+#include "decode_bench.h"
 #include "registry.h"
 
 namespace mha::cli {
@@ -19,14 +20,34 @@ struct BenchArgs {
   std::string dtype = "f32";
   int repeat = 5;
   int64_t sgemm_size = 1536;
-  bool core = false, json = false;
+  bool core = false, json = false, backward = false, decode = false;
 };
 
 const char* yes_no(bool b) { return b ? "yes" : "no"; }
 
+/// `--decode`: one new token per sequence against a cache of --seq positions (the decode benchmark).
+void run_decode(const BenchArgs& a) {
+  const bench::BenchConfig& c = a.config;
+  if (a.core || a.backward) fail("bench: --decode cannot be combined with --core or --backward");
+  bench::validate(c);
+  DecodeBenchArgs d;
+  d.heads = c.heads;
+  d.kv_heads = c.kv();
+  d.head_dim = c.head_dim();
+  d.batch = c.batch;
+  d.contexts = {c.seq};
+  d.dtypes = {a.dtype};
+  d.threads = c.threads > 0 ? c.threads : num_threads();
+  d.repeat = a.repeat;
+  d.json = a.json;
+  run_decode_bench(d);
+}
+
 void run_bench(BenchArgs a) {
   bench::BenchConfig& c = a.config;
   if (a.dtype != "f32" && a.dtype != "bf16") fail("bench: --dtype must be f32 or bf16, got '", a.dtype, "'");
+  if (a.decode) return run_decode(a);
+  c.pass = a.backward ? bench::Pass::Backward : bench::Pass::Forward;
   c.dtype = a.dtype == "bf16" ? bench::DType::BF16 : bench::DType::F32;
   c.target = a.core ? bench::Target::Core : bench::Target::Module;
   bench::validate(c);
@@ -38,15 +59,29 @@ void run_bench(BenchArgs a) {
   // Build the case first: it rejects what it cannot run (bf16 without the overload) in one line.
   std::unique_ptr<bench::CoreCase> core;
   std::unique_ptr<bench::ModuleCase> module;
+  std::unique_ptr<bench::CoreBackwardCase> core_backward;
+  std::unique_ptr<bench::ModuleTrainCase> module_train;
   std::string dispatch;
-  if (a.core) {
+  std::function<void()> run;
+  if (a.core && a.backward) {
+    core_backward = std::make_unique<bench::CoreBackwardCase>(c);
+    dispatch = core_backward->dispatch();
+    run = [&] { core_backward->run(); };
+  } else if (a.core) {
     core = std::make_unique<bench::CoreCase>(c);
     dispatch = core->dispatch();
+    run = [&] { core->run(); };
+  } else if (a.backward) {
+    module_train = std::make_unique<bench::ModuleTrainCase>(c);
+    dispatch = bench::ModuleCase(c).dispatch();
+    run = [&] { module_train->run(); };
   } else {
     module = std::make_unique<bench::ModuleCase>(c);
     dispatch = module->dispatch();
+    run = [&] { module->run(); };
   }
-  const char* what = a.core ? "attention core (sdpa)" : "module forward";
+  const char* what = a.core ? (a.backward ? "attention core backward (sdpa_backward)" : "attention core (sdpa)")
+                            : (a.backward ? "module forward + backward" : "module forward");
   std::fprintf(stderr,
                "bench: %s, B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s dtype=%s threads=%d, "
                "warm-up + %d runs\n",
@@ -55,12 +90,13 @@ void run_bench(BenchArgs a) {
                static_cast<long long>(c.head_dim()), yes_no(c.causal), a.dtype.c_str(), threads, a.repeat);
   std::fprintf(stderr, "bench: sdpa dispatch: %s\n", dispatch.c_str());
   const auto progress = [&](int i, double ms) { std::fprintf(stderr, "bench: run %d/%d: %.3f ms\n", i, a.repeat, ms); };
-  const std::vector<double> ms = a.core ? bench::time_runs([&] { core->run(); }, a.repeat, progress)
-                                        : bench::time_runs([&] { module->run(); }, a.repeat, progress);
+  const std::vector<double> ms = bench::time_runs(run, a.repeat, progress);
   // Read the peak before the sgemm reference allocates its own matrices.
   const double peak_mb = bench::peak_rss_mib();
   core.reset();
   module.reset();
+  core_backward.reset();
+  module_train.reset();
 
   std::fprintf(stderr, "bench: sgemm reference %lld^3 on %d threads\n", static_cast<long long>(a.sgemm_size), threads);
   const double sgemm = bench::sgemm_gflops(a.sgemm_size, 5);
@@ -72,6 +108,7 @@ void run_bench(BenchArgs a) {
   if (a.json) {
     nlohmann::json j;
     j["target"] = a.core ? "core" : "module";
+    j["pass"] = a.backward ? "backward" : "forward";
     j["batch"] = c.batch, j["seq"] = c.seq, j["kv_seq"] = c.t_k(), j["embed_dim"] = c.embed_dim;
     j["heads"] = c.heads, j["kv_heads"] = c.kv(), j["head_dim"] = c.head_dim();
     j["causal"] = c.causal, j["dtype"] = a.dtype, j["threads"] = threads, j["repeat"] = a.repeat;
@@ -121,6 +158,12 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--repeat,-r", a->repeat, "timed runs after one warm-up (default 5)");
   cmd->add_option("--sgemm-size", a->sgemm_size, "n of the n×n×n sgemm reference (default 1536)");
   cmd->add_flag("--core", a->core, "time sdpa on (B, h, T, d) tensors instead of the module");
+  cmd->add_flag("--backward", a->backward,
+                "time the backward pass: with --core sdpa_backward alone (FLOPs 2.5x the forward core), else the "
+                "module's training forward + backward");
+  cmd->add_flag("--decode", a->decode,
+                "time decoding one token per sequence against a KV cache of --seq positions (h, kv-heads, d = E/h); "
+                "reports K/V GB/s next to a STREAM triad measured in the same run (mha bench-decode sweeps contexts)");
   cmd->add_flag("--json", a->json, "one JSON object on stdout");
   cmd->callback([a] { run_bench(*a); });
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "decode_bench.h"
 #include "mha/kv_cache.h"
 #include "mha/module.h"
 #include "registry.h"
@@ -24,17 +25,6 @@
 namespace mha::cli {
 
 namespace {
-
-struct DecodeBenchArgs {
-  int64_t heads = 32, kv_heads = 8, head_dim = 128, batch = 1;
-  std::vector<int64_t> contexts{512, 1024, 2048, 4096, 8192};
-  std::vector<std::string> dtypes{"f32", "bf16"};
-  int threads = 2, repeat = 20, splits = 0;
-  int64_t footprint_mib = 1024;  // bytes streamed per measurement, beyond the last-level cache
-  int64_t prefill = 0;           // tokens; 0 = skip the prefill comparison
-  int prefill_repeat = 3;
-  bool json = false;
-};
 
 using clock_type = std::chrono::steady_clock;
 
@@ -143,6 +133,8 @@ PrefillResult time_prefill(const DecodeBenchArgs& a) {
   return r;
 }
 
+}  // namespace
+
 void run_decode_bench(const DecodeBenchArgs& a) {
   if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads != 0 || a.head_dim <= 0 || a.batch <= 0)
     fail("bench-decode: need heads a multiple of kv-heads, head-dim ≥ 1 and batch ≥ 1; got heads ", a.heads,
@@ -214,8 +206,6 @@ void run_decode_bench(const DecodeBenchArgs& a) {
                 static_cast<long long>(a.prefill), static_cast<long long>(a.heads * a.head_dim), pre.full_ms,
                 pre.incremental_ms, pre.incremental_ms / pre.full_ms);
 }
-
-}  // namespace
 
 static void add_decode_bench_command(CLI::App& app) {
   auto a = std::make_shared<DecodeBenchArgs>();
