@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kernels/gemm.h"
+#include "layers/module_masks.h"
 
 namespace mha {
 
@@ -304,61 +305,11 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
 
   // ---- masks, widened to S columns where extra positions were appended (they stay visible) ----
   SdpaOptions sopt;
-  sopt.masks.causal = options.causal;
   sopt.backend = options.backend;
   sopt.threads = options.threads;
   if (options.mode == Mode::Training && c.dropout > 0.0f) sopt.dropout = {c.dropout, options.dropout_seed};
-  const bool mask3 = am.present() && am_shape.size() == 3;
-  const int64_t mask_planes = mask3 ? B * H : 1;
-  BoolTensor allowed_ext;
-  Tensor additive_ext;
-  // Causal masking speaks of the real keys; the appended bias_k / zero positions stay visible to
-  // every query (as with an explicit causal attn_mask padded for them). So with extra positions
-  // the causal rule is folded into an allowed mask over the real columns.
-  const bool causal_on_real_keys = extra > 0 && options.causal.enabled();
-  if (am.allowed.defined() || causal_on_real_keys) {
-    const bool planes3 = am.allowed.defined() && mask3;
-    const int64_t planes = planes3 ? B * H : 1;
-    allowed_ext = extra ? BoolTensor({planes, Tq, S}, 1) : am.allowed;
-    if (extra && am.allowed.defined())
-      for (int64_t pl = 0; pl < planes; ++pl)
-        for (int64_t i = 0; i < Tq; ++i)
-          for (int64_t j = 0; j < Tk; ++j) allowed_ext.at({pl, i, j}) = am.allowed.data()[(pl * Tq + i) * Tk + j];
-    if (causal_on_real_keys) {
-      const Causal& cm = options.causal;
-      const int64_t off = cm.offset_for(Tq, Tk);
-      for (int64_t pl = 0; pl < planes; ++pl)
-        for (int64_t i = 0; i < Tq; ++i)
-          for (int64_t j = 0; j < Tk; ++j)
-            if (j > i + off || (cm.window > 0 && j <= i + off - cm.window)) allowed_ext.at({pl, i, j}) = 0;
-      sopt.masks.causal = Causal::none();
-    }
-    sopt.masks.allowed.view = {allowed_ext.data(),
-                               {planes3 ? B : 1, planes3 ? H : 1, Tq, S},
-                               {planes3 ? H * Tq * S : 0, planes3 ? Tq * S : 0, S, 1}};
-  }
-  if (am.additive.defined()) {
-    additive_ext = extra ? Tensor({mask_planes, Tq, S}, 0.0f) : am.additive;
-    if (extra)
-      for (int64_t pl = 0; pl < mask_planes; ++pl)
-        for (int64_t i = 0; i < Tq; ++i)
-          for (int64_t j = 0; j < Tk; ++j) additive_ext.at({pl, i, j}) = am.additive.data()[(pl * Tq + i) * Tk + j];
-    sopt.masks.bias.view = {
-        additive_ext.data(), {mask3 ? B : 1, mask3 ? H : 1, Tq, S}, {mask3 ? H * Tq * S : 0, mask3 ? Tq * S : 0, S, 1}};
-  }
-  BoolTensor padding_ext;
-  Tensor key_bias_ext;
-  if (kpm.is_padding.defined()) {
-    padding_ext = BoolTensor({B, S}, 0);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t j = 0; j < Tk; ++j) padding_ext.at({b, j}) = kpm.is_padding.data()[b * Tk + j] ? 1 : 0;
-    sopt.masks.key_padding.view = {padding_ext.data(), {B, 1, 1, S}, {S, 0, 0, 1}};
-  } else if (kpm.additive.defined()) {
-    key_bias_ext = Tensor({B, S}, 0.0f);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t j = 0; j < Tk; ++j) key_bias_ext.at({b, j}) = kpm.additive.data()[b * Tk + j];
-    sopt.masks.key_bias.view = {key_bias_ext.data(), {B, 1, 1, S}, {S, 0, 0, 1}};
-  }
+  detail::ModuleMasks masks;
+  detail::widen_module_masks(options, B, H, Tq, Tk, extra, masks, sopt);
 
   // ---- attention: heads land directly in (N_q, h·d) rows, in the query's layout ----
   std::vector<float> heads(static_cast<size_t>(Nq * H * d));

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/gemm.h"
+#include "layers/module_masks.h"
 #include "mha/training.h"
 
 namespace mha {
@@ -102,63 +103,6 @@ InProj in_proj(const MhaConfig& c, const MhaParameters& p) {
     return {w, w + H * d * E, w + (H + KV) * d * E, E, E, E};
   }
   return {p.q_proj_weight.data(), p.k_proj_weight.data(), p.v_proj_weight.data(), E, c.key_dim(), c.value_dim()};
-}
-
-/// Copies a (planes, T_q, T_k) mask into (planes, T_q, S), the extra columns keeping `fill`.
-template <class T>
-BasicTensor<T> widen(const BasicTensor<T>& m, int64_t planes, int64_t tq, int64_t tk, int64_t s, T fill) {
-  BasicTensor<T> out({planes, tq, s}, fill);
-  for (int64_t pl = 0; pl < planes; ++pl)
-    for (int64_t i = 0; i < tq; ++i)
-      for (int64_t j = 0; j < tk; ++j) out.at({pl, i, j}) = m.data()[(pl * tq + i) * tk + j];
-  return out;
-}
-
-/// Masks widened to S key columns where extra positions were appended (they stay visible), as
-/// module.cpp builds them; causal folded into the allowed mask in that case.
-void build_masks(MhaContext& ctx, const MhaForwardOptions& options, int64_t B, int64_t H, int64_t Tq, int64_t Tk,
-                 int64_t extra) {
-  const int64_t S = Tk + extra;
-  SdpaOptions& sopt = ctx.sdpa_options;
-  sopt.masks.causal = options.causal;
-  const AttnMask& am = options.attn_mask;
-  const bool mask3 = am.present() && (am.allowed.defined() ? am.allowed.dim() : am.additive.dim()) == 3;
-  const int64_t planes = mask3 ? B * H : 1;
-  const std::array<int64_t, 4> mshape{mask3 ? B : 1, mask3 ? H : 1, Tq, S};
-  const std::array<int64_t, 4> mstride{mask3 ? H * Tq * S : 0, mask3 ? Tq * S : 0, S, 1};
-  const bool causal_on_real_keys = extra > 0 && options.causal.enabled();
-  if (am.allowed.defined() || causal_on_real_keys) {
-    const int64_t aplanes = am.allowed.defined() ? planes : 1;
-    if (am.allowed.defined())
-      ctx.allowed = extra ? widen<uint8_t>(am.allowed, aplanes, Tq, Tk, S, 1) : am.allowed;
-    else
-      ctx.allowed = BoolTensor({1, Tq, S}, 1);
-    if (causal_on_real_keys) {
-      const Causal& cm = options.causal;
-      const int64_t off = cm.offset_for(Tq, Tk);
-      for (int64_t pl = 0; pl < aplanes; ++pl)
-        for (int64_t i = 0; i < Tq; ++i)
-          for (int64_t j = 0; j < Tk; ++j)
-            if (j > i + off || (cm.window > 0 && j <= i + off - cm.window)) ctx.allowed.at({pl, i, j}) = 0;
-      sopt.masks.causal = Causal::none();
-    }
-    const bool p3 = aplanes > 1;
-    sopt.masks.allowed.view = {
-        ctx.allowed.data(), {p3 ? B : 1, p3 ? H : 1, Tq, S}, {p3 ? H * Tq * S : 0, p3 ? Tq * S : 0, S, 1}};
-  }
-  if (am.additive.defined()) {
-    ctx.additive = extra ? widen<float>(am.additive, planes, Tq, Tk, S, 0.0f) : am.additive;
-    sopt.masks.bias.view = {ctx.additive.data(), mshape, mstride};
-  }
-  const KeyPaddingMask& kpm = options.key_padding_mask;
-  if (kpm.is_padding.defined()) {
-    ctx.key_padding = widen<uint8_t>(kpm.is_padding, 1, B, Tk, S, 0);
-    for (uint8_t& x : ctx.key_padding.values()) x = x ? 1 : 0;
-    sopt.masks.key_padding.view = {ctx.key_padding.data(), {B, 1, 1, S}, {S, 0, 0, 1}};
-  } else if (kpm.additive.defined()) {
-    ctx.key_bias = widen<float>(kpm.additive, 1, B, Tk, S, 0.0f);
-    sopt.masks.key_bias.view = {ctx.key_bias.data(), {B, 1, 1, S}, {S, 0, 0, 1}};
-  }
 }
 
 /// The transpose of apply_rope (rotation by −angle), for gradients: with out_a = x_a c − x_b s and
@@ -268,7 +212,13 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
     ctx.v_heads = ctx.v_ext.view4();
   }
 
-  build_masks(ctx, options, B, H, Tq, Tk, extra);
+  detail::ModuleMasks masks;
+  detail::widen_module_masks(options, B, H, Tq, Tk, extra, masks, ctx.sdpa_options);
+  // The vectors move with their buffers, so the views just set stay valid.
+  ctx.allowed = std::move(masks.allowed);
+  ctx.additive = std::move(masks.additive);
+  ctx.key_padding = std::move(masks.key_padding);
+  ctx.key_bias = std::move(masks.key_bias);
   SdpaOptions& sopt = ctx.sdpa_options;
   sopt.backend = options.backend;
   sopt.threads = options.threads;
