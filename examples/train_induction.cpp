@@ -16,7 +16,12 @@
 // Adam in a few lines. Fixed seed; prints loss and accuracy per step.
 //
 //   example_train_induction [--steps N] [--csv FILE] [--plot FILE.png] [--save PREFIX] [--quick]
-// --save writes PREFIX.layer1.safetensors and PREFIX.layer2.safetensors (mha::io::save_module).
+// --save writes, for N = 1, 2, PREFIX.layerN.safetensors (the layer's weights, config and
+// is_causal=true) and PREFIX.layerN.inputs.safetensors (query = key = value = the layer's input on
+// a few evaluation sequences, plus their token ids), ready for
+//   mha analyze --weights PREFIX.layerN.safetensors --inputs PREFIX.layerN.inputs.safetensors
+// (docs/images/trained_heads_layer{1,2}.png: --save /tmp/ind, then analyze --batch 0 --tokens with
+// the printed evaluation sequence 0 — a previous-token head in layer 1, induction stripes in layer 2).
 // --quick runs a short schedule and exits 1 unless the loss fell.
 #include <algorithm>
 #include <cmath>
@@ -36,6 +41,8 @@ namespace {
 using mha::Tensor;
 
 constexpr int64_t kVocab = 10, kT = 24, kE = 48, kHeads = 2, kBatch = 32;
+// Evaluation sequences saved by --save: short enough that a picture can label every cell.
+constexpr int64_t kEvalBatch = 4, kEvalT = 16;
 
 struct Rng {  // splitmix64
   uint64_t s;
@@ -98,6 +105,56 @@ Batch make_batch(Rng& rng) {
         }
   }
   return batch;
+}
+
+/// Evaluation tokens (kEvalBatch, kEvalT). The first two sequences are the classic induction probe:
+/// kEvalT/2 distinct tokens, then the same run again, so in the second half an induction head
+/// attends to the position after the current token's first occurrence (a stripe kEvalT/2 − 1 below
+/// the diagonal). The others are i.i.d. like the training data.
+std::vector<int> make_eval_tokens(Rng& rng) {
+  std::vector<int> tokens(kEvalBatch * kEvalT);
+  constexpr int64_t half = kEvalT / 2;
+  static_assert(half <= kVocab, "the repeated run needs distinct tokens");
+  for (int64_t b = 0; b < kEvalBatch; ++b) {
+    int* x = &tokens[b * kEvalT];
+    if (b < 2) {
+      std::vector<int> perm(kVocab);
+      for (int v = 0; v < kVocab; ++v) perm[v] = v;
+      for (int64_t t = 0; t < half; ++t) {  // partial Fisher–Yates: the first `half` are distinct
+        std::swap(perm[t], perm[t + static_cast<int64_t>(rng.next() % uint64_t(kVocab - t))]);
+        x[t] = x[t + half] = perm[t];
+      }
+    } else {
+      for (int64_t t = 0; t < kEvalT; ++t) x[t] = static_cast<int>(rng.next() % kVocab);
+    }
+  }
+  return tokens;
+}
+
+/// x = tok_emb[token] + pos_emb[t], (B, T, E) batch-first; T ≤ kT.
+Tensor embed(const std::vector<int>& tokens, int64_t B, int64_t T, const Tensor& tok_emb, const Tensor& pos_emb) {
+  Tensor x({B, T, kE});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < kE; ++e) x.at({b, t, e}) = tok_emb.at({tokens[b * T + t], e}) + pos_emb.at({t, e});
+  return x;
+}
+
+/// PREFIX.NAME.safetensors (weights, config, is_causal) and PREFIX.NAME.inputs.safetensors (the
+/// layer's self-attention input and the token ids) for `mha analyze`.
+void save_layer(const std::string& prefix, const std::string& name, const mha::MultiheadAttention& layer,
+                const Tensor& input, const std::vector<int>& tokens) {
+  mha::io::SafetensorsWriter weights;
+  mha::io::add_weights(weights, layer, mha::io::WeightNames::PyTorch);
+  weights.set_metadata("is_causal", "true");  // trained with Causal::top_left(); analyze applies it
+  weights.write(prefix + "." + name + ".safetensors");
+  mha::io::SafetensorsWriter inputs;
+  inputs.add("query", input);
+  inputs.add("key", input);
+  inputs.add("value", input);
+  std::vector<float> ids(tokens.begin(), tokens.end());
+  inputs.add("tokens", Tensor({input.size(0), input.size(1)}, std::move(ids)));
+  inputs.write(prefix + "." + name + ".inputs.safetensors");
 }
 
 /// dst += the three per-argument input gradients of a self-attention layer.
@@ -163,10 +220,7 @@ int main(int argc, char** argv) {
     const Batch batch = make_batch(rng);
     const std::vector<int>& tokens = batch.tokens;
     // ---- forward ----
-    Tensor x({kBatch, kT, kE});
-    for (int64_t b = 0; b < kBatch; ++b)
-      for (int64_t t = 0; t < kT; ++t)
-        for (int64_t e = 0; e < kE; ++e) x.at({b, t, e}) = tok_emb.at({tokens[b * kT + t], e}) + pos_emb.at({t, e});
+    const Tensor x = embed(tokens, kBatch, kT, tok_emb, pos_emb);
     mha::MhaTrainOutput a1 = mha::forward_train(layer1, x, x, x, fo);
     Tensor h1 = x;
     for (int64_t i = 0; i < h1.numel(); ++i) h1.data()[i] += a1.output.data()[i];
@@ -247,8 +301,20 @@ int main(int argc, char** argv) {
                              {loss_series, acc_series});
   }
   if (!save.empty()) {
-    mha::io::save_module(save + ".layer1.safetensors", layer1, mha::io::WeightNames::PyTorch);
-    mha::io::save_module(save + ".layer2.safetensors", layer2, mha::io::WeightNames::PyTorch);
+    // Each layer's input on the evaluation sequences: x for layer 1, h1 = x + MHA_1(x) for layer 2.
+    Rng eval_rng{2024};  // its own stream, so saving changes nothing in the training run
+    const std::vector<int> eval_tokens = make_eval_tokens(eval_rng);
+    const Tensor x = embed(eval_tokens, kEvalBatch, kEvalT, tok_emb, pos_emb);
+    mha::MhaForwardOptions eo;
+    eo.causal = mha::Causal::top_left(), eo.threads = 2;
+    Tensor h1 = x;
+    const Tensor a1 = layer1.forward(x, x, x, eo).output;
+    for (int64_t i = 0; i < h1.numel(); ++i) h1.data()[i] += a1.data()[i];
+    save_layer(save, "layer1", layer1, x, eval_tokens);
+    save_layer(save, "layer2", layer2, h1, eval_tokens);
+    std::printf("saved %s.layer{1,2}{,.inputs}.safetensors; evaluation sequence 0:", save.c_str());
+    for (int64_t t = 0; t < kEvalT; ++t) std::printf(" %d", eval_tokens[t]);
+    std::printf("\n");
   }
 
   // Average over the first and last tenth of the run, so one lucky batch decides nothing.
