@@ -9,6 +9,8 @@ Modes (default forward; `all` runs every mode but gemm):
   bf16     bfloat16 vs float32 attention core, default T=4096
   threads  1 vs 2 threads (module forward unless --target core), default T=4096
   memory   peak RSS of the module forward at T=16384 against the tensors it must hold + 64 MiB
+  backward the attention core's backward (vs sgemm and PyTorch's autograd of softmax(QKᵀ)V) and the
+           module's forward + backward vs nn.MultiheadAttention under autograd, default T=4096
   gemm     bench/gemm_compare (OpenBLAS vs BLIS vs oneDNN), when it is built
 
 Defaults are the issue's: B=1, E=512, h=8, 2 threads, float32. The ratio column is torch ms /
@@ -26,10 +28,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-MODES = ["forward", "core", "causal", "bf16", "threads", "memory", "gemm"]
+MODES = ["forward", "core", "causal", "bf16", "threads", "memory", "backward", "gemm"]
 DEFAULT_SEQS = {"forward": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],
                 "core": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],
-                "causal": [4096], "bf16": [4096], "threads": [4096], "memory": [16384]}
+                "causal": [4096], "bf16": [4096], "threads": [4096], "memory": [16384], "backward": [4096]}
 DEFAULT_TARGET = {"forward": "module", "core": "core", "causal": "core", "bf16": "core", "threads": "module",
                   "memory": "module"}
 MEMORY_SLACK_MB = 64.0
@@ -53,9 +55,11 @@ def run_json(cmd, env=None):
     return json.loads(p.stdout)
 
 
-def shape_args(a, seq, target, causal=False, dtype="f32", threads=None):
+def shape_args(a, seq, target, causal=False, dtype="f32", threads=None, backward=False):
     args = ["--batch", str(a.batch), "--seq", str(seq), "--embed-dim", str(a.embed_dim), "--heads", str(a.heads),
             "--threads", str(threads or a.threads), "--repeat", str(a.repeat), "--dtype", dtype, "--json"]
+    if backward:
+        args.append("--backward")
     if target == "core":
         args.append("--core")
     if causal:
@@ -149,25 +153,26 @@ def config(a, mode, target):
             "threads": a.threads, "repeat": a.repeat, "mha": a.mha}
 
 
-def sweep(a, mode):
-    """forward / core: mha and PyTorch alternately over T."""
-    target = a.target or DEFAULT_TARGET[mode]
+def sweep(a, mode, target=None, backward=False):
+    """forward / core (/ backward): mha and PyTorch alternately over T."""
+    target = target or a.target or DEFAULT_TARGET[mode]
     rows, table = [], []
     for seq in a.seqs or DEFAULT_SEQS[mode]:
-        m = mha(a, seq, target)
-        t = torch(a, seq, target)
+        m = mha(a, seq, target, backward=backward)
+        t = torch(a, seq, target, backward=backward)
         r = ratio(t.get("median_ms"), m.get("median_ms"))
         rows.append({"seq": seq, "mha": m, "torch": t, "ratio": r})
         table.append([seq, num(m, "median_ms", "{:.3f}"), num(m, "gflops"), num(t, "median_ms", "{:.3f}"),
                       num(t, "gflops"), fmt_ratio(r), num(m, "sgemm_gflops", "{:.1f}"),
                       num(m, "fraction_of_sgemm", "{:.3f}")])
-    what = "module forward" if target == "module" else "attention core"
+    what = ("module forward" if target == "module" else "attention core") + (
+        " + backward" if backward and target == "module" else " backward" if backward else "")
     print(f"\n{what}: B={a.batch} E={a.embed_dim} h={a.heads} threads={a.threads} float32, median of "
           f"{a.repeat}; ratio = torch ms / mha ms; dispatch: {rows[0]['mha'].get('dispatch', 'n/a')}")
     print_table(["T", "mha ms", "mha GFLOP/s", "torch ms", "torch GFLOP/s", "ratio", "sgemm GFLOP/s", "fraction"],
                 table)
-    save(mode, {"config": config(a, mode, target), "rows": rows})
-    if not a.no_plot:
+    save(mode if not backward else f"backward_{target}", {"config": config(a, mode, target), "rows": rows})
+    if not a.no_plot and not backward:
         plot(mode, f"{what}, B={a.batch} E={a.embed_dim} h={a.heads}, {a.threads} threads, float32", rows)
 
 
@@ -258,6 +263,9 @@ def main():
             pairs(a, mode, [{"threads": 1}, {"threads": 2}], "1-thread ms / 2-thread ms", 1.85)
         elif mode == "memory":
             memory(a)
+        elif mode == "backward":  # the core's backward vs sgemm, and the module's training step vs autograd
+            for target in ([a.target] if a.target else ["core", "module"]):
+                sweep(a, mode, target=target, backward=True)
         else:
             gemm(a)
 

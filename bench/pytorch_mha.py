@@ -41,6 +41,9 @@ def parse_args():
     p.add_argument("--core", action="store_true", help="time the attention core (SDPA) alone")
     p.add_argument("--core-impl", choices=["sdpa", "math", "best"], default="best",
                    help="core: 1.13's private SDPA, softmax(QKᵀ)V in ops, or the faster of the two (default)")
+    p.add_argument("--backward", action="store_true",
+                   help="module: forward + backward through autograd (loss = sum(output * fixed random)); "
+                        "core: the backward of softmax(QKᵀ)V alone (FLOPs 2.5x the forward core)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     a.kv_seq = a.kv_seq or a.seq
@@ -56,13 +59,15 @@ def parse_args():
 
 
 def flops(a):
+    """The same convention as `mha bench`: backward is 2.5x the forward core and 2x each GEMM."""
     d = a.embed_dim // a.heads
     core = 4.0 * a.batch * a.heads * a.seq * a.kv_seq * d * (0.5 if a.causal else 1.0)
     if a.core:
-        return core
+        return 2.5 * core if a.backward else core
     E, kvd = a.embed_dim, a.kv_heads * d
     nq, nk = a.batch * a.seq, a.batch * a.kv_seq
-    return core + 2.0 * nq * E * E + 2.0 * 2.0 * nk * E * kvd + 2.0 * nq * E * E
+    proj = 2.0 * nq * E * E + 2.0 * 2.0 * nk * E * kvd + 2.0 * nq * E * E
+    return 3.5 * core + 3.0 * proj if a.backward else core + proj
 
 
 def causal_mask(a):
@@ -110,7 +115,35 @@ def make_module(a, dtype):
         key = torch.rand(a.batch, a.kv_seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
         value = torch.rand(a.batch, a.kv_seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
     mask = causal_mask(a) if a.causal else None
+    if a.backward:
+        # Training mode off (no dropout configured anyway), autograd on: the parameters and the
+        # input require grad, so every gradient mha's backward returns is computed here too.
+        x.requires_grad_(True)
+        g = torch.Generator().manual_seed(1)
+        d_out = torch.rand(a.batch, a.seq, a.embed_dim, generator=g).mul_(2).sub_(1).to(dtype)
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            x.grad = None
+            out = m(x, key, value, need_weights=False, attn_mask=mask)[0]
+            (out * d_out).sum().backward()
+        return {"nn.MultiheadAttention fwd+bwd": step}
     return {"nn.MultiheadAttention": lambda: m(x, key, value, need_weights=False, attn_mask=mask)[0]}
+
+
+def make_core_backward(a, dtype):
+    d = a.embed_dim // a.heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.rand(a.batch, a.heads, n, d, generator=g).mul_(2).sub_(1).to(dtype).requires_grad_(True)
+               for n in (a.seq, a.kv_seq, a.kv_seq))
+    mask = causal_mask(a) if a.causal else None
+    s = (q @ k.transpose(-2, -1)) * d ** -0.5
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    out = torch.softmax(s, dim=-1) @ v
+    d_out = torch.rand(out.shape, generator=g).mul_(2).sub_(1).to(dtype)
+    # The graph is kept so only the backward is timed, as `mha bench --core --backward` does.
+    return {"math backward": lambda: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)}
 
 
 def time_runs(name, fn, repeat):
@@ -133,15 +166,19 @@ def main():
     print(f"torch {torch.__version__}: {what}, B={a.batch} T={a.seq} S={a.kv_seq} E={a.embed_dim} h={a.heads} "
           f"causal={a.causal} dtype={a.dtype} threads={torch.get_num_threads()} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, warm-up + {a.repeat} runs", file=sys.stderr)
-    with torch.inference_mode():
-        impls = make_core(a, dtype) if a.core else make_module(a, dtype)
-        # With several implementations of the core, PyTorch is credited with its fastest.
+    if a.backward:
+        impls = make_core_backward(a, dtype) if a.core else make_module(a, dtype)
         runs = {name: time_runs(name, fn, a.repeat) for name, fn in impls.items()}
+    else:
+        with torch.inference_mode():
+            impls = make_core(a, dtype) if a.core else make_module(a, dtype)
+            # With several implementations of the core, PyTorch is credited with its fastest.
+            runs = {name: time_runs(name, fn, a.repeat) for name, fn in impls.items()}
     impl, times = min(runs.items(), key=lambda kv: statistics.median(kv[1]))
     med = statistics.median(times)
     f = flops(a)
     result = {
-        "target": "core" if a.core else "module", "batch": a.batch, "seq": a.seq, "kv_seq": a.kv_seq,
+        "target": "core" if a.core else "module", "pass": "backward" if a.backward else "forward", "batch": a.batch, "seq": a.seq, "kv_seq": a.kv_seq,
         "embed_dim": a.embed_dim, "heads": a.heads, "kv_heads": a.kv_heads, "causal": a.causal,
         "dtype": a.dtype, "threads": torch.get_num_threads(), "repeat": a.repeat, "torch": torch.__version__,
         "impl": impl,
