@@ -375,6 +375,11 @@ TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
     }
     const CacheCase c16 = cache_case(CacheDtype::BF16, 2, 19);                    // odd d: vector tails
     EXPECT_TRUE(all_close(attend(c16, 4, 2), oracle(c16, 0), kF32Tol, kF32Tol));  // same bf16 values
+    // d = 72: the kernel's widest register tiles (several vector chunks of d) plus a tail.
+    for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16}) {
+      const CacheCase wide = cache_case(dtype, 2, 72);
+      EXPECT_TRUE(all_close(attend(wide, 3, 2), oracle(wide, 0), kF32Tol, kF32Tol));
+    }
   }
   hwy::SetSupportedTargetsForTest(0);
 }
