@@ -52,15 +52,7 @@ void expect_header_rejected(const std::string& header, size_t data_bytes, std::i
   expect_rejected(image(header, data_bytes), needles);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no mha::Error thrown";
-  return {};
-}
+using mha::testing::error_of;
 
 uint32_t float_bits(float f) {
   uint32_t u;

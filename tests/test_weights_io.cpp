@@ -12,15 +12,7 @@
 namespace mha::io {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no mha::Error thrown";
-  return {};
-}
+using mha::testing::error_of;
 
 #define EXPECT_ERROR_MENTIONS(stmt, ...)                                                          \
   do {                                                                                            \

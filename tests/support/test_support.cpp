@@ -59,6 +59,16 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, float lo, float hi) {
   return ::testing::AssertionSuccess();
 }
 
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no mha::Error thrown";
+  return {};
+}
+
 static std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream ss;

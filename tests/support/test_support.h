@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "mha/tensor.h"
@@ -18,6 +19,9 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, float lo = -1.0f, float 
 
 /// Bitwise equality of shapes and values.
 ::testing::AssertionResult bitwise_equal(const Tensor& got, const Tensor& want);
+
+/// Runs f and returns the message of the mha::Error it throws (a test failure when it throws none).
+std::string error_of(const std::function<void()>& f);
 
 struct CommandResult {
   int exit_code = -1;
