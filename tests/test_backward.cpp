@@ -441,19 +441,10 @@ ModuleCase load_module_case(const io::SafetensorsFile& f) {
 }
 
 std::vector<std::pair<std::string, const Tensor*>> named_grads(const MhaGradients& g) {
-  const MhaParameters& p = g.params;
-  return {{"query", &g.query},
-          {"key", &g.key},
-          {"value", &g.value},
-          {"in_proj_weight", &p.in_proj_weight},
-          {"q_proj_weight", &p.q_proj_weight},
-          {"k_proj_weight", &p.k_proj_weight},
-          {"v_proj_weight", &p.v_proj_weight},
-          {"in_proj_bias", &p.in_proj_bias},
-          {"bias_k", &p.bias_k},
-          {"bias_v", &p.bias_v},
-          {"out_proj.weight", &p.out_proj_weight},
-          {"out_proj.bias", &p.out_proj_bias}};
+  std::vector<std::pair<std::string, const Tensor*>> named = {
+      {"query", &g.query}, {"key", &g.key}, {"value", &g.value}};
+  for (const auto& entry : mha::testing::named_parameters(g.params)) named.push_back(entry);
+  return named;
 }
 
 TEST(ModuleBackwardGolden, MatchesPyTorchAutograd) {

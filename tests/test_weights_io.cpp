@@ -21,18 +21,7 @@ using mha::testing::error_of;
       EXPECT_NE(msg_.find(needle_), std::string::npos) << "'" << needle_ << "' not in: " << msg_; \
   } while (0)
 
-/// Every parameter tensor, in a fixed order, with its PyTorch name.
-std::vector<std::pair<const char*, const Tensor*>> all_params(const MhaParameters& p) {
-  return {{"in_proj_weight", &p.in_proj_weight},
-          {"q_proj_weight", &p.q_proj_weight},
-          {"k_proj_weight", &p.k_proj_weight},
-          {"v_proj_weight", &p.v_proj_weight},
-          {"in_proj_bias", &p.in_proj_bias},
-          {"bias_k", &p.bias_k},
-          {"bias_v", &p.bias_v},
-          {"out_proj.weight", &p.out_proj_weight},
-          {"out_proj.bias", &p.out_proj_bias}};
-}
+using mha::testing::named_parameters;
 
 /// A module whose every parameter (biases included, which PyTorch initialises to zero) is random,
 /// so that a value landing in the wrong place cannot go unnoticed.
@@ -47,7 +36,7 @@ MultiheadAttention random_module(const MhaConfig& config, uint64_t seed) {
 }
 
 void expect_same_params(const MultiheadAttention& got, const MultiheadAttention& want) {
-  const auto a = all_params(got.params()), b = all_params(want.params());
+  const auto a = named_parameters(got.params()), b = named_parameters(want.params());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(testing::bitwise_equal(*a[i].second, *b[i].second)) << a[i].first;
 }
 

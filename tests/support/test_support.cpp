@@ -59,6 +59,18 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, float lo, float hi) {
   return ::testing::AssertionSuccess();
 }
 
+std::vector<std::pair<std::string, const Tensor*>> named_parameters(const MhaParameters& p) {
+  return {{"in_proj_weight", &p.in_proj_weight},
+          {"q_proj_weight", &p.q_proj_weight},
+          {"k_proj_weight", &p.k_proj_weight},
+          {"v_proj_weight", &p.v_proj_weight},
+          {"in_proj_bias", &p.in_proj_bias},
+          {"bias_k", &p.bias_k},
+          {"bias_v", &p.bias_v},
+          {"out_proj.weight", &p.out_proj_weight},
+          {"out_proj.bias", &p.out_proj_bias}};
+}
+
 std::string error_of(const std::function<void()>& f) {
   try {
     f();

@@ -6,7 +6,10 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "mha/module.h"
 #include "mha/tensor.h"
 
 namespace mha::testing {
@@ -19,6 +22,10 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, float lo = -1.0f, float 
 
 /// Bitwise equality of shapes and values.
 ::testing::AssertionResult bitwise_equal(const Tensor& got, const Tensor& want);
+
+/// Every parameter tensor of the module, in a fixed order, under its PyTorch name (unused ones
+/// are empty tensors).
+std::vector<std::pair<std::string, const Tensor*>> named_parameters(const MhaParameters& p);
 
 /// Runs f and returns the message of the mha::Error it throws (a test failure when it throws none).
 std::string error_of(const std::function<void()>& f);
