@@ -29,6 +29,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kernels/decode.h"
@@ -38,14 +40,21 @@
 namespace mha::kernels::decode_detail {
 
 #ifndef MHA_DECODE_BLOCK
-#define MHA_DECODE_BLOCK 128  // 32 and 64 were 8–15% slower from memory (h=32, kv=8, d=128, 8192 keys), 256 too
+#define MHA_DECODE_BLOCK 128  // 32 and 64 were 8–15% slower from memory (h=32, kv=8, d=128, 8192 keys), 256 no faster
 #endif
-#ifndef MHA_DECODE_PREFETCH
-#define MHA_DECODE_PREFETCH 1  // blocks; with 128-key blocks one is 128 KiB of f32 K+V ahead
-#endif
-constexpr int64_t kBlock = MHA_DECODE_BLOCK;              // keys per block (a multiple of every target's float lanes)
-constexpr int64_t kRowsPerTile = 16;                      // query rows per work item (G heads × a few queries)
-constexpr int64_t kPrefetchBlocks = MHA_DECODE_PREFETCH;  // how far ahead K/V rows are prefetched
+constexpr int64_t kBlock = MHA_DECODE_BLOCK;  // keys per block (a multiple of every target's float lanes)
+constexpr int64_t kRowsPerTile = 16;          // query rows per work item (G heads × a few queries)
+// Prefetching, two distances (chosen by measuring h=32, kv=8, d=128, 8192 keys from memory, 2
+// threads, against the previous single burst of the next block into L1: f32 −8%, bf16 −20%):
+// - near: inside the score and P·V loops, the K or V row kNearRows keys ahead into L1, so the
+//   loads of the arithmetic hit L1 instead of waiting on L2 (4–16 rows were within noise);
+// - far: at each block start, for f32 only, the rows of the block kFarBlocks on into L2 (a
+//   T1 hint). For bf16 the hardware prefetchers keep up alone and the burst only cost time.
+constexpr int64_t kNearRows = 16;
+template <class T>
+constexpr int64_t kFarBlocks = 0;
+template <>
+constexpr int64_t kFarBlocks<float> = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 /// How the work is cut; a function of the shapes and the split count only.
@@ -144,6 +153,24 @@ HWY_INLINE hn::Vec<DF> SumEach(DF df, hn::Vec<DF>* v) {
   return v[0];
 }
 
+/// Asks for the cache lines of the row of `n` elements `rows_ahead` rows after `row` (rows of one
+/// K/V head are contiguous), four lines a step: the few lines past the row's end belong to the
+/// next row anyway. kLocality: 3 into L1, 2 into L2. The address is computed as an integer since
+/// it may lie past the cache's end; a prefetch never faults.
+template <int kLocality, class T>
+HWY_INLINE void PrefetchRow(const T* row, int64_t n, int64_t rows_ahead = 0) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(rows_ahead * n) * sizeof(T);
+  const uintptr_t first = start & ~uintptr_t{63};
+  const uintptr_t end = start + static_cast<uintptr_t>(n) * sizeof(T);
+  for (uintptr_t a = first; a < end; a += 256) {
+    const char* c = reinterpret_cast<const char*>(a);
+    __builtin_prefetch(c, 0, kLocality);
+    __builtin_prefetch(c + 64, 0, kLocality);
+    __builtin_prefetch(c + 128, 0, kLocality);
+    __builtin_prefetch(c + 192, 0, kLocality);
+  }
+}
+
 /// Scores of rows [r0, r0 + NR) against keys [j0, j0 + NK) of the block: sc[r][j] = q_r · k_j
 /// (q pre-scaled). With NR·NK = L the sums are reduced as one tile.
 template <int NR, int NK, class T>
@@ -153,6 +180,8 @@ HWY_INLINE void ScoreTile(const float* qs, int64_t d, const T* const* keys, int6
   const int64_t dv = d / L * L;
   hn::Vec<DF> acc[NR * NK];
   for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(df);
+  if (r0 == 0)  // the first row tile passes over the keys first
+    for (int k = 0; k < NK; ++k) PrefetchRow<3>(keys[j0 + k], d, kNearRows);
   for (int64_t c = 0; c < dv; c += L) {
     hn::Vec<DF> kv[NK];
     for (int k = 0; k < NK; ++k) kv[k] = LoadRow(df, keys[j0 + k] + c);
@@ -166,6 +195,10 @@ HWY_INLINE void ScoreTile(const float* qs, int64_t d, const T* const* keys, int6
     hn::StoreU(SumEach(df, acc), df, s);
   } else {
     for (int i = 0; i < NR * NK; ++i) s[i] = hn::GetLane(hn::SumOfLanes(df, acc[i]));
+  }
+  if (dv == d) {  // no tail: each row's NK scores are one copy
+    for (int r = 0; r < NR; ++r) std::memcpy(sc + (r0 + r) * kBlock + j0, s + r * NK, sizeof(float) * NK);
+    return;
   }
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < NK; ++k) {
@@ -196,6 +229,7 @@ HWY_INLINE void AccumulateTile(const float* P, const float* corr, const T* const
     for (int i = 0; i < NC; ++i) a[r * NC + i] = hn::Mul(hn::LoadU(df, acc + (r0 + r) * d_v + c0 + i * L), cv);
   }
   for (int64_t j = 0; j < nb; ++j) {
+    if (r0 == 0 && c0 == 0) PrefetchRow<3>(vals[j], d_v, kNearRows);  // the first tile to pass over V
     hn::Vec<DF> vv[NC];
     for (int i = 0; i < NC; ++i) vv[i] = LoadRow(df, vals[j] + c0 + i * L);
     for (int r = 0; r < NR; ++r) {
@@ -263,18 +297,14 @@ void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* sc
       keys[j] = kbase + slot * d;
       vals[j] = vbase + slot * d_v;
     }
-#if MHA_DECODE_PREFETCH
-    // Prefetch the K and V rows kPrefetchBlocks ahead: two interleaved streams per item (and
-    // one item per thread) are more than the hardware prefetchers keep ahead of on their own.
-    const int64_t pf = p0 + kPrefetchBlocks * kBlock;
-    for (int64_t j = 0; j < kBlock && pf + j < it.hi; ++j) {
-      const int64_t slot = p.ring ? (pf + j) % p.capacity : pf + j;
-      const char* kr = reinterpret_cast<const char*>(kbase + slot * d);
-      const char* vr = reinterpret_cast<const char*>(vbase + slot * d_v);
-      for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(kr + off);
-      for (int64_t off = 0; off < d_v * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(vr + off);
+    if constexpr (kFarBlocks < T >> 0) {  // far prefetch into L2 (see kNearRows)
+      const int64_t pf = p0 + kFarBlocks<T> * kBlock;
+      for (int64_t j = 0; j < kBlock && pf + j < it.hi; ++j) {
+        const int64_t slot = p.ring ? (pf + j) % p.capacity : pf + j;
+        PrefetchRow<2>(kbase + slot * d, d);
+        PrefetchRow<2>(vbase + slot * d_v, d_v);
+      }
     }
-#endif
     int64_t r = 0;
     for (; r + kTileRows <= rows; r += kTileRows) ScoreRows<kTileRows>(qs, d, keys, nb, r, sc);
     for (; r < rows; ++r) ScoreRows<1>(qs, d, keys, nb, r, sc);
