@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mha/kv_cache.h"
@@ -380,6 +381,13 @@ TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
       const CacheCase wide = cache_case(dtype, 2, 72);
       EXPECT_TRUE(all_close(attend(wide, 3, 2), oracle(wide, 0), kF32Tol, kF32Tol));
     }
+    // d = 64 and 96, bf16: whole vectors only on every target (no scalar tail); 96 also leaves a
+    // narrower P·V tile after the widest.
+    for (int64_t d : {64, 96}) {
+      const CacheCase paired = cache_case(CacheDtype::BF16, 2, d);
+      EXPECT_TRUE(all_close(attend(paired, 3, 2), oracle(paired, 0), kF32Tol, kF32Tol));
+      EXPECT_TRUE(all_close(attend(paired, 2, 2, 50), oracle(paired, 50), kF32Tol, kF32Tol));
+    }
   }
   hwy::SetSupportedTargetsForTest(0);
 }
@@ -394,8 +402,8 @@ TEST(DecodeKernel, SplitMergeEqualsUnsplit) {
 }
 
 TEST(DecodeKernel, SameSplitsAnyThreadsBitwise) {
-  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16}) {
-    const CacheCase c = cache_case(dtype, 1);
+  for (auto [dtype, d] : {std::pair{CacheDtype::F32, 20}, {CacheDtype::BF16, 20}, {CacheDtype::BF16, 64}}) {
+    const CacheCase c = cache_case(dtype, 1, d);
     const Tensor base = attend(c, 5, 1);
     EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), base));
     EXPECT_TRUE(bitwise_equal(attend(c, 5, 3), base));
