@@ -13,6 +13,9 @@
 //   M = max_s m_s,  L = Σ_s e^{m_s − M} l_s,  out = Σ_s e^{m_s − M} acc_s / L,  lse = M + log L,
 // in split order. The split count is a parameter, never the thread count, and every item is
 // computed by one thread start to finish, so results are bitwise the same for any thread count.
+// Cost, measured on the 2-core Zen machine (h=32, kv=8, d=128): per core a step takes about the
+// arithmetic time with K/V in cache (≈ 31 ns per key and K/V head for f32, 24 for bf16) plus the
+// time to stream the rows from memory; prefetching (below) narrows that sum but does not hide it.
 // Items are handed out dynamically: which thread takes an item cannot change its result, and a
 // thread that the OS preempts (a shared machine) no longer holds back a fixed half of the work.
 //
@@ -47,7 +50,7 @@ constexpr int64_t kRowsPerTile = 16;          // query rows per work item (G hea
 // Prefetching, two distances (chosen by measuring h=32, kv=8, d=128, 8192 keys from memory, 2
 // threads, against the previous single burst of the next block into L1: f32 −8%, bf16 −20%):
 // - near: inside the score and P·V loops, the K or V row kNearRows keys ahead into L1, so the
-//   loads of the arithmetic hit L1 instead of waiting on L2 (4–16 rows were within noise);
+//   loads of the arithmetic hit L1 instead of waiting on L2 (4 to 32 rows were within noise);
 // - far: at each block start, for f32 only, the rows of the block kFarBlocks on into L2 (a
 //   T1 hint). For bf16 the hardware prefetchers keep up alone and the burst only cost time.
 constexpr int64_t kNearRows = 16;
