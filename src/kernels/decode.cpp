@@ -300,8 +300,9 @@ void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* sc
       keys[j] = kbase + slot * d;
       vals[j] = vbase + slot * d_v;
     }
-    if constexpr (kFarBlocks < T >> 0) {  // far prefetch into L2 (see kNearRows)
-      const int64_t pf = p0 + kFarBlocks<T> * kBlock;
+    constexpr int64_t far_blocks = kFarBlocks<T>;
+    if constexpr (far_blocks > 0) {  // far prefetch into L2 (see kNearRows)
+      const int64_t pf = p0 + far_blocks * kBlock;
       for (int64_t j = 0; j < kBlock && pf + j < it.hi; ++j) {
         const int64_t slot = p.ring ? (pf + j) % p.capacity : pf + j;
         PrefetchRow<2>(kbase + slot * d, d);
