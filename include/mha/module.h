@@ -53,6 +53,7 @@ struct MhaConfig {
   bool packed_in_proj() const { return key_dim() == embed_dim && value_dim() == embed_dim; }
   /// Throws mha::Error when a dimension is zero/negative or a head count does not divide.
   void validate() const;
+  bool operator==(const MhaConfig&) const = default;
 };
 
 /// Parameters, under PyTorch's names. Tensors that the configuration does not use stay empty.
@@ -107,8 +108,8 @@ struct IncrementalOptions {
   /// new_lengths[b] tokens, and output rows past them are zero-attention rows (output = out_proj
   /// bias). Empty = every sequence takes all T_new tokens.
   std::vector<int64_t> new_lengths;
-  int64_t window = 0;  ///< sliding window W (key p visible when q − W < p ≤ q); 0 = unlimited
-  int splits = 0;      ///< split-K count for the cache part (0 = from the shapes; see attend_cache)
+  int64_t window = 0;               ///< sliding window W (key p visible when q − W < p ≤ q); 0 = unlimited
+  int splits = 0;                   ///< split-K count for the cache part (0 = from the shapes; see attend_cache)
   Backend backend = Backend::Auto;  ///< for the new tokens' attention among themselves
   int threads = 0;
 };
@@ -142,8 +143,8 @@ class MultiheadAttention {
   /// to everything the cache holds plus the new tokens, then appends the new K/V to the cache.
   /// Prefill followed by token-by-token decoding equals forward() with Causal::top_left(), row
   /// for row. Not supported with add_bias_kv / add_zero_attn.
-  MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new,
-                                KvCache& cache, const IncrementalOptions& options = {}) const;
+  MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new, KvCache& cache,
+                                const IncrementalOptions& options = {}) const;
 
  private:
   MhaConfig config_;

@@ -44,6 +44,7 @@ struct Rope {
   int64_t rotary_dims(int64_t head_dim) const { return dims > 0 ? dims : head_dim; }
   /// Throws mha::Error when θ is not > 0 and finite, or dims is odd, negative or > head_dim.
   void validate(int64_t head_dim) const;
+  bool operator==(const Rope&) const = default;
 };
 
 /// Rotates x (B, heads, T, d) in place; row t of batch b sits at absolute position

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <limits>
 
-#include "kernels/gemm.h"
+#include "layers/module_core.h"
 #include "mha/module.h"
 
 namespace mha {
@@ -23,25 +23,6 @@ namespace {
 
 constexpr const char* kInc = "MultiheadAttention.forward_incremental";
 
-/// Where row (b, t) of a (…, features) input sits: row index b·per_batch + t·per_step.
-struct TokenRows {
-  int64_t batch = 1, steps = 0, per_batch = 0, per_step = 0;
-
-  TokenRows(const Tensor& x, Layout layout) {
-    if (x.dim() == 2) {
-      steps = x.size(0), per_step = 1;
-    } else if (layout == Layout::BatchFirst) {
-      batch = x.size(0), steps = x.size(1), per_batch = x.size(1), per_step = 1;
-    } else {
-      batch = x.size(1), steps = x.size(0), per_batch = 1, per_step = x.size(1);
-    }
-  }
-  /// (batch, heads, steps, d) over `heads` blocks of d columns of a (rows, ld) buffer.
-  View4<float> heads(float* buffer, int64_t ld, int64_t n_heads, int64_t d) const {
-    return {buffer, {batch, n_heads, steps, d}, {per_batch * ld, d, per_step * ld, 1}};
-  }
-};
-
 }  // namespace
 
 MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const Tensor& key_new,
@@ -49,23 +30,12 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
                                                   const IncrementalOptions& options) const {
   check_params();
   const MhaConfig& c = config_;
-  const int64_t E = c.embed_dim, d = c.head_dim(), H = c.num_heads, KV = c.kv_heads();
+  const int64_t d = c.head_dim(), H = c.num_heads, KV = c.kv_heads();
   if (c.add_bias_kv || c.add_zero_attn)
     fail(kInc, ": add_bias_kv / add_zero_attn positions have no place in a KV cache; not supported");
-  if (query_new.dim() != 2 && query_new.dim() != 3)
-    fail(kInc, ": query_new must be 3-D (batched) or 2-D (T, E), got ", shape_str(query_new.shape()));
-  if (key_new.dim() != query_new.dim() || value_new.dim() != query_new.dim())
-    fail(kInc, ": query_new ", shape_str(query_new.shape()), ", key_new ", shape_str(key_new.shape()),
-         " and value_new ", shape_str(value_new.shape()), " must have the same rank");
-  const TokenRows qr(query_new, c.layout), kr(key_new, c.layout), vr(value_new, c.layout);
-  if (query_new.size(-1) != E || key_new.size(-1) != c.key_dim() || value_new.size(-1) != c.value_dim())
-    fail(kInc, ": features of query_new ", shape_str(query_new.shape()), ", key_new ", shape_str(key_new.shape()),
-         ", value_new ", shape_str(value_new.shape()), " must be E = ", E, ", kdim = ", c.key_dim(),
-         ", vdim = ", c.value_dim());
-  if (kr.batch != qr.batch || vr.batch != qr.batch || kr.steps != qr.steps || vr.steps != qr.steps)
-    fail(kInc, ": query_new ", shape_str(query_new.shape()), ", key_new ", shape_str(key_new.shape()),
-         " and value_new ", shape_str(value_new.shape()), " must hold the same batch and number of new tokens");
-  const int64_t B = qr.batch, T = qr.steps, N = B * T;
+  const detail::ModuleCall call =
+      detail::check_inputs(kInc, c, query_new, key_new, value_new, detail::KvTokens::SameAsQuery);
+  const int64_t B = call.batch(), T = call.t_q();
   const KvCacheConfig& cc = cache.config();
   if (cc.batch != B || cc.kv_heads != KV || cc.head_dim != d || cc.v_dim() != d)
     fail(kInc, ": the cache is (batch ", cc.batch, ", kv_heads ", cc.kv_heads, ", d ", cc.head_dim, ", d_v ",
@@ -90,31 +60,17 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
     start[static_cast<size_t>(b)] = cache.length(b);
   }
 
-  // ---- projections of the new tokens: Q (N, h·d), K and V (N, kv·d), rows in the input's layout ----
-  const bool packed = c.packed_in_proj();
-  const float* in_bias = c.bias ? params_.in_proj_bias.data() : nullptr;
-  std::vector<float> proj(static_cast<size_t>(N * (H + 2 * KV) * d));
-  float* q_out = proj.data();
-  float* k_out = q_out + N * H * d;
-  float* v_out = k_out + N * KV * d;
-  const float* w_in = params_.in_proj_weight.data();
-  kernels::linear(query_new.data(), N, E, E, packed ? w_in : params_.q_proj_weight.data(), H * d, E, in_bias, q_out,
-                  H * d);
-  kernels::linear(key_new.data(), N, c.key_dim(), c.key_dim(), packed ? w_in + H * d * E : params_.k_proj_weight.data(),
-                  KV * d, c.key_dim(), in_bias ? in_bias + H * d : nullptr, k_out, KV * d);
-  kernels::linear(value_new.data(), N, c.value_dim(), c.value_dim(),
-                  packed ? w_in + (H + KV) * d * E : params_.v_proj_weight.data(), KV * d, c.value_dim(),
-                  in_bias ? in_bias + (H + KV) * d : nullptr, v_out, KV * d);
-  const View4<float> Q = qr.heads(q_out, H * d, H, d), K = qr.heads(k_out, KV * d, KV, d),
-                     V = qr.heads(v_out, KV * d, KV, d);
+  // ---- projections of the new tokens, rows in the input's layout ----
+  detail::Projections proj = detail::project_inputs(c, params_, query_new, key_new, value_new, call);
+  const View4<float> Q = proj.q, K = proj.k, V = proj.v;
   if (c.rope.enabled) {
     apply_rope(Q, c.rope, start.data());
     apply_rope(K, c.rope, start.data());
   }
 
   // ---- the new tokens among themselves ----
-  std::vector<float> heads(static_cast<size_t>(N * H * d), 0.0f);
-  const View4<float> out = qr.heads(heads.data(), H * d, H, d);
+  std::vector<float> heads(static_cast<size_t>(call.q_rows.rows() * H * d), 0.0f);
+  const View4<float> out = call.q_rows.heads(heads.data(), H * d, 0, H, d);
   SdpaOptions sopt;
   sopt.masks.causal = Causal::top_left().with_window(options.window);
   sopt.backend = options.backend;
@@ -169,9 +125,7 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   cache.append(View4<const float>(K), View4<const float>(V), lens);
 
   MhaOutput result;
-  result.output = Tensor(query_new.shape());
-  kernels::linear(heads.data(), N, H * d, H * d, params_.out_proj_weight.data(), E, H * d,
-                  c.bias ? params_.out_proj_bias.data() : nullptr, result.output.data(), E);
+  result.output = detail::project_output(c, params_, heads.data(), query_new.shape(), call.q_rows.rows());
   return result;
 }
 
