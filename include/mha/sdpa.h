@@ -16,6 +16,7 @@
 #include <string>
 
 #include "mha/tensor.h"
+#include "mha/threads.h"
 
 namespace mha {
 
@@ -113,7 +114,7 @@ struct SdpaOptions {
   Masks masks;
   Dropout dropout;
   Backend backend = Backend::Auto;
-  int threads = 0;  ///< 0 = library default (mha::set_num_threads / hardware)
+  int threads = 0;  ///< 0 = library default (mha/threads.h)
 };
 
 /// Where the results go. `out` is required; `weights` (B, h, T_q, T_k) and `lse` (B, h, T_q, 1)
@@ -146,10 +147,6 @@ struct SdpaResult {
 enum class Want : uint8_t { Output = 0, Weights = 1, Lse = 2, WeightsAndLse = 3 };
 SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opt = {},
                 Want want = Want::Output);
-
-/// Library-wide default thread count (0 = hardware concurrency).
-void set_num_threads(int threads);
-int num_threads();
 
 /// Which backend `Auto` would pick for this request, and why (for --verbose and diagnostics).
 std::string sdpa_dispatch_reason(View4<const float> q, View4<const float> k, View4<const float> v,

@@ -6,6 +6,7 @@
 // nor do I/O: scratch comes from the caller, sized by the matching *_workspace_floats().
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -14,10 +15,34 @@
 
 namespace mha::kernels {
 
+/// Element type of Q, K and V (outputs, masks and the softmax are always float32).
+enum class DType : uint8_t { F32, BF16 };
+
+/// Q, K or V as a kernel reads it: a strided (B, heads, T, d) view whose element type is the
+/// params' dtype; as<T>() gives the typed view.
+struct InputView {
+  const void* data = nullptr;
+  std::array<int64_t, 4> shape{0, 0, 0, 0};
+  std::array<int64_t, 4> stride{0, 0, 0, 0};
+
+  InputView() = default;
+  template <class T>
+  InputView(View4<T> v) : data(v.data), shape(v.shape), stride(v.stride) {}  // NOLINT: a view is an input view
+  template <class T>
+  View4<const T> as() const {
+    return {static_cast<const T*>(data), shape, stride};
+  }
+};
+
+/// float32 or bfloat16 element → float (exact).
+inline float load_float(float x) { return x; }
+inline float load_float(bf16 x) { return to_float(x); }
+
 struct SdpaParams {
-  View4<const float> q;  // (B, h, T_q, d)
-  View4<const float> k;  // (B, kv, T_k, d)
-  View4<const float> v;  // (B, kv, T_k, d_v)
+  DType dtype = DType::F32;  // of q, k and v
+  InputView q;               // (B, h, T_q, d)
+  InputView k;               // (B, kv, T_k, d)
+  InputView v;               // (B, kv, T_k, d_v)
   float scale = 1.0f;
   Masks masks;  // broadcast to full extents (see above)
   Dropout dropout;
@@ -56,11 +81,12 @@ inline float additive_terms(const SdpaParams& p, int64_t b, int64_t h, int64_t i
 }
 
 // ---- the reference oracle ------------------------------------------------------------------
-/// Plain loops, double accumulation, one row at a time; single-threaded. Workspace: T_k floats.
+/// Plain loops, double accumulation, one row at a time; single-threaded; float32 or bfloat16
+/// inputs (widened exactly as they are read). Workspace: T_k floats.
 size_t reference_workspace_floats(const SdpaParams& p);
 void sdpa_reference(const SdpaParams& p, float* workspace);
 
-// ---- the fused kernel (tiled, online softmax, SIMD, threads) -------------------------------
+// ---- the fused kernel (tiled, online softmax, SIMD, threads; float32 or bfloat16 inputs) ----
 /// Whether the fused kernel handles this request; when not, *why says which feature is missing.
 bool fused_supports(const SdpaParams& p, std::string* why);
 size_t fused_workspace_floats(const SdpaParams& p);

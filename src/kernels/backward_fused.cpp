@@ -140,12 +140,11 @@ inline void copy_unpadded(const SdpaParams& f, int64_t b, int64_t g, int64_t j0,
       std::fill(kr, kr + D, 0.0f);
       std::fill(vr, vr + Dv, 0.0f);
     } else {
-      std::memcpy(kr, f.k.row(b, g, j), static_cast<size_t>(D) * sizeof(float));
-      std::memcpy(vr, f.v.row(b, g, j), static_cast<size_t>(Dv) * sizeof(float));
+      std::memcpy(kr, f.k.as<float>().row(b, g, j), static_cast<size_t>(D) * sizeof(float));
+      std::memcpy(vr, f.v.as<float>().row(b, g, j), static_cast<size_t>(Dv) * sizeof(float));
     }
   }
 }
-
 
 }  // namespace mha::kernels::bwd
 #endif  // MHA_BACKWARD_FUSED_ONCE
@@ -219,7 +218,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, fl
   float* s = ws + cx.L.s;
   float* prob = ws + cx.L.p;
   float* pt = ws + cx.L.pt;
-  const float* q = f.q.row(job.b, job.h, job.i0);
+  const float* q = f.q.as<float>().row(job.b, job.h, job.i0);
   const int64_t ldq = f.q.stride[2];
   const float* dout = p.dout.row(job.b, job.h, job.i0);
   const int64_t lddo = p.dout.stride[2];
@@ -266,7 +265,18 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, fl
 /// The K/V rows of key block [j0, j1): the view's rows, or an unpadded copy in scratch.
 HWY_INLINE BlockJob key_block(const Ctx& cx, int64_t b, int64_t g, int64_t j0, int64_t j1, float* ws) {
   const SdpaParams& f = cx.p->fwd;
-  BlockJob job{b, 0, g, 0, 0, j0, j1, f.k.row(b, g, j0), f.k.stride[2], f.v.row(b, g, j0), f.v.stride[2], false};
+  BlockJob job{b,
+               0,
+               g,
+               0,
+               0,
+               j0,
+               j1,
+               f.k.as<float>().row(b, g, j0),
+               f.k.stride[2],
+               f.v.as<float>().row(b, g, j0),
+               f.v.stride[2],
+               false};
   if (has_padding(f, b, j0, j1)) {
     copy_unpadded(f, b, g, j0, j1, ws + cx.L.k, ws + cx.L.v);
     job.k = ws + cx.L.k, job.ldk = f.d();

@@ -24,6 +24,7 @@ size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
 
 void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
   const SdpaParams& f = p.fwd;
+  const View4<const float> q = f.q.as<float>(), k = f.k.as<float>(), v = f.v.as<float>();  // float32 only
   const int64_t B = f.batch(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d(), Dv = f.d_v();
   const int64_t group = f.group();
   const int64_t causal_offset = f.masks.causal.offset_for(Tq, Tk);
@@ -47,7 +48,7 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             prob[j] = kNegInf;
             if (key_hidden(f, b, h, i, j, causal_offset)) continue;
             double dot = 0.0;
-            for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(f.q(b, h, i, c)) * f.k(b, g, j, c);
+            for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
             prob[j] = static_cast<double>(f.scale) * dot + additive_terms(f, b, h, i, j);
             row_max = std::max(row_max, prob[j]);
           }
@@ -74,7 +75,7 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             double dot = 0.0;
             for (int64_t c = 0; c < Dv; ++c) {
               const double d_o = p.dout(b, h, i, c);
-              dot += d_o * f.v(b, g, j, c);
+              dot += d_o * v(b, g, j, c);
               dv_acc[j * Dv + c] += prob[j] * factor * d_o;
             }
             dprob[j] = factor * dot;
@@ -85,13 +86,13 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
           for (int64_t c = 0; c < D; ++c) {
             double acc = 0.0;
             for (int64_t j = 0; j < Tk; ++j)
-              if (prob[j] != 0.0) acc += prob[j] * (dprob[j] - row_dot) * f.k(b, g, j, c);
+              if (prob[j] != 0.0) acc += prob[j] * (dprob[j] - row_dot) * k(b, g, j, c);
             p.dq(b, h, i, c) = static_cast<float>(static_cast<double>(f.scale) * acc);
           }
           for (int64_t j = 0; j < Tk; ++j) {
             if (prob[j] == 0.0) continue;
             const double ds = static_cast<double>(f.scale) * prob[j] * (dprob[j] - row_dot);
-            for (int64_t c = 0; c < D; ++c) dk_acc[j * D + c] += ds * f.q(b, h, i, c);
+            for (int64_t c = 0; c < D; ++c) dk_acc[j * D + c] += ds * q(b, h, i, c);
           }
         }
       }

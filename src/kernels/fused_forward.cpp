@@ -595,8 +595,12 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   }
 }
 
-void fused_f32(const SdpaParams& p, float* workspace) { run<float>(p, p.q, p.k, p.v, workspace); }
-void fused_bf16(const SdpaParams& p, const Bf16Qkv& in, float* workspace) { run<bf16>(p, in.q, in.k, in.v, workspace); }
+void fused_f32(const SdpaParams& p, float* workspace) {
+  run<float>(p, p.q.as<float>(), p.k.as<float>(), p.v.as<float>(), workspace);
+}
+void fused_bf16(const SdpaParams& p, float* workspace) {
+  run<bf16>(p, p.q.as<bf16>(), p.k.as<bf16>(), p.v.as<bf16>(), workspace);
+}
 int64_t dispatch_target() { return HWY_TARGET; }
 bool bf16_dot() { return kHaveDot && cpu_has_bf16_dot(); }
 
@@ -626,10 +630,11 @@ size_t fused_workspace_floats(const SdpaParams& p) {
   return static_cast<size_t>(threads * fused::layout_for(p).total + 16);
 }
 
-void sdpa_fused(const SdpaParams& p, float* workspace) { HWY_DYNAMIC_DISPATCH(fused::fused_f32)(p, workspace); }
-
-void sdpa_fused_bf16(const SdpaParams& p, const Bf16Qkv& in, float* workspace) {
-  HWY_DYNAMIC_DISPATCH(fused::fused_bf16)(p, in, workspace);
+void sdpa_fused(const SdpaParams& p, float* workspace) {
+  if (p.dtype == DType::BF16)
+    HWY_DYNAMIC_DISPATCH(fused::fused_bf16)(p, workspace);
+  else
+    HWY_DYNAMIC_DISPATCH(fused::fused_f32)(p, workspace);
 }
 
 std::vector<int64_t> fused_compiled_targets() {

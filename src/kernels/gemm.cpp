@@ -6,7 +6,7 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include "mha/error.h"
-#include "mha/sdpa.h"
+#include "mha/threads.h"
 
 namespace mha::kernels {
 
@@ -15,7 +15,7 @@ void sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float 
   if (m == 0 || n == 0) return;
   // oneDNN sizes its thread team from omp_get_max_threads(): set it for this call only (it is a
   // per-thread setting, so concurrent callers do not see each other's).
-  const int want = threads > 0 ? threads : mha::num_threads();
+  const int want = resolve_threads(threads);
   const int before = omp_get_max_threads();
   if (want != before) omp_set_num_threads(want);
   const dnnl_status_t status = dnnl_sgemm(trans_a == Trans::Yes ? 'T' : 'N', trans_b == Trans::Yes ? 'T' : 'N', m, n, k,

@@ -14,7 +14,11 @@ namespace mha::kernels {
 
 size_t reference_workspace_floats(const SdpaParams& p) { return static_cast<size_t>(p.t_k()); }
 
-void sdpa_reference(const SdpaParams& p, float* workspace) {
+namespace {
+
+/// Q/K/V elements of type T (float or bf16), each widened exactly as it is read.
+template <class T>
+void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T> v, float* workspace) {
   const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
   const int64_t group = p.group();
   const int64_t causal_offset = p.masks.causal.offset_for(Tq, Tk);
@@ -25,7 +29,7 @@ void sdpa_reference(const SdpaParams& p, float* workspace) {
     for (int64_t h = 0; h < H; ++h) {
       const int64_t g = h / group;  // the K/V head this query head reads (SEMANTICS 6)
       for (int64_t i = 0; i < Tq; ++i) {
-        const float* q_row = p.q.row(b, h, i);
+        const T* q_row = q.row(b, h, i);
         // 1. Scores: scale · q·k + additive terms; hidden keys get −inf and are never read.
         double row_max = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < Tk; ++j) {
@@ -33,10 +37,10 @@ void sdpa_reference(const SdpaParams& p, float* workspace) {
             scores[j] = kNegInf;
             continue;
           }
-          const float* k_row = p.k.row(b, g, j);
+          const T* k_row = k.row(b, g, j);
           double dot = 0.0;
           for (int64_t c = 0; c < D; ++c)
-            dot += static_cast<double>(q_row[c * p.q.stride[3]]) * k_row[c * p.k.stride[3]];
+            dot += static_cast<double>(load_float(q_row[c * q.stride[3]])) * load_float(k_row[c * k.stride[3]]);
           const double s = static_cast<double>(p.scale) * dot + additive_terms(p, b, h, i, j);
           scores[j] = static_cast<float>(s);
           if (scores[j] > row_max) row_max = scores[j];
@@ -73,13 +77,22 @@ void sdpa_reference(const SdpaParams& p, float* workspace) {
           double acc = 0.0;
           for (int64_t j = 0; j < Tk; ++j) {
             if (scores[j] == 0.0f) continue;  // masked or dropped: V row not read
-            acc += static_cast<double>(scores[j]) * p.v(b, g, j, c);
+            acc += static_cast<double>(scores[j]) * load_float(v(b, g, j, c));
           }
           out_row[c * p.out.stride[3]] = static_cast<float>(acc);
         }
       }
     }
   }
+}
+
+}  // namespace
+
+void sdpa_reference(const SdpaParams& p, float* workspace) {
+  if (p.dtype == DType::BF16)
+    reference_rows<bf16>(p, p.q.as<bf16>(), p.k.as<bf16>(), p.v.as<bf16>(), workspace);
+  else
+    reference_rows<float>(p, p.q.as<float>(), p.k.as<float>(), p.v.as<float>(), workspace);
 }
 
 }  // namespace mha::kernels

@@ -6,7 +6,8 @@
 #include <limits>
 
 #include "kernels/decode.h"
-#include "mha/sdpa.h"
+#include "layers/sdpa_prepare.h"
+#include "mha/threads.h"
 
 namespace mha {
 
@@ -219,9 +220,9 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.key_end = end.data();
   p.q_start = start.data();
   p.window = options.window;
-  p.scale = options.scale ? *options.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  p.scale = detail::resolve_scale(options.scale, d);
   p.splits = options.splits > 0 ? options.splits : auto_cache_splits(B, c.kv_heads, (H / c.kv_heads) * Tq, longest);
-  p.threads = options.threads > 0 ? options.threads : num_threads();
+  p.threads = resolve_threads(options.threads);
   p.out = out;
   p.lse = lse;
   std::vector<float> workspace(kernels::decode_workspace_floats(p));

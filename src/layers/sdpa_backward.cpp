@@ -1,9 +1,10 @@
-// layers/sdpa_backward.cpp — the public SDPA backward entry point: validate once (with the
-// forward's own checks), broadcast the masks, pick a kernel, carve its workspace.
+// layers/sdpa_backward.cpp — the public SDPA backward entry point: the forward's preparation
+// (layers/sdpa_prepare.h) plus the gradient views' checks, the same backend choice, a workspace.
 #include <cmath>
 #include <vector>
 
 #include "kernels/attention_backward.h"
+#include "layers/sdpa_prepare.h"
 #include "mha/training.h"
 
 namespace mha {
@@ -14,15 +15,6 @@ constexpr const char* kBwd = "sdpa_backward";
 
 std::string view_shape(const auto& v) { return shape_str(v.shape_vec()); }
 
-/// Stride 0 along the dimensions where an (already validated) mask view has extent 1.
-template <class T>
-View4<T> broadcast(View4<T> view, const std::array<int64_t, 4>& full) {
-  if (view.empty()) return view;
-  for (size_t a = 0; a < 4; ++a)
-    if (view.shape[a] != full[a]) view.stride[a] = 0, view.shape[a] = full[a];
-  return view;
-}
-
 void check_grad_view(const View4<float>& got, const Shape& want, const char* name) {
   if (shape_numel(want) != 0 && got.empty()) fail(kBwd, ": the gradient view ", name, " is required");
   if (got.shape_vec() != want) fail(kBwd, ": ", name, " has shape ", view_shape(got), ", expected ", shape_str(want));
@@ -31,12 +23,14 @@ void check_grad_view(const View4<float>& got, const Shape& want, const char* nam
 kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float> k, View4<const float> v,
                                         View4<const float> out, View4<const float> d_out, View4<const float> lse,
                                         const SdpaOptions& opt, const SdpaGrads& grads) {
-  // The forward's checks cover q, k, v, masks, dropout and the shapes of out and lse; they only
-  // read the views' shapes, so the const views are passed through a non-const view type here.
+  // The forward's preparation checks q, k, v, masks, dropout and the shapes of out and lse (it
+  // reads only the views' shapes, so the const views pass through a non-const view type here).
   SdpaOutputs shapes;
   shapes.out = {const_cast<float*>(out.data), out.shape, out.stride};
   shapes.lse = {const_cast<float*>(lse.data), lse.shape, lse.stride};
-  check_sdpa_args(q, k, v, opt, shapes);
+  kernels::SdpaBackwardParams p;
+  p.fwd = detail::prepare_sdpa(kBwd, q, k, v, opt, shapes);
+  p.fwd.out = {}, p.fwd.lse = {};
   const Shape want_out{q.shape[0], q.shape[1], q.shape[2], v.shape[3]};
   if (shape_numel(want_out) != 0 && lse.empty())
     fail(kBwd, ": lse (B, h, T_q, 1) from the forward is required, expected ",
@@ -47,34 +41,15 @@ kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float>
   check_grad_view(grads.dk, k.shape_vec(), "dk");
   check_grad_view(grads.dv, v.shape_vec(), "dv");
 
-  kernels::SdpaBackwardParams p;
-  kernels::SdpaParams& f = p.fwd;
-  f.q = q, f.k = k, f.v = v;
-  f.scale = opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(q.shape[3]));
-  const std::array<int64_t, 4> full{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
-  const std::array<int64_t, 4> per_key{q.shape[0], 1, 1, k.shape[2]};
-  f.masks.causal = opt.masks.causal;
-  f.masks.allowed.view = broadcast(opt.masks.allowed.view, full);
-  f.masks.bias.view = broadcast(opt.masks.bias.view, full);
-  f.masks.key_padding.view = broadcast(opt.masks.key_padding.view, per_key);
-  f.masks.key_bias.view = broadcast(opt.masks.key_bias.view, per_key);
-  f.dropout = opt.dropout;
-  f.threads = opt.threads > 0 ? opt.threads : num_threads();
   p.out = out, p.dout = d_out, p.lse = lse;
   p.dq = grads.dq, p.dk = grads.dk, p.dv = grads.dv;
   return p;
 }
 
 bool use_fused(const kernels::SdpaBackwardParams& p, Backend backend, std::string* why) {
-  if (backend == Backend::Reference) {
-    if (why) *why = "reference: requested";
-    return false;
-  }
   std::string reason;
-  const bool ok = kernels::fused_backward_supports(p, &reason);
-  if (backend == Backend::Fused && !ok) fail(kBwd, ": Backend::Fused was requested but ", reason);
-  if (why) *why = ok ? "fused: supported" : "reference: " + reason;
-  return ok;
+  const bool ok = backend != Backend::Reference && kernels::fused_backward_supports(p, &reason);
+  return detail::choose_fused(kBwd, backend, ok, reason, why);
 }
 
 }  // namespace

@@ -1,0 +1,16 @@
+// mha/threads.h — the library-wide thread count.
+//
+// Every parallel part of mha (the attention kernels, the GEMMs, decoding) takes a per-call
+// `threads` option; 0 there means the library default set here.
+#pragma once
+
+namespace mha {
+
+/// Library-wide default thread count (0 = hardware concurrency).
+void set_num_threads(int threads);
+/// The default in force: the value set above, else the hardware concurrency (at least 1).
+int num_threads();
+/// A per-call request resolved: `requested` when > 0, else num_threads().
+int resolve_threads(int requested);
+
+}  // namespace mha

@@ -1,0 +1,34 @@
+// layers/sdpa_prepare.h — the one preparation step behind every attention entry point: the SDPA
+// forward (float32 and bfloat16), its backward and attention over a KV cache. Internal.
+//
+// prepare_sdpa checks the arguments once, broadcasts the masks to full extents (stride 0 along
+// broadcast dimensions), and resolves the scale and thread defaults, giving the params struct a
+// kernel takes; choose_backend makes the Auto / Reference / Fused choice the same way for both
+// directions and says why.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "kernels/attention.h"
+#include "mha/sdpa.h"
+
+namespace mha::detail {
+
+/// The softmax scale: the caller's, else 1/√d (d of Q/K).
+float resolve_scale(const std::optional<float>& scale, int64_t d);
+
+/// Checks q/k/v, the options and the outputs' shapes (weights and lse only when given) and returns
+/// the kernel params with masks broadcast and defaults resolved. Throws mha::Error prefixed with
+/// `fn`, naming the shapes.
+kernels::SdpaParams prepare_sdpa(const char* fn, View4<const float> q, View4<const float> k, View4<const float> v,
+                                 const SdpaOptions& opt, const SdpaOutputs& outputs);
+kernels::SdpaParams prepare_sdpa(const char* fn, View4<const bf16> q, View4<const bf16> k, View4<const bf16> v,
+                                 const SdpaOptions& opt, const SdpaOutputs& outputs);
+
+/// Whether to run the fused kernel: false for Backend::Reference; for Auto, whether the fused
+/// kernel supports the request (`fused_ok`, else `reason` says what it lacks); Backend::Fused on
+/// an unsupported request throws. *why (if given) gets "fused: supported" or "reference: …".
+bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::string& reason, std::string* why);
+
+}  // namespace mha::detail

@@ -1,0 +1,30 @@
+// layers/threads.cpp — the library-wide default thread count (mha/threads.h).
+#include "mha/threads.h"
+
+#include <atomic>
+#include <thread>
+
+#include "mha/error.h"
+
+namespace mha {
+
+namespace {
+std::atomic<int> g_default_threads{0};
+}  // namespace
+
+void set_num_threads(int threads) {
+  if (threads < 0) fail("set_num_threads: threads must be ≥ 0, got ", threads);
+  g_default_threads.store(threads);
+}
+
+int num_threads() { return resolve_threads(0); }
+
+int resolve_threads(int requested) {
+  if (requested > 0) return requested;
+  const int global = g_default_threads.load();
+  if (global > 0) return global;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+}  // namespace mha
