@@ -111,7 +111,7 @@ InProj in_proj(const MhaConfig& c, const MhaParameters& p) {
 void rope_transpose(View4<float> g, const Rope& rope) {
   const int64_t B = g.shape[0], H = g.shape[1], T = g.shape[2], dims = rope.rotary_dims(g.shape[3]);
   const int64_t half = dims / 2;
-  const bool interleaved = rope.layout == RopeLayout::Interleaved;
+  const bool interleaved = rope.pairing == RopePairing::Interleaved;
   const int64_t a_step = interleaved ? 2 : 1, b_off = interleaved ? 1 : half;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < half; ++i) {
@@ -134,7 +134,7 @@ bool same_config(const MhaConfig& a, const MhaConfig& b) {
          a.key_dim() == b.key_dim() && a.value_dim() == b.value_dim() && a.bias == b.bias &&
          a.add_bias_kv == b.add_bias_kv && a.add_zero_attn == b.add_zero_attn && a.layout == b.layout &&
          a.head_dim() == b.head_dim() && a.rope.enabled == b.rope.enabled && a.rope.theta == b.rope.theta &&
-         a.rope.dims == b.rope.dims && a.rope.layout == b.rope.layout;
+         a.rope.dims == b.rope.dims && a.rope.pairing == b.rope.pairing;
 }
 
 }  // namespace
