@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/masking.h"
 #include "mha/sdpa.h"
 
 namespace mha::kernels {
@@ -41,8 +42,7 @@ struct SdpaParams {
 inline bool key_hidden(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int64_t j, int64_t causal_offset) {
   const Masks& m = p.masks;
   if (!m.key_padding.view.empty() && m.key_padding.view(b, 0, 0, j)) return true;
-  if (m.causal.enabled() && j > i + causal_offset) return true;
-  if (m.causal.enabled() && m.causal.window > 0 && j <= i + causal_offset - m.causal.window) return true;
+  if (!CausalRule{m.causal.enabled(), causal_offset, m.causal.window}.sees(i, j)) return true;
   if (!m.allowed.view.empty() && !m.allowed.view(b, h, i, j)) return true;
   return false;
 }

@@ -5,20 +5,23 @@
 // states: scale, add the additive terms, mask, softmax (max subtracted), dropout, weighted sum.
 // Dot products and sums accumulate in double so this stays the most accurate path we have.
 #include <cmath>
-#include <limits>
 
 #include "kernels/attention.h"
+#include "kernels/common.h"
 #include "kernels/dropout_rng.h"
+#include "kernels/entry_checks.h"
 
 namespace mha::kernels {
 
 size_t reference_workspace_floats(const SdpaParams& p) { return static_cast<size_t>(p.t_k()); }
 
 void sdpa_reference(const SdpaParams& p, float* workspace) {
+  assert_sdpa_params(p);
+  MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && has_data(p.weights));
+  MHA_DASSERT(workspace != nullptr || p.t_k() == 0);
   const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
   const int64_t group = p.group();
   const int64_t causal_offset = p.masks.causal.offset_for(Tq, Tk);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   float* scores = workspace;  // (T_k): one row of scores, then of probabilities
 
   for (int64_t b = 0; b < B; ++b) {
@@ -27,7 +30,7 @@ void sdpa_reference(const SdpaParams& p, float* workspace) {
       for (int64_t i = 0; i < Tq; ++i) {
         const float* q_row = p.q.row(b, h, i);
         // 1. Scores: scale · q·k + additive terms; hidden keys get −inf and are never read.
-        double row_max = -std::numeric_limits<double>::infinity();
+        double row_max = kNegInfDouble;
         for (int64_t j = 0; j < Tk; ++j) {
           if (key_hidden(p, b, h, i, j, causal_offset)) {
             scores[j] = kNegInf;
@@ -43,7 +46,7 @@ void sdpa_reference(const SdpaParams& p, float* workspace) {
         }
         float* out_row = p.out.row(b, h, i);
         // 2. A row with no visible key gives zeros and lse = −inf (SEMANTICS 4).
-        if (row_max == -std::numeric_limits<double>::infinity()) {
+        if (row_max == kNegInfDouble) {
           for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = 0.0f;
           if (!p.weights.empty())
             for (int64_t j = 0; j < Tk; ++j) p.weights(b, h, i, j) = 0.0f;
