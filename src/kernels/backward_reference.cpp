@@ -25,7 +25,7 @@ size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
 
 void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
   const SdpaParams& f = p.fwd;
-  assert_sdpa_params(f);
+  assert_sdpa_inputs(f);
   MHA_DASSERT(has_data(f.q) && has_data(f.k) && has_data(f.v) && has_data(p.dout));
   MHA_DASSERT(has_data(p.dq) && has_data(p.dk) && has_data(p.dv));
   const int64_t B = f.batch(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d(), Dv = f.d_v();

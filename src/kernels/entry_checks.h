@@ -30,14 +30,12 @@ bool shaped(const View& v, int64_t n0, int64_t n1, int64_t n2, int64_t n3) {
   return v.shape == std::array<int64_t, 4>{n0, n1, n2, n3};
 }
 
-/// The forward's params; q, k and v give the shapes (the bf16 entry passes its data separately).
-inline void assert_sdpa_params(const SdpaParams& p) {
+/// What the forward and backward both read: q, k, v shapes (the bf16 entry passes its data
+/// separately), masks at full extents, window and dropout.
+inline void assert_sdpa_inputs(const SdpaParams& p) {
   const int64_t B = p.batch(), H = p.heads(), KV = p.kv_heads(), Tq = p.t_q(), Tk = p.t_k();
   MHA_DASSERT(KV > 0 ? H % KV == 0 : H == 0);  // query heads a multiple of K/V heads
   MHA_DASSERT(shaped(p.k, B, KV, Tk, p.d()) && shaped(p.v, B, KV, Tk, p.d_v()));
-  MHA_DASSERT(shaped(p.out, B, H, Tq, p.d_v()) && has_data(p.out));
-  MHA_DASSERT(p.lse.empty() || shaped(p.lse, B, H, Tq, 1));
-  MHA_DASSERT(p.weights.empty() || shaped(p.weights, B, H, Tq, Tk));
   const Masks& m = p.masks;  // broadcast to full extents by the public layer
   MHA_DASSERT(m.allowed.view.empty() || shaped(m.allowed.view, B, H, Tq, Tk));
   MHA_DASSERT(m.bias.view.empty() || shaped(m.bias.view, B, H, Tq, Tk));
@@ -47,12 +45,20 @@ inline void assert_sdpa_params(const SdpaParams& p) {
   MHA_DASSERT(!p.dropout.active() || (p.dropout.p > 0.0f && p.dropout.p < 1.0f));
 }
 
+/// The forward's params: the inputs, and the outputs it writes.
+inline void assert_sdpa_params(const SdpaParams& p) {
+  const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k();
+  assert_sdpa_inputs(p);
+  MHA_DASSERT(shaped(p.out, B, H, Tq, p.d_v()) && has_data(p.out));
+  MHA_DASSERT(p.lse.empty() || shaped(p.lse, B, H, Tq, 1));
+  MHA_DASSERT(p.weights.empty() || shaped(p.weights, B, H, Tq, Tk));
+}
+
 /// The fused backward reads and writes whole rows (GEMMs on strided rows).
 inline void assert_sdpa_backward_params(const SdpaBackwardParams& p) {
-  const SdpaParams& f = p.fwd;
+  const SdpaParams& f = p.fwd;  // f.out, f.weights and f.lse are unused
   const int64_t B = f.batch(), H = f.heads(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k();
-  MHA_DASSERT(KV > 0 ? H % KV == 0 : H == 0);
-  MHA_DASSERT(shaped(f.k, B, KV, Tk, f.d()) && shaped(f.v, B, KV, Tk, f.d_v()));
+  assert_sdpa_inputs(f);
   MHA_DASSERT(has_data(f.q) && has_data(f.k) && has_data(f.v));
   MHA_DASSERT(shaped(p.out, B, H, Tq, f.d_v()) && shaped(p.dout, B, H, Tq, f.d_v()));
   MHA_DASSERT(has_data(p.out) && has_data(p.dout));
@@ -62,11 +68,6 @@ inline void assert_sdpa_backward_params(const SdpaBackwardParams& p) {
   MHA_DASSERT(rows_are_contiguous(f.q) && rows_are_contiguous(f.k) && rows_are_contiguous(f.v));
   MHA_DASSERT(rows_are_contiguous(p.out) && rows_are_contiguous(p.dout));
   MHA_DASSERT(rows_are_contiguous(p.dq) && rows_are_contiguous(p.dk) && rows_are_contiguous(p.dv));
-  const Masks& m = f.masks;
-  MHA_DASSERT(m.allowed.view.empty() || shaped(m.allowed.view, B, H, Tq, Tk));
-  MHA_DASSERT(m.bias.view.empty() || shaped(m.bias.view, B, H, Tq, Tk));
-  MHA_DASSERT(m.key_padding.view.empty() || shaped(m.key_padding.view, B, 1, 1, Tk));
-  MHA_DASSERT(m.key_bias.view.empty() || shaped(m.key_bias.view, B, 1, 1, Tk));
 }
 
 /// Decode reads the cache as contiguous rows of d (K) and d_v (V) per (batch, K/V head, slot).
