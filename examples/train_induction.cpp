@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "mha/image.h"
+#include "mha/random.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
 
@@ -44,16 +45,7 @@ constexpr int64_t kVocab = 10, kT = 24, kE = 48, kHeads = 2, kBatch = 32;
 // Evaluation sequences saved by --save: short enough that a picture can label every cell.
 constexpr int64_t kEvalBatch = 4, kEvalT = 16;
 
-struct Rng {  // splitmix64
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
-};
+using Rng = mha::SplitMix64;  // started from a raw state: Rng{12345}
 
 Tensor random_matrix(int64_t rows, int64_t cols, double scale, Rng& rng) {
   Tensor t({rows, cols});

@@ -1,5 +1,7 @@
 // Gradients: the SDPA backward (reference and fused) and the module backward, checked against
 // finite differences in double, PyTorch autograd goldens, and each other.
+#include <hwy/targets.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -10,6 +12,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/attention_backward.h"
+#include "kernels/backward_fused.h"
 #include "kernels/dropout_rng.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
@@ -326,6 +329,55 @@ TEST(SdpaBackwardFused, BitwiseIdenticalForAnyThreadCount) {
       EXPECT_TRUE(bitwise_equal(other.dv, one.dv)) << threads << " threads, dv";
     }
   }
+}
+
+// Every SIMD target the fused backward was compiled for (and this CPU runs), with dispatch forced
+// to it, against the reference: odd sizes, block edges (kBc = 64 keys, 64 query rows at these
+// head dims), GQA and every mask kind.
+TEST(SdpaBackwardFused, MatchesReferenceOnEveryTarget) {
+  std::vector<SdpaCase> cases;
+  SdpaCase c;
+  c.name = "odd_causal", c.Tq = 7, c.Tk = 9, c.D = 5, c.Dv = 3, c.causal = Causal::top_left();
+  cases.push_back(c);
+  c = {};
+  c.name = "block_edges_window_gqa", c.H = 4, c.KV = 2, c.Tq = 64, c.Tk = 65, c.D = 8, c.Dv = 8;
+  c.causal = Causal::bottom_right().with_window(9);
+  cases.push_back(c);
+  c = {};
+  c.name = "padding", c.B = 2, c.Tq = 65, c.Tk = 63, c.D = 16, c.Dv = 12, c.padding = true;
+  cases.push_back(c);
+  c = {};
+  c.name = "one_query_key_bias_dropout", c.Tq = 1, c.Tk = 130, c.D = 64, c.Dv = 64, c.key_bias = true;
+  c.dropout = 0.2f;
+  cases.push_back(c);
+  c = {};
+  c.name = "allowed_bias_dead_row", c.H = 3, c.KV = 1, c.Tq = 33, c.Tk = 70, c.D = 9, c.Dv = 7;
+  c.allowed = c.bias = c.dead_row = true;
+  cases.push_back(c);
+
+  hwy::SetSupportedTargetsForTest(0);
+  const int64_t supported = hwy::SupportedTargets();
+  int ran = 0;
+  for (int64_t target : kernels::fused_backward_compiled_targets()) {
+    if (!(supported & target)) continue;
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
+    ASSERT_EQ(kernels::fused_backward_dispatch_target(), target);
+    ++ran;
+    uint64_t seed = 900;
+    for (const SdpaCase& k : cases) {
+      SCOPED_TRACE(k.name);
+      SdpaSetup s = make_setup(k, seed += 10);
+      poison_padding(s);
+      const SdpaGradTensors want = run_backward(s, Backend::Reference);
+      const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
+      EXPECT_TRUE(fused_close(got.dq, want.dq, k.Tk)) << "dq";
+      EXPECT_TRUE(fused_close(got.dk, want.dk, k.Tq * k.H / k.KV)) << "dk";
+      EXPECT_TRUE(fused_close(got.dv, want.dv, k.Tq * k.H / k.KV)) << "dv";
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(ran, 1);
 }
 
 TEST(SdpaBackwardFused, PaddedKeysGetZeroGradient) {

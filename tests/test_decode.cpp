@@ -442,7 +442,7 @@ Rope rope_from(const io::SafetensorsFile& f) {
   r.enabled = true;
   r.theta = std::stod(meta.at("theta"));
   r.dims = std::stoll(meta.at("dims"));
-  r.layout = meta.at("layout") == "interleaved" ? RopeLayout::Interleaved : RopeLayout::HalfSplit;
+  r.pairing = meta.at("layout") == "interleaved" ? RopePairing::Interleaved : RopePairing::HalfSplit;
   return r;
 }
 
@@ -460,6 +460,67 @@ TEST(RopeGolden, KernelMatchesPyTorch) {
     apply_rope(x.view4(), rope_from(f), start.data());
     // One float32 rounding of cos/sin and of the products: a few ε of |x| ≤ 1.
     EXPECT_TRUE(all_close(x, f.read_f32("expected"), 8 * kEps, 8 * kEps));
+  }
+}
+
+// ---- RoPE's two directions -------------------------------------------------------------------
+
+/// Random x (B, heads, T, d) for the direction tests, with positions far apart per batch.
+struct RopeCase {
+  Rope rope;
+  Tensor x = random_tensor({2, 3, 5, 10}, 41);
+  std::vector<int64_t> start{3, 100000};
+};
+
+std::vector<RopeCase> rope_cases() {
+  std::vector<RopeCase> cs(4);
+  cs[0].rope = Rope::half_split(10000.0);      // all 10 features
+  cs[1].rope = Rope::half_split(500.0, 6);     // partial: 6 of 10 rotated
+  cs[2].rope = Rope::interleaved(10000.0);     // all 10 features
+  cs[3].rope = Rope::interleaved(10000.0, 4);  // partial: 4 of 10 rotated
+  return cs;
+}
+
+TEST(RopeDirection, UnrotateUndoesRotate) {
+  for (const RopeCase& c : rope_cases()) {
+    SCOPED_TRACE(c.rope.pairing == RopePairing::Interleaved ? "interleaved" : "half_split");
+    SCOPED_TRACE(c.rope.dims);
+    Tensor y = c.x;
+    apply_rope(y.view4(), c.rope, c.start.data());
+    EXPECT_FALSE(bitwise_equal(y, c.x));
+    apply_rope(y.view4(), c.rope, c.start.data(), RopeDirection::Unrotate);
+    // Two rotations, each a float32 rounding of cos/sin and of two products and a sum, of |x| ≤ 1.
+    EXPECT_TRUE(all_close(y, c.x, 8 * kEps, 8 * kEps));
+  }
+}
+
+TEST(RopeDirection, UnrotateIsRotationByMinusTheAngle) {
+  for (const RopeCase& c : rope_cases()) {
+    SCOPED_TRACE(c.rope.pairing == RopePairing::Interleaved ? "interleaved" : "half_split");
+    SCOPED_TRACE(c.rope.dims);
+    Tensor y = c.x;
+    apply_rope(y.view4(), c.rope, c.start.data(), RopeDirection::Unrotate);
+    const int64_t d = c.x.size(3), dims = c.rope.rotary_dims(d), half = dims / 2;
+    const bool inter = c.rope.pairing == RopePairing::Interleaved;
+    Tensor in_double = c.x, transposed = c.x;
+    for (int64_t b = 0; b < c.x.size(0); ++b)
+      for (int64_t h = 0; h < c.x.size(1); ++h)
+        for (int64_t t = 0; t < c.x.size(2); ++t)
+          for (int64_t i = 0; i < half; ++i) {
+            const int64_t ia = inter ? 2 * i : i, ib = inter ? 2 * i + 1 : i + half;
+            const double angle = static_cast<double>(c.start[b] + t) *
+                                 std::pow(c.rope.theta, -static_cast<double>(2 * i) / static_cast<double>(dims));
+            const float xa = c.x.at({b, h, t, ia}), xb = c.x.at({b, h, t, ib});
+            // Rotation by −angle, in double.
+            in_double.at({b, h, t, ia}) = static_cast<float>(xa * std::cos(-angle) - xb * std::sin(-angle));
+            in_double.at({b, h, t, ib}) = static_cast<float>(xb * std::cos(-angle) + xa * std::sin(-angle));
+            // The transpose of the rotation with the same float cos and sin, as a gradient forms it.
+            const float cf = static_cast<float>(std::cos(angle)), sf = static_cast<float>(std::sin(angle));
+            transposed.at({b, h, t, ia}) = xa * cf + xb * sf;
+            transposed.at({b, h, t, ib}) = xb * cf - xa * sf;
+          }
+    EXPECT_TRUE(all_close(y, in_double, 4 * kEps, 4 * kEps));
+    EXPECT_TRUE(bitwise_equal(y, transposed));  // features past dims pass through untouched
   }
 }
 

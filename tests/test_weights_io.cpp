@@ -54,7 +54,7 @@ void expect_same_config(const MhaConfig& got, const MhaConfig& want) {
   EXPECT_EQ(got.head_dim(), want.head_dim());
   EXPECT_EQ(got.rope.enabled, want.rope.enabled);
   if (want.rope.enabled) {
-    EXPECT_EQ(got.rope.layout, want.rope.layout);
+    EXPECT_EQ(got.rope.pairing, want.rope.pairing);
     EXPECT_EQ(got.rope.theta, want.rope.theta);
     EXPECT_EQ(got.rope.dims, want.rope.dims);
   }

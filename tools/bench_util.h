@@ -19,6 +19,7 @@
 
 #include "kernels/gemm.h"
 #include "mha/module.h"
+#include "mha/random.h"
 #include "mha/sdpa.h"
 #include "mha/tensor.h"
 #include "mha/training.h"
@@ -109,15 +110,8 @@ inline double peak_rss_mib() {
 
 /// Uniform values in [−1, 1) from a fixed seed (splitmix64): the same inputs on every run.
 inline void fill_uniform(std::span<float> values, uint64_t seed) {
-  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
-  for (float& x : values) {
-    s += 0x9E3779B97F4A7C15ull;
-    uint64_t z = s;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    x = static_cast<float>(static_cast<double>(z >> 40) * 0x1.0p-23 - 1.0);
-  }
+  SplitMix64 rng = SplitMix64::seeded(seed);
+  for (float& x : values) x = static_cast<float>(static_cast<double>(rng.next() >> 40) * 0x1.0p-23 - 1.0);
 }
 
 inline Tensor random_tensor(Shape shape, uint64_t seed) {

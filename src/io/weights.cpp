@@ -199,7 +199,7 @@ std::map<std::string, std::string> metadata_from_config(const MhaConfig& config)
   if (config.dropout != 0.0f) m["dropout"] = shortest(config.dropout);
   if (config.head_dim_override > 0) m["head_dim"] = std::to_string(config.head_dim());
   if (config.rope.enabled) {
-    m["rope"] = config.rope.layout == RopeLayout::Interleaved ? "interleaved" : "half_split";
+    m["rope"] = config.rope.pairing == RopePairing::Interleaved ? "interleaved" : "half_split";
     m["rope_theta"] = shortest(config.rope.theta);
     if (config.rope.dims > 0) m["rope_dims"] = std::to_string(config.rope.dims);
   }

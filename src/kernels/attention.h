@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/masking.h"
 #include "mha/sdpa.h"
 
 namespace mha::kernels {
@@ -26,6 +27,7 @@ struct InputView {
   std::array<int64_t, 4> stride{0, 0, 0, 0};
 
   InputView() = default;
+  bool empty() const { return data == nullptr; }
   template <class T>
   InputView(View4<T> v) : data(v.data), shape(v.shape), stride(v.stride) {}  // NOLINT: a view is an input view
   template <class T>
@@ -33,10 +35,6 @@ struct InputView {
     return {static_cast<const T*>(data), shape, stride};
   }
 };
-
-/// float32 or bfloat16 element → float (exact).
-inline float load_float(float x) { return x; }
-inline float load_float(bf16 x) { return to_float(x); }
 
 struct SdpaParams {
   DType dtype = DType::F32;  // of q, k and v
@@ -66,8 +64,7 @@ struct SdpaParams {
 inline bool key_hidden(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int64_t j, int64_t causal_offset) {
   const Masks& m = p.masks;
   if (!m.key_padding.view.empty() && m.key_padding.view(b, 0, 0, j)) return true;
-  if (m.causal.enabled() && j > i + causal_offset) return true;
-  if (m.causal.enabled() && m.causal.window > 0 && j <= i + causal_offset - m.causal.window) return true;
+  if (!CausalRule{m.causal.enabled(), causal_offset, m.causal.window}.sees(i, j)) return true;
   if (!m.allowed.view.empty() && !m.allowed.view(b, h, i, j)) return true;
   return false;
 }

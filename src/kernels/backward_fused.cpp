@@ -9,10 +9,12 @@
 //   dP̃ = dO_i V_jᵀ                           dP = dP̃ ∘ keep/(1 − p)   (forward step "dropout")
 //   dS = P ∘ (dP − D),  D = rowsum(dO ∘ O)                          (softmax backward)
 //   dV_j += P̃ᵀ dO_i    dK_j += scale · dSᵀ Q_i    dQ_i += scale · dS K_j
-// The five products are BLAS sgemm calls on the strided rows (no packing beyond what BLAS does;
-// kBr·kBc·d stays under OpenBLAS's single-thread threshold, so each call runs on its caller's
-// thread); the elementwise steps are Highway vectors, dispatched once per call. A block is ~16 KiB
-// of scores plus the K/V block, so everything a block touches stays in L2.
+// The five products are oneDNN sgemm calls (kernels/gemm.h) on the strided rows, each asked for
+// one thread so that it runs on its caller's OpenMP thread; the elementwise steps are Highway
+// vectors, dispatched once per call. Block sizes are chosen for L2, not for the GEMM library: a
+// block's operands — kBr rows of Q and dO, kBc rows of K and V, three kBr × kBc score buffers and
+// the kBc-row dK/dV accumulators — come to about 150 KiB at d = 64 and 190 KiB at d = 128, so
+// all five products of a block run from L2 (1 MiB per core on the Zen 4 this project targets).
 //
 // Ownership and determinism. Work item = (batch, kv-head, key block): it owns its dK/dV rows,
 // accumulating over every query head of the group (GQA) and every query block, in order. dQ is
@@ -33,23 +35,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 
 #include "kernels/attention_backward.h"
+#include "kernels/backward_fused.h"
+#include "kernels/common.h"
 #include "kernels/dropout_rng.h"
+#include "kernels/entry_checks.h"
 #include "kernels/gemm.h"
+#include "kernels/masking.h"
 
 #ifndef MHA_BACKWARD_FUSED_ONCE
 #define MHA_BACKWARD_FUSED_ONCE
 namespace mha::kernels::bwd {
 
 constexpr int64_t kBc = 64;  // keys per block (also the scores' row stride)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-/// Query rows per block: 64, fewer for wide heads so that kBr·kBc·max(d, d_v) stays within
-/// OpenBLAS's single-threaded size (65536·4 multiply-adds).
+/// Query rows per block: 64, fewer for wide heads so that kBr·kBc·max(d, d_v) ≤ 2¹⁸ (each product
+/// at most 2¹⁸ multiply-adds): the Q and dO rows of a block shrink as d grows, keeping its
+/// operands within L2 (see the top of this file).
 inline int64_t block_rows(const SdpaParams& f) {
   const int64_t widest = std::max<int64_t>(1, std::max(f.d(), f.d_v()));
   return std::clamp<int64_t>(262144 / (kBc * widest), 1, 64);
@@ -62,42 +65,31 @@ struct Scratch {
 
 inline Scratch scratch_for(const SdpaParams& f) {
   Scratch L;
-  int64_t off = 0;
-  auto take = [&off](int64_t floats) {
-    const int64_t at = off;
-    off += round_up(floats, 16);
-    return at;
-  };
+  ScratchCarver c;
   const int64_t br = block_rows(f);
-  L.s = take(br * kBc);   // scores, then dS
-  L.p = take(br * kBc);   // P (before dropout)
-  L.pt = take(br * kBc);  // P̃ (after dropout) and dP
-  L.k = take(kBc * f.d());
-  L.v = take(kBc * f.d_v());
-  L.dk = take(kBc * f.d());
-  L.dv = take(kBc * f.d_v());
-  L.total = off;
+  L.s = c.take(br * kBc);   // scores, then dS
+  L.p = c.take(br * kBc);   // P (before dropout)
+  L.pt = c.take(br * kBc);  // P̃ (after dropout) and dP
+  L.k = c.take(kBc * f.d());
+  L.v = c.take(kBc * f.d_v());
+  L.dk = c.take(kBc * f.d());
+  L.dv = c.take(kBc * f.d_v());
+  L.total = c.total();
   return L;
 }
 
-/// Which keys of block [j0, j1) query rows [i0, i1) can see, as far as the causal rule goes.
-enum class BlockVis { None, Partial, All };
-
-inline BlockVis causal_visibility(const Causal& c, int64_t off, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
-  if (!c.enabled()) return BlockVis::All;
-  const int64_t last_q = i1 - 1, last_k = j1 - 1;
-  if (j0 > last_q + off) return BlockVis::None;                              // every key after every query's limit
-  if (c.window > 0 && last_k <= i0 + off - c.window) return BlockVis::None;  // every key before every window
-  const bool below = last_k <= i0 + off;
-  const bool inside = c.window == 0 || j0 > last_q + off - c.window;
-  return below && inside ? BlockVis::All : BlockVis::Partial;
+/// The whole workspace: D = rowsum(dO ∘ O) for every (batch, head, query), then one Scratch per
+/// thread.
+inline WorkspacePlan workspace_plan(const SdpaParams& f) {
+  return {f.batch() * f.heads() * f.t_q(), scratch_for(f).total, std::max(1, f.threads)};
 }
 
 /// Everything a work item needs, computed once per call.
 struct Ctx {
   const SdpaBackwardParams* p = nullptr;
   Scratch L;
-  int64_t br = 64, n_qblocks = 0, n_kblocks = 0, causal_offset = 0;
+  int64_t br = 64, n_qblocks = 0, n_kblocks = 0;
+  CausalRule causal;
   bool element_masks = false;  // allowed / bias / key_bias: every block is masked element by element
   float keep_scale = 1.0f;
   const float* rowdot = nullptr;  // D = rowsum(dO ∘ O), (B, h, T_q) contiguous
@@ -156,16 +148,17 @@ inline void copy_unpadded(const SdpaParams& f, int64_t b, int64_t g, int64_t j0,
 // clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "hwy/contrib/math/math-inl.h"
+#include "kernels/exp-inl.h"
 // clang-format on
 
 HWY_BEFORE_NAMESPACE();
 namespace mha::kernels::bwd {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
+using kernels::HWY_NAMESPACE::exp_nonpositive;
 
-/// Softmax recomputed from the saved lse: P[r, :] = exp(S[r, :] − lse_r); 0 where S = −inf
-/// (Exp flushes to 0 far below −87), and the whole row 0 when lse_r = −inf (fully masked).
+/// Softmax recomputed from the saved lse: P[r, :] = exp(S[r, :] − lse_r), with the forward's exp;
+/// 0 where S = −inf (and below −87), and the whole row 0 when lse_r = −inf (fully masked).
 HWY_INLINE void probabilities(const float* HWY_RESTRICT s, const float* lse, int64_t rows, int64_t cols,
                               float* HWY_RESTRICT prob) {
   const hn::ScalableTag<float> df;
@@ -178,7 +171,8 @@ HWY_INLINE void probabilities(const float* HWY_RESTRICT s, const float* lse, int
       continue;
     }
     const auto m = hn::Set(df, lse[r]);
-    for (int64_t c = 0; c < cols; c += N) hn::StoreU(hn::Exp(df, hn::Sub(hn::LoadU(df, sr + c), m)), df, pr + c);
+    for (int64_t c = 0; c < cols; c += N)
+      hn::StoreU(exp_nonpositive(df, hn::Sub(hn::LoadU(df, sr + c), m)), df, pr + c);
   }
 }
 
@@ -209,7 +203,7 @@ struct BlockJob {
   bool padded;
 };
 
-HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, float* ws, float* dk_acc, float* dv_acc,
+HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, float* ws, float* dk_acc, float* dv_acc,
                             bool want_dq) {
   const SdpaBackwardParams& p = *cx.p;
   const SdpaParams& f = p.fwd;
@@ -228,12 +222,12 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, BlockVis vis, fl
   // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd).
   sgemm(Trans::No, Trans::Yes, nr, nc, D, f.scale, q, ldq, job.k, job.ldk, 0.0f, s, kBc, /*threads=*/1);
   for (int64_t r = 0; r < nr; ++r) std::fill(s + r * kBc + nc, s + r * kBc + cols, kNegInf);
-  if (vis == BlockVis::Partial || cx.element_masks || job.padded)
+  if (vis == TileVis::Partial || cx.element_masks || job.padded)
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t i = job.i0 + r, j = job.j0 + c;
         float& x = s[r * kBc + c];
-        x = key_hidden(f, job.b, job.h, i, j, cx.causal_offset) ? kNegInf : x + additive_terms(f, job.b, job.h, i, j);
+        x = key_hidden(f, job.b, job.h, i, j, cx.causal.offset) ? kNegInf : x + additive_terms(f, job.b, job.h, i, j);
       }
   // Forward "softmax": P = exp(S − lse).
   probabilities(s, lse, nr, cols, prob);
@@ -301,8 +295,8 @@ HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb
   for (int64_t h = g * group; h < (g + 1) * group; ++h)
     for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
       const int64_t i1 = std::min(Tq, i0 + cx.br);
-      const BlockVis vis = causal_visibility(f.masks.causal, cx.causal_offset, i0, i1, j0, j1);
-      if (vis == BlockVis::None) continue;
+      const TileVis vis = cx.causal.tile(i0, i1, j0, j1);
+      if (vis == TileVis::None) continue;
       job.h = h, job.i0 = i0, job.i1 = i1;
       run_block(cx, job, vis, ws, dk_acc, dv_acc, want_dq);
     }
@@ -319,8 +313,8 @@ HWY_NOINLINE void query_block_item(const Ctx& cx, int64_t b, int64_t h, int64_t 
   const int64_t i0 = qb * cx.br, i1 = std::min(Tq, i0 + cx.br);
   for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {
     const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
-    const BlockVis vis = causal_visibility(f.masks.causal, cx.causal_offset, i0, i1, j0, j1);
-    if (vis == BlockVis::None) continue;
+    const TileVis vis = cx.causal.tile(i0, i1, j0, j1);
+    if (vis == TileVis::None) continue;
     BlockJob job = key_block(cx, b, g, j0, j1, ws);
     job.h = h, job.i0 = i0, job.i1 = i1;
     run_block(cx, job, vis, ws, nullptr, nullptr, true);
@@ -330,18 +324,18 @@ HWY_NOINLINE void query_block_item(const Ctx& cx, int64_t b, int64_t h, int64_t 
 void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   const SdpaParams& f = p.fwd;
   const int64_t B = f.batch(), H = f.heads(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d();
-  const int threads = std::max(1, f.threads);
+  const WorkspacePlan plan = workspace_plan(f);
+  const int threads = plan.threads;
   Ctx cx;
   cx.p = &p;
   cx.L = scratch_for(f);
   cx.br = block_rows(f);
   cx.n_qblocks = (Tq + cx.br - 1) / cx.br;
   cx.n_kblocks = (Tk + kBc - 1) / kBc;
-  cx.causal_offset = f.masks.causal.offset_for(Tq, Tk);
+  cx.causal = CausalRule::of(f.masks.causal, Tq, Tk);
   cx.element_masks = !f.masks.allowed.view.empty() || !f.masks.bias.view.empty() || !f.masks.key_bias.view.empty();
   cx.keep_scale = f.dropout.active() ? 1.0f / (1.0f - f.dropout.p) : 1.0f;
-  float* rowdot = workspace;
-  float* scratch = workspace + round_up(B * H * Tq, 16);
+  float* rowdot = plan.shared_part(workspace);
   cx.rowdot = rowdot;
   row_dots(p, rowdot, threads);
 
@@ -354,25 +348,27 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
     // One item per (batch, kv-head): key blocks in order, dQ added directly (5 products).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < B * KV; ++item) {
-      float* ws = scratch + omp_get_thread_num() * cx.L.total;
+      float* ws = plan.thread_part(workspace, omp_get_thread_num());
       for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) key_block_item(cx, item / KV, item % KV, kb, ws, true);
     }
   } else {
     // Items (batch, kv-head, key block) for dK/dV, then (batch, head, query block) for dQ.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < B * KV * cx.n_kblocks; ++item) {
-      float* ws = scratch + omp_get_thread_num() * cx.L.total;
+      float* ws = plan.thread_part(workspace, omp_get_thread_num());
       const int64_t bg = item / cx.n_kblocks;
       key_block_item(cx, bg / KV, bg % KV, item % cx.n_kblocks, ws, false);
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < B * H * cx.n_qblocks; ++item) {
-      float* ws = scratch + omp_get_thread_num() * cx.L.total;
+      float* ws = plan.thread_part(workspace, omp_get_thread_num());
       const int64_t bh = item / cx.n_qblocks;
       query_block_item(cx, bh / H, bh % H, item % cx.n_qblocks, ws);
     }
   }
 }
+
+int64_t dispatch_target() { return HWY_TARGET; }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace mha::kernels::bwd
@@ -382,6 +378,7 @@ HWY_AFTER_NAMESPACE();
 namespace mha::kernels {
 namespace bwd {
 HWY_EXPORT(backward_f32);
+HWY_EXPORT(dispatch_target);
 }  // namespace bwd
 
 bool fused_backward_supports(const SdpaBackwardParams& p, std::string* why) {
@@ -401,16 +398,16 @@ bool fused_backward_supports(const SdpaBackwardParams& p, std::string* why) {
   return true;
 }
 
-size_t fused_backward_workspace_floats(const SdpaBackwardParams& p) {
-  const SdpaParams& f = p.fwd;
-  const int threads = std::max(1, f.threads);
-  return static_cast<size_t>(bwd::round_up(f.batch() * f.heads() * f.t_q(), 16) + threads * bwd::scratch_for(f).total +
-                             16);
-}
+size_t fused_backward_workspace_floats(const SdpaBackwardParams& p) { return bwd::workspace_plan(p.fwd).floats(); }
 
 void sdpa_backward_fused(const SdpaBackwardParams& p, float* workspace) {
+  assert_sdpa_backward_params(p);
+  MHA_DASSERT(workspace != nullptr);
   HWY_DYNAMIC_DISPATCH(bwd::backward_f32)(p, workspace);
 }
+
+std::vector<int64_t> fused_backward_compiled_targets() { return target_bits(HWY_TARGETS); }
+int64_t fused_backward_dispatch_target() { return HWY_DYNAMIC_DISPATCH(bwd::dispatch_target)(); }
 
 }  // namespace mha::kernels
 #endif  // HWY_ONCE

@@ -10,10 +10,11 @@
 // stays independent of the kernel it checks. Steps cite the forward lines (reference.cpp) they
 // differentiate.
 #include <cmath>
-#include <limits>
 
 #include "kernels/attention_backward.h"
+#include "kernels/common.h"
 #include "kernels/dropout_rng.h"
+#include "kernels/entry_checks.h"
 
 namespace mha::kernels {
 
@@ -24,12 +25,14 @@ size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
 
 void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
   const SdpaParams& f = p.fwd;
+  assert_sdpa_inputs(f);
+  MHA_DASSERT(has_data(f.q) && has_data(f.k) && has_data(f.v) && has_data(p.dout));
+  MHA_DASSERT(has_data(p.dq) && has_data(p.dk) && has_data(p.dv));
   const View4<const float> q = f.q.as<float>(), k = f.k.as<float>(), v = f.v.as<float>();  // float32 only
   const int64_t B = f.batch(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d(), Dv = f.d_v();
   const int64_t group = f.group();
   const int64_t causal_offset = f.masks.causal.offset_for(Tq, Tk);
   const double keep_scale = f.dropout.active() ? 1.0 / (1.0 - static_cast<double>(f.dropout.p)) : 1.0;
-  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   double* prob = workspace;          // (T_k): p_j of the current row, before dropout
   double* dprob = prob + Tk;         // (T_k): dp_j = ∂L/∂p_j
   double* dk_acc = dprob + Tk;       // (T_k, d)
@@ -43,9 +46,9 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
         for (int64_t i = 0; i < Tq; ++i) {
           // Recompute forward step 1 (scores: scale · q·k + additive terms, hidden keys −inf)
           // and step 3 (softmax with the maximum subtracted), in double.
-          double row_max = kNegInf;
+          double row_max = kNegInfDouble;
           for (int64_t j = 0; j < Tk; ++j) {
-            prob[j] = kNegInf;
+            prob[j] = kNegInfDouble;
             if (key_hidden(f, b, h, i, j, causal_offset)) continue;
             double dot = 0.0;
             for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
@@ -53,14 +56,14 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             row_max = std::max(row_max, prob[j]);
           }
           // Forward step 2: a row with no visible key gave out = 0, a constant: its gradient is 0.
-          if (row_max == kNegInf) {
+          if (row_max == kNegInfDouble) {
             for (int64_t c = 0; c < D; ++c) p.dq(b, h, i, c) = 0.0f;
             continue;
           }
           double sum = 0.0;
           for (int64_t j = 0; j < Tk; ++j)
-            if (prob[j] != kNegInf) sum += std::exp(prob[j] - row_max);
-          for (int64_t j = 0; j < Tk; ++j) prob[j] = prob[j] == kNegInf ? 0.0 : std::exp(prob[j] - row_max) / sum;
+            if (prob[j] != kNegInfDouble) sum += std::exp(prob[j] - row_max);
+          for (int64_t j = 0; j < Tk; ++j) prob[j] = prob[j] == kNegInfDouble ? 0.0 : std::exp(prob[j] - row_max) / sum;
 
           // Forward step 4: out_i = Σ_j p̃_j v_j with p̃_j = p_j · keep_ij · keep_scale. So
           //   dv_j += p̃_j · do_i      and      dp_j = keep_ij · keep_scale · (do_i · v_j).

@@ -21,22 +21,24 @@
 //
 // SIMD: Google Highway, compiled for each x86 target and dispatched once per call.
 
-// foreach_target.h must come first, and math-inl.h after highway.h: keep this order.
+// foreach_target.h must come first, and exp-inl.h after highway.h: keep this order.
 // clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/decode.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
-#include <hwy/contrib/math/math-inl.h>
+#include "kernels/exp-inl.h"
 // clang-format on
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
+#include "kernels/common.h"
 #include "kernels/decode.h"
+#include "kernels/entry_checks.h"
+#include "kernels/masking.h"
 
 #ifndef MHA_DECODE_SHARED_ONCE
 #define MHA_DECODE_SHARED_ONCE
@@ -58,7 +60,6 @@ template <class T>
 constexpr int64_t kFarBlocks = 0;
 template <>
 constexpr int64_t kFarBlocks<float> = 2;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 /// How the work is cut; a function of the shapes and the split count only.
 struct Plan {
@@ -78,6 +79,10 @@ inline Plan make_plan(const DecodeParams& p) {
 inline int64_t partial_floats(const Plan& pl, int64_t d_v) { return pl.rows_max * (d_v + 2); }
 /// Floats of per-thread scratch: scaled query rows, one block of scores per row, a correction per row.
 inline int64_t scratch_floats(const Plan& pl, int64_t d) { return pl.rows_max * (d + kBlock + 1); }
+/// The whole workspace: every item's partial result, then one scratch per thread.
+inline WorkspacePlan workspace_plan(const DecodeParams& p, const Plan& pl) {
+  return {pl.items * partial_floats(pl, p.d_v), scratch_floats(pl, p.d()), std::max(1, p.threads)};
+}
 
 /// One work item's coordinates.
 struct Item {
@@ -100,10 +105,9 @@ inline Item item_at(const DecodeParams& p, const Plan& pl, int64_t index) {
   it.lo = std::min(end, first + s * chunk);
   it.hi = std::min(end, it.lo + chunk);
   // Positions no row of this tile can see are skipped (causal and window).
-  const int64_t q_lo = p.q_start[it.b] + it.t0, q_hi = q_lo + it.tq - 1;
-  it.hi = std::min(it.hi, q_hi + 1);
-  if (p.window > 0) it.lo = std::max(it.lo, q_lo - p.window + 1);
-  if (it.hi < it.lo) it.hi = it.lo;
+  const int64_t q_lo = p.q_start[it.b] + it.t0;
+  const KeyRange seen = CausalRule::positions(p.window).visible_keys(q_lo, q_lo + it.tq, it.lo, it.hi);
+  it.lo = seen.lo, it.hi = seen.hi;
   return it;
 }
 
@@ -117,21 +121,14 @@ using namespace decode_detail;
 
 using DF = hn::ScalableTag<float>;
 
-template <class T>
-HWY_INLINE hn::Vec<DF> LoadRow(DF df, const T* p);
-template <>
-HWY_INLINE hn::Vec<DF> LoadRow<float>(DF df, const float* p) {
-  return hn::LoadU(df, p);
-}
-template <>
-HWY_INLINE hn::Vec<DF> LoadRow<uint16_t>(DF df, const uint16_t* p) {
-  // bf16 is the top half of a float32: widen and shift.
+HWY_INLINE hn::Vec<DF> load_row(DF df, const float* p) { return hn::LoadU(df, p); }
+HWY_INLINE hn::Vec<DF> load_row(DF df, const bf16* p) {
+  // bf16 is the top half of a float32: widen its bits and shift.
+  static_assert(sizeof(bf16) == sizeof(uint16_t));
   const hn::Rebind<uint16_t, DF> d16;
   const hn::Rebind<uint32_t, DF> d32;
-  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(d32, hn::LoadU(d16, p))));
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(d32, hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p)))));
 }
-HWY_INLINE float ToFloat(float x) { return x; }
-HWY_INLINE float ToFloat(uint16_t x) { return to_float(bf16{x}); }
 
 // Register tiles. The score tile is kTileRows query rows × kTileKeys keys: its kTileRows·kTileKeys
 // = L dot products accumulate in L vectors (vertical FMAs over d, each K chunk loaded once for all
@@ -144,7 +141,7 @@ constexpr int kTileRows = kLanes >= 4 ? 4 : 1;
 constexpr int kTileKeys = kLanes / kTileRows;
 
 /// v[i] for i < n = L: returns the vector whose lane i is the sum of v[i]'s lanes (v is clobbered).
-HWY_INLINE hn::Vec<DF> SumEach(DF df, hn::Vec<DF>* v) {
+HWY_INLINE hn::Vec<DF> sum_each(DF df, hn::Vec<DF>* v) {
 #if HWY_TARGET != HWY_SCALAR  // one lane: nothing to reduce
   // Each level halves the vector count: lane groups of the inputs, pairwise summed, stay in order.
   for (int n = kLanes; n > 1; n /= 2)
@@ -156,38 +153,27 @@ HWY_INLINE hn::Vec<DF> SumEach(DF df, hn::Vec<DF>* v) {
   return v[0];
 }
 
-/// Asks for the cache lines of the row of `n` elements `rows_ahead` rows after `row` (rows of one
-/// K/V head are contiguous), four lines a step: the few lines past the row's end belong to the
-/// next row anyway. kLocality: 3 into L1, 2 into L2. The address is computed as an integer since
-/// it may lie past the cache's end; a prefetch never faults.
-template <int kLocality, class T>
-HWY_INLINE void PrefetchRow(const T* row, int64_t n, int64_t rows_ahead = 0) {
-  const uintptr_t start = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(rows_ahead * n) * sizeof(T);
-  const uintptr_t first = start & ~uintptr_t{63};
-  const uintptr_t end = start + static_cast<uintptr_t>(n) * sizeof(T);
-  for (uintptr_t a = first; a < end; a += 256) {
-    const char* c = reinterpret_cast<const char*>(a);
-    __builtin_prefetch(c, 0, kLocality);
-    __builtin_prefetch(c + 64, 0, kLocality);
-    __builtin_prefetch(c + 128, 0, kLocality);
-    __builtin_prefetch(c + 192, 0, kLocality);
-  }
+/// Bytes of a cache row of n elements (rows of one K/V head are contiguous, so the row kNearRows
+/// ahead starts kNearRows · bytes on; it may lie past the cache's end, which a prefetch allows).
+template <class T>
+constexpr int64_t row_bytes(int64_t n) {
+  return n * static_cast<int64_t>(sizeof(T));
 }
 
 /// Scores of rows [r0, r0 + NR) against keys [j0, j0 + NK) of the block: sc[r][j] = q_r · k_j
 /// (q pre-scaled). With NR·NK = L the sums are reduced as one tile.
 template <int NR, int NK, class T>
-HWY_INLINE void ScoreTile(const float* qs, int64_t d, const T* const* keys, int64_t j0, int64_t r0, float* sc) {
+HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, int64_t j0, int64_t r0, float* sc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   const int64_t dv = d / L * L;
   hn::Vec<DF> acc[NR * NK];
   for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(df);
   if (r0 == 0)  // the first row tile passes over the keys first
-    for (int k = 0; k < NK; ++k) PrefetchRow<3>(keys[j0 + k], d, kNearRows);
+    for (int k = 0; k < NK; ++k) prefetch_bytes<3>(keys[j0 + k], kNearRows * row_bytes<T>(d), row_bytes<T>(d));
   for (int64_t c = 0; c < dv; c += L) {
     hn::Vec<DF> kv[NK];
-    for (int k = 0; k < NK; ++k) kv[k] = LoadRow(df, keys[j0 + k] + c);
+    for (int k = 0; k < NK; ++k) kv[k] = load_row(df, keys[j0 + k] + c);
     for (int r = 0; r < NR; ++r) {
       const auto qv = hn::LoadU(df, qs + (r0 + r) * d + c);
       for (int k = 0; k < NK; ++k) acc[r * NK + k] = hn::MulAdd(qv, kv[k], acc[r * NK + k]);
@@ -195,7 +181,7 @@ HWY_INLINE void ScoreTile(const float* qs, int64_t d, const T* const* keys, int6
   }
   float s[NR * NK];
   if constexpr (NR * NK == kLanes) {
-    hn::StoreU(SumEach(df, acc), df, s);
+    hn::StoreU(sum_each(df, acc), df, s);
   } else {
     for (int i = 0; i < NR * NK; ++i) s[i] = hn::GetLane(hn::SumOfLanes(df, acc[i]));
   }
@@ -206,24 +192,24 @@ HWY_INLINE void ScoreTile(const float* qs, int64_t d, const T* const* keys, int6
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < NK; ++k) {
       float x = s[r * NK + k];
-      for (int64_t c = dv; c < d; ++c) x += qs[(r0 + r) * d + c] * ToFloat(keys[j0 + k][c]);
+      for (int64_t c = dv; c < d; ++c) x += qs[(r0 + r) * d + c] * to_f32(keys[j0 + k][c]);
       sc[(r0 + r) * kBlock + j0 + k] = x;
     }
 }
 
 /// Scores of rows [r0, r0 + NR) against the block's `nb` keys.
 template <int NR, class T>
-HWY_INLINE void ScoreRows(const float* qs, int64_t d, const T* const* keys, int64_t nb, int64_t r0, float* sc) {
+HWY_INLINE void score_rows(const float* qs, int64_t d, const T* const* keys, int64_t nb, int64_t r0, float* sc) {
   constexpr int NK = kLanes / NR;
   int64_t j = 0;
-  for (; j + NK <= nb; j += NK) ScoreTile<NR, NK>(qs, d, keys, j, r0, sc);
-  for (; j < nb; ++j) ScoreTile<NR, 1>(qs, d, keys, j, r0, sc);
+  for (; j + NK <= nb; j += NK) score_tile<NR, NK>(qs, d, keys, j, r0, sc);
+  for (; j < nb; ++j) score_tile<NR, 1>(qs, d, keys, j, r0, sc);
 }
 
 /// acc_r = acc_r · corr_r + Σ_j P[r][j] · v_j for rows [r0, r0 + NR), columns [c0, c0 + NC·L).
 template <int NR, int NC, class T>
-HWY_INLINE void AccumulateTile(const float* P, const float* corr, const T* const* vals, int64_t nb, int64_t d_v,
-                               int64_t r0, int64_t c0, float* acc) {
+HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* const* vals, int64_t nb, int64_t d_v,
+                                int64_t r0, int64_t c0, float* acc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   hn::Vec<DF> a[NR * NC];
@@ -232,9 +218,10 @@ HWY_INLINE void AccumulateTile(const float* P, const float* corr, const T* const
     for (int i = 0; i < NC; ++i) a[r * NC + i] = hn::Mul(hn::LoadU(df, acc + (r0 + r) * d_v + c0 + i * L), cv);
   }
   for (int64_t j = 0; j < nb; ++j) {
-    if (r0 == 0 && c0 == 0) PrefetchRow<3>(vals[j], d_v, kNearRows);  // the first tile to pass over V
+    if (r0 == 0 && c0 == 0)
+      prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));  // the first tile to pass over V
     hn::Vec<DF> vv[NC];
-    for (int i = 0; i < NC; ++i) vv[i] = LoadRow(df, vals[j] + c0 + i * L);
+    for (int i = 0; i < NC; ++i) vv[i] = load_row(df, vals[j] + c0 + i * L);
     for (int r = 0; r < NR; ++r) {
       const auto pv = hn::Set(df, P[(r0 + r) * kBlock + j]);
       for (int i = 0; i < NC; ++i) a[r * NC + i] = hn::MulAdd(pv, vv[i], a[r * NC + i]);
@@ -246,25 +233,25 @@ HWY_INLINE void AccumulateTile(const float* P, const float* corr, const T* const
 
 /// The P·V update of rows [r0, r0 + NR) over all of d_v.
 template <int NR, class T>
-HWY_INLINE void AccumulateRows(const float* P, const float* corr, const T* const* vals, int64_t nb, int64_t d_v,
-                               int64_t r0, float* acc) {
+HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* const* vals, int64_t nb, int64_t d_v,
+                                int64_t r0, float* acc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   constexpr int NC = kLanes / NR >= 4 ? 4 : kLanes / NR;
   const int64_t dvv = d_v / L * L;
   int64_t c = 0;
-  for (; c + NC * L <= dvv; c += NC * L) AccumulateTile<NR, NC>(P, corr, vals, nb, d_v, r0, c, acc);
-  for (; c < dvv; c += L) AccumulateTile<NR, 1>(P, corr, vals, nb, d_v, r0, c, acc);
+  for (; c + NC * L <= dvv; c += NC * L) accumulate_tile<NR, NC>(P, corr, vals, nb, d_v, r0, c, acc);
+  for (; c < dvv; c += L) accumulate_tile<NR, 1>(P, corr, vals, nb, d_v, r0, c, acc);
   for (c = dvv; c < d_v; ++c)
     for (int r = 0; r < NR; ++r) {
       float x = acc[(r0 + r) * d_v + c] * corr[r0 + r];
-      for (int64_t j = 0; j < nb; ++j) x += P[(r0 + r) * kBlock + j] * ToFloat(vals[j][c]);
+      for (int64_t j = 0; j < nb; ++j) x += P[(r0 + r) * kBlock + j] * to_f32(vals[j][c]);
       acc[(r0 + r) * d_v + c] = x;
     }
 }
 
 template <class T>
-void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
+void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   const Plan pl = make_plan(p);
@@ -278,6 +265,7 @@ void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* sc
   float* corr = sc + pl.rows_max * kBlock;          // (rows): e^{m_old − m_new} of the current block
   const int64_t q_first = p.q_start[it.b] + it.t0;  // position of the tile's first query
   const int64_t q_last = q_first + it.tq - 1;
+  const CausalRule causal = CausalRule::positions(p.window);
   // Row r = hh·tq + t: query head g·G + hh, query t0 + t.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t hh = r / it.tq, t = r % it.tq;
@@ -305,22 +293,21 @@ void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* sc
       const int64_t pf = p0 + far_blocks * kBlock;
       for (int64_t j = 0; j < kBlock && pf + j < it.hi; ++j) {
         const int64_t slot = p.ring ? (pf + j) % p.capacity : pf + j;
-        PrefetchRow<2>(kbase + slot * d, d);
-        PrefetchRow<2>(vbase + slot * d_v, d_v);
+        prefetch_bytes<2>(kbase + slot * d, 0, row_bytes<T>(d));
+        prefetch_bytes<2>(vbase + slot * d_v, 0, row_bytes<T>(d_v));
       }
     }
     int64_t r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows) ScoreRows<kTileRows>(qs, d, keys, nb, r, sc);
-    for (; r < rows; ++r) ScoreRows<1>(qs, d, keys, nb, r, sc);
+    for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, nb, r, sc);
+    for (; r < rows; ++r) score_rows<1>(qs, d, keys, nb, r, sc);
     // Causal / window masks, only where the block is not visible to every row.
-    const bool all_visible = p0 + nb - 1 <= q_first && (p.window == 0 || p0 > q_last - p.window);
+    const bool all_visible = causal.tile(q_first, q_last + 1, p0, p0 + nb) == TileVis::All;
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
       if (!all_visible)
         for (int64_t j = 0; j < nb; ++j) {
-          const int64_t pos = p0 + j;
-          if (pos > qpos || (p.window > 0 && pos <= qpos - p.window)) s[j] = kNegInf;
+          if (!causal.sees(qpos, p0 + j)) s[j] = kNegInf;
         }
       for (int64_t j = nb; j < kBlock; ++j) s[j] = kNegInf;
       auto vmax = neg_inf;
@@ -337,7 +324,7 @@ void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* sc
       auto sum = hn::Zero(df);
       for (int64_t j = 0; j < kBlock; j += L) {
         const auto x = hn::LoadU(df, s + j);
-        const auto e = hn::IfThenElseZero(hn::Gt(x, neg_inf), hn::Exp(df, hn::Sub(x, mv)));
+        const auto e = exp_nonpositive(df, hn::Sub(x, mv));  // 0 for masked (−inf) scores
         hn::StoreU(e, df, s + j);
         sum = hn::Add(sum, e);
       }
@@ -345,16 +332,16 @@ void DecodeItemT(const DecodeParams& p, int64_t index, float* partial, float* sc
       m[rr] = m_new;
     }
     r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows) AccumulateRows<kTileRows>(sc, corr, vals, nb, d_v, r, acc);
-    for (; r < rows; ++r) AccumulateRows<1>(sc, corr, vals, nb, d_v, r, acc);
+    for (; r + kTileRows <= rows; r += kTileRows) accumulate_rows<kTileRows>(sc, corr, vals, nb, d_v, r, acc);
+    for (; r < rows; ++r) accumulate_rows<1>(sc, corr, vals, nb, d_v, r, acc);
   }
 }
 
-void DecodeItem(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
+void decode_item(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
   if (p.dtype == CacheDtype::BF16)
-    DecodeItemT<uint16_t>(p, index, partial, scratch);
+    decode_item_of<bf16>(p, index, partial, scratch);
   else
-    DecodeItemT<float>(p, index, partial, scratch);
+    decode_item_of<float>(p, index, partial, scratch);
 }
 
 }  // namespace mha::kernels::HWY_NAMESPACE
@@ -365,27 +352,25 @@ HWY_AFTER_NAMESPACE();
 
 namespace mha::kernels {
 
-HWY_EXPORT(DecodeItem);
+HWY_EXPORT(decode_item);
 
 using namespace decode_detail;
 
-size_t decode_workspace_floats(const DecodeParams& p) {
-  const Plan pl = make_plan(p);
-  return static_cast<size_t>(pl.items * partial_floats(pl, p.d_v) + std::max(1, p.threads) * scratch_floats(pl, p.d()));
-}
+size_t decode_workspace_floats(const DecodeParams& p) { return workspace_plan(p, make_plan(p)).floats(); }
 
 void decode_attention(const DecodeParams& p, float* workspace) {
+  assert_decode_params(p);
   const Plan pl = make_plan(p);
   if (pl.items == 0) return;
+  MHA_DASSERT(workspace != nullptr);
+  const WorkspacePlan wp = workspace_plan(p, pl);
   const int64_t part = partial_floats(pl, p.d_v);
-  float* partials = workspace;
-  float* scratch = workspace + pl.items * part;
-  const int64_t scratch_each = scratch_floats(pl, p.d());
-  auto* const item_fn = HWY_DYNAMIC_DISPATCH(DecodeItem);  // dispatched once per call
+  float* partials = wp.shared_part(workspace);
+  auto* const item_fn = HWY_DYNAMIC_DISPATCH(decode_item);  // dispatched once per call
 
-#pragma omp parallel num_threads(std::max(1, p.threads))
+#pragma omp parallel num_threads(wp.threads)
   {
-    float* mine = scratch + omp_get_thread_num() * scratch_each;
+    float* mine = wp.thread_part(workspace, omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < pl.items; ++i) item_fn(p, i, partials + i * part, mine);
 

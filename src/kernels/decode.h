@@ -17,7 +17,8 @@ struct RopeParams {
   const int64_t* start = nullptr;  // (B) absolute position of row 0, or null for 0
   double theta = 10000.0;
   int64_t dims = 0;  // even, ≤ d
-  RopeLayout layout = RopeLayout::HalfSplit;
+  RopePairing pairing = RopePairing::HalfSplit;
+  RopeDirection direction = RopeDirection::Rotate;  // Unrotate: by −angle (sin negated)
 };
 void rope_inplace(const RopeParams& p);
 

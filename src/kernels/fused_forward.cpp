@@ -33,8 +33,11 @@
 #include <type_traits>
 
 #include "kernels/attention.h"
+#include "kernels/common.h"
 #include "kernels/dropout_rng.h"
+#include "kernels/entry_checks.h"
 #include "kernels/fused_forward.h"
+#include "kernels/masking.h"
 
 #ifndef MHA_FUSED_FORWARD_ONCE
 #define MHA_FUSED_FORWARD_ONCE
@@ -45,58 +48,40 @@ constexpr int64_t kBk = 64;        // keys per K/V block (a multiple of every ta
 constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512)
 constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any target
 constexpr int64_t kRowsPad = kBq + kMaxMR;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxPrefetchBytes = 32 * 64;  // per K/V row: a wider (strided) row is not worth it
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-/// Offsets (in floats) of one thread's scratch regions; every region starts 64-byte aligned.
-struct Layout {
+/// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
+struct ScratchPlan {
   int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, total = 0;
   int64_t ldq = 0;  // floats between Q rows (d rounded to even)
   int64_t ldv = 0;  // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
 };
 
-inline Layout layout_for(const SdpaParams& p) {
-  Layout L;
+inline ScratchPlan scratch_plan(const SdpaParams& p) {
+  ScratchPlan L;
   const int64_t group = p.group();
   L.ldq = round_up(p.d(), 2);
   L.ldv = round_up(p.d_v(), kMaxLanes);
-  int64_t off = 0;
-  auto take = [&off](int64_t floats) {
-    const int64_t at = off;
-    off += round_up(floats, 16);
-    return at;
-  };
-  L.q = take(group * kRowsPad * L.ldq);
-  L.kt = take(L.ldq * kBk);
-  L.v = take(kBk * L.ldv);
-  L.s = take(kRowsPad * kBk);
-  L.p2 = take(kRowsPad * kBk / 2);
-  L.o = take(group * kRowsPad * L.ldv);
-  L.m = take(group * kRowsPad);
-  L.l = take(group * kRowsPad);
-  L.alpha = take(kRowsPad);
-  L.kb = take(kBk);
-  L.total = off;
+  ScratchCarver c;
+  L.q = c.take(group * kRowsPad * L.ldq);
+  L.kt = c.take(L.ldq * kBk);
+  L.v = c.take(kBk * L.ldv);
+  L.s = c.take(kRowsPad * kBk);
+  L.p2 = c.take(kRowsPad * kBk / 2);
+  L.o = c.take(group * kRowsPad * L.ldv);
+  L.m = c.take(group * kRowsPad);
+  L.l = c.take(group * kRowsPad);
+  L.alpha = c.take(kRowsPad);
+  L.kb = c.take(kBk);
+  L.total = c.total();
   return L;
 }
 
-inline float* align64(float* p) {
-  const auto addr = reinterpret_cast<uintptr_t>(p);
-  return reinterpret_cast<float*>((addr + 63) & ~uintptr_t{63});
-}
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16 x) { return to_float(x); }
+/// The whole workspace: one ScratchPlan per thread.
+inline WorkspacePlan workspace_plan(const SdpaParams& p) { return {0, scratch_plan(p).total, std::max(1, p.threads)}; }
 
 /// Two bf16 values as one 32-bit word, `lo` in the low half (the first in memory).
 inline uint32_t bf16_pair(bf16 lo, bf16 hi) { return uint32_t{lo.bits} | (uint32_t{hi.bits} << 16); }
-
-/// Prefetches the cache lines of one row (at most 32 of them; a wider stride is not worth it).
-inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t off = 0; off < std::min<int64_t>(bytes, 32 * 64); off += 64) __builtin_prefetch(p + off);
-}
 
 inline bool cpu_has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
@@ -108,8 +93,8 @@ template <class T>
 struct Ctx {
   const SdpaParams* p = nullptr;
   View4<const T> q, k, v;
-  Layout L;
-  int64_t causal_offset = 0;
+  ScratchPlan L;
+  CausalRule causal;
   int64_t q_blocks = 0;
   float keep_scale = 1.0f;
 };
@@ -127,6 +112,7 @@ struct Ctx {
 // clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "kernels/exp-inl.h"
 // clang-format on
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -151,24 +137,7 @@ static_assert(kMR <= kMaxMR);
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
-/// exp(x) for x ≤ 0, the only arguments the online softmax forms; exactly 0 below −87 (and for
-/// −inf, masked scores). 2^t = 2^n · 2^f with n = round(t), |f| ≤ ½, and 2^f by its degree-6
-/// Taylor polynomial (truncation error (ln 2 / 2)⁷ / 7! ≈ 1.2e-8, under float32's ε).
-HWY_INLINE VF exp_nonpositive(DF df, VF x) {
-  const hn::RebindToSigned<DF> di;
-  const VF t = hn::Max(hn::Mul(x, hn::Set(df, 1.44269504088896341f)), hn::Set(df, -126.0f));
-  const VF n = hn::Round(t);
-  const VF f = hn::Sub(t, n);
-  VF p = hn::Set(df, 1.5403530393381606e-4f);
-  p = hn::MulAdd(p, f, hn::Set(df, 1.3333558146428443e-3f));
-  p = hn::MulAdd(p, f, hn::Set(df, 9.6181291076284772e-3f));
-  p = hn::MulAdd(p, f, hn::Set(df, 5.5504108664821580e-2f));
-  p = hn::MulAdd(p, f, hn::Set(df, 0.24022650695910071f));
-  p = hn::MulAdd(p, f, hn::Set(df, 0.69314718055994531f));
-  p = hn::MulAdd(p, f, hn::Set(df, 1.0f));
-  const auto scale_bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::IfThenElseZero(hn::Ge(x, hn::Set(df, -87.0f)), hn::Mul(p, hn::BitCast(df, scale_bits)));
-}
+using kernels::HWY_NAMESPACE::exp_nonpositive;
 
 // ---- S = Q·Kᵀ (float32) --------------------------------------------------------------------
 // q: kMR rows of d floats, ld ldq; kt: d rows of kBk keys; s: kMR rows of kBk.
@@ -378,7 +347,7 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
       const bool has_bias = !p.masks.bias.view.empty();
       for (int64_t jj = 0; jj < nk; ++jj) {
         if (row[jj] == kNegInf) continue;  // padding or key_bias −inf: decided at packing
-        if (key_hidden(p, b, h, i, j0 + jj, cx.causal_offset))
+        if (key_hidden(p, b, h, i, j0 + jj, cx.causal.offset))
           row[jj] = kNegInf;
         else if (has_bias)
           row[jj] += p.masks.bias.view(b, h, i, j0 + jj);
@@ -416,13 +385,12 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
 template <class T, bool kDot>
 HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
   const SdpaParams& p = *cx.p;
-  const Layout& L = cx.L;
+  const ScratchPlan& L = cx.L;
   const int64_t KV = p.kv_heads(), group = p.group(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
   const int64_t qb = item % cx.q_blocks, g = (item / cx.q_blocks) % KV, b = item / (cx.q_blocks * KV);
   const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kMR);
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
-  const int64_t ldv = L.ldv, off = cx.causal_offset, window = p.masks.causal.window;
-  const bool causal = p.masks.causal.enabled();
+  const int64_t ldv = L.ldv;
   const bool per_element_masks = !p.masks.allowed.view.empty() || !p.masks.bias.view.empty();
   const bool has_pad = !p.masks.key_padding.view.empty(), has_kbias = !p.masks.key_bias.view.empty();
   float* const qp = ws + L.q;
@@ -463,13 +431,9 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
     std::fill(o + hh * kRowsPad * ldv, o + (hh * kRowsPad + rows) * ldv, 0.0f);
   }
 
-  // The keys some row of this block may see: (i0 + off − window, i_last + off] ∩ [0, T_k).
-  const int64_t i_last = i0 + nq - 1;
-  int64_t j_begin = 0, j_end = Tk;
-  if (causal) {
-    j_end = std::clamp<int64_t>(i_last + off + 1, 0, Tk);
-    if (window > 0) j_begin = std::clamp<int64_t>(i0 + off - window + 1, 0, Tk);
-  }
+  // Only the keys some row of this block may see.
+  const KeyRange keys = cx.causal.visible_keys(i0, i0 + nq, 0, Tk);
+  const int64_t j_begin = keys.lo, j_end = keys.hi;
   const int64_t ks = cx.k.stride[3], vs = cx.v.stride[3];
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
     const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
@@ -526,12 +490,14 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
     // below give the prefetches time to land. (A prefetch reads no value; padded rows stay unread.)
     if (j0 + kBk < j_end) {
       for (int64_t jj = 0; jj < std::min(kBk, j_end - j0 - kBk); ++jj) {
-        prefetch_row(cx.k.row(b, g, j0 + kBk + jj), D * ks * static_cast<int64_t>(sizeof(T)));
-        prefetch_row(cx.v.row(b, g, j0 + kBk + jj), Dv * vs * static_cast<int64_t>(sizeof(T)));
+        prefetch_bytes(cx.k.row(b, g, j0 + kBk + jj), 0,
+                       std::min(D * ks * static_cast<int64_t>(sizeof(T)), kMaxPrefetchBytes));
+        prefetch_bytes(cx.v.row(b, g, j0 + kBk + jj), 0,
+                       std::min(Dv * vs * static_cast<int64_t>(sizeof(T)), kMaxPrefetchBytes));
       }
     }
     // Blocks that straddle the causal diagonal or the window's lower edge are masked per element.
-    const bool partial = causal && (j0 + nk - 1 > i0 + off || (window > 0 && j0 <= i_last + off - window));
+    const bool partial = cx.causal.tile(i0, i0 + nq, j0, j0 + nk) != TileVis::All;
     for (int64_t hh = 0; hh < group; ++hh) {
       const int64_t h = g * group + hh;
       float* oh = o + hh * kRowsPad * ldv;
@@ -573,21 +539,21 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.q = q;
   cx.k = k;
   cx.v = v;
-  cx.L = layout_for(p);
-  cx.causal_offset = p.masks.causal.offset_for(p.t_q(), p.t_k());
+  cx.L = scratch_plan(p);
+  cx.causal = CausalRule::of(p.masks.causal, p.t_q(), p.t_k());
   cx.q_blocks = (p.t_q() + kBq - 1) / kBq;
   cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
   const int64_t items = p.batch() * p.kv_heads() * cx.q_blocks;
   if (items == 0) return;
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
   const bool dot = kMayDot && cpu_has_bf16_dot();
-  float* const base = align64(workspace);
-  const int threads = std::max(1, p.threads);
+  const WorkspacePlan plan = workspace_plan(p);
+  const int threads = plan.threads;
   // Chunk 1: items are dealt round-robin, which evens out the triangular causal work. Every
   // output row belongs to exactly one item, so the thread count cannot change any result.
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
   for (int64_t it = 0; it < items; ++it) {
-    float* ws = base + omp_get_thread_num() * cx.L.total;
+    float* ws = plan.thread_part(workspace, omp_get_thread_num());
     if (dot)
       run_item<T, kMayDot>(cx, it, ws);
     else
@@ -625,23 +591,19 @@ bool fused_supports(const SdpaParams& p, std::string* why) {
   return true;
 }
 
-size_t fused_workspace_floats(const SdpaParams& p) {
-  const int64_t threads = std::max(1, p.threads);
-  return static_cast<size_t>(threads * fused::layout_for(p).total + 16);
-}
+size_t fused_workspace_floats(const SdpaParams& p) { return fused::workspace_plan(p).floats(); }
 
 void sdpa_fused(const SdpaParams& p, float* workspace) {
+  assert_sdpa_params(p);
+  MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && p.weights.empty());
+  MHA_DASSERT(workspace != nullptr);
   if (p.dtype == DType::BF16)
     HWY_DYNAMIC_DISPATCH(fused::fused_bf16)(p, workspace);
   else
     HWY_DYNAMIC_DISPATCH(fused::fused_f32)(p, workspace);
 }
 
-std::vector<int64_t> fused_compiled_targets() {
-  std::vector<int64_t> out;
-  for (int64_t t = HWY_TARGETS; t != 0; t &= t - 1) out.push_back(t & ~(t - 1));
-  return out;
-}
+std::vector<int64_t> fused_compiled_targets() { return target_bits(HWY_TARGETS); }
 int64_t fused_dispatch_target() { return HWY_DYNAMIC_DISPATCH(fused::dispatch_target)(); }
 bool fused_bf16_uses_dot_instructions() { return HWY_DYNAMIC_DISPATCH(fused::bf16_dot)(); }
 

@@ -5,10 +5,11 @@
 // states: scale, add the additive terms, mask, softmax (max subtracted), dropout, weighted sum.
 // Dot products and sums accumulate in double so this stays the most accurate path we have.
 #include <cmath>
-#include <limits>
 
 #include "kernels/attention.h"
+#include "kernels/common.h"
 #include "kernels/dropout_rng.h"
+#include "kernels/entry_checks.h"
 
 namespace mha::kernels {
 
@@ -22,7 +23,6 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
   const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
   const int64_t group = p.group();
   const int64_t causal_offset = p.masks.causal.offset_for(Tq, Tk);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   float* scores = workspace;  // (T_k): one row of scores, then of probabilities
 
   for (int64_t b = 0; b < B; ++b) {
@@ -31,7 +31,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
       for (int64_t i = 0; i < Tq; ++i) {
         const T* q_row = q.row(b, h, i);
         // 1. Scores: scale · q·k + additive terms; hidden keys get −inf and are never read.
-        double row_max = -std::numeric_limits<double>::infinity();
+        double row_max = kNegInfDouble;
         for (int64_t j = 0; j < Tk; ++j) {
           if (key_hidden(p, b, h, i, j, causal_offset)) {
             scores[j] = kNegInf;
@@ -40,14 +40,14 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           const T* k_row = k.row(b, g, j);
           double dot = 0.0;
           for (int64_t c = 0; c < D; ++c)
-            dot += static_cast<double>(load_float(q_row[c * q.stride[3]])) * load_float(k_row[c * k.stride[3]]);
+            dot += static_cast<double>(to_f32(q_row[c * q.stride[3]])) * to_f32(k_row[c * k.stride[3]]);
           const double s = static_cast<double>(p.scale) * dot + additive_terms(p, b, h, i, j);
           scores[j] = static_cast<float>(s);
           if (scores[j] > row_max) row_max = scores[j];
         }
         float* out_row = p.out.row(b, h, i);
         // 2. A row with no visible key gives zeros and lse = −inf (SEMANTICS 4).
-        if (row_max == -std::numeric_limits<double>::infinity()) {
+        if (row_max == kNegInfDouble) {
           for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = 0.0f;
           if (!p.weights.empty())
             for (int64_t j = 0; j < Tk; ++j) p.weights(b, h, i, j) = 0.0f;
@@ -77,7 +77,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           double acc = 0.0;
           for (int64_t j = 0; j < Tk; ++j) {
             if (scores[j] == 0.0f) continue;  // masked or dropped: V row not read
-            acc += static_cast<double>(scores[j]) * load_float(v(b, g, j, c));
+            acc += static_cast<double>(scores[j]) * to_f32(v(b, g, j, c));
           }
           out_row[c * p.out.stride[3]] = static_cast<float>(acc);
         }
@@ -89,6 +89,9 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
 }  // namespace
 
 void sdpa_reference(const SdpaParams& p, float* workspace) {
+  assert_sdpa_params(p);
+  MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && has_data(p.weights));
+  MHA_DASSERT(workspace != nullptr || p.t_k() == 0);
   if (p.dtype == DType::BF16)
     reference_rows<bf16>(p, p.q.as<bf16>(), p.k.as<bf16>(), p.v.as<bf16>(), workspace);
   else

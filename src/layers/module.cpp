@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "layers/module_core.h"
+#include "mha/random.h"
 
 namespace mha {
 
@@ -14,28 +15,7 @@ namespace {
 
 constexpr const char* kFwd = "MultiheadAttention.forward";
 
-/// splitmix64: a small deterministic generator for parameter initialisation.
-class InitRng {
- public:
-  explicit InitRng(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull) {}
-  double uniform() {  // [0, 1)
-    state_ += 0x9E3779B97F4A7C15ull;
-    uint64_t z = state_;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return static_cast<double>(z >> 11) * 0x1.0p-53;
-  }
-  double normal() {  // Box–Muller
-    const double u1 = 1.0 - uniform(), u2 = uniform();
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-  }
-
- private:
-  uint64_t state_;
-};
-
-void fill_uniform(Tensor& t, InitRng& rng, double bound) {
+void fill_uniform(Tensor& t, SplitMix64& rng, double bound) {
   for (float& x : t.values()) x = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
 }
 
@@ -92,7 +72,7 @@ AttnMask AttnMask::from_torch_bool(const BoolTensor& masked_out) {
 MultiheadAttention::MultiheadAttention(const MhaConfig& config, uint64_t init_seed) : config_(config) {
   config_.validate();
   const int64_t E = config_.embed_dim, d = config_.head_dim(), h = config_.num_heads, kv = config_.kv_heads();
-  InitRng rng(init_seed);
+  SplitMix64 rng = SplitMix64::seeded(init_seed);
   // Xavier-uniform on the input projections (as PyTorch's _reset_parameters), zero biases,
   // U(±1/√fan_in) on W_O (nn.Linear's default), Xavier-normal on bias_k / bias_v.
   if (config_.packed_in_proj()) {

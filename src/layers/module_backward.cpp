@@ -26,30 +26,6 @@ namespace {
 constexpr const char* kTrain = "forward_train";
 constexpr const char* kBack = "backward";
 
-/// The transpose of apply_rope (rotation by −angle), for gradients: with out_a = x_a c − x_b s and
-/// out_b = x_b c + x_a s, dx_a = g_a c + g_b s and dx_b = g_b c − g_a s. Same angles as
-/// kernels/rope.cpp (double, positions 0 … T − 1), rounded to float the same way.
-void rope_transpose(View4<float> g, const Rope& rope) {
-  const int64_t B = g.shape[0], H = g.shape[1], T = g.shape[2], dims = rope.rotary_dims(g.shape[3]);
-  const int64_t half = dims / 2;
-  const bool interleaved = rope.layout == RopeLayout::Interleaved;
-  const int64_t a_step = interleaved ? 2 : 1, b_off = interleaved ? 1 : half;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < half; ++i) {
-      const double angle =
-          static_cast<double>(t) * std::pow(rope.theta, -static_cast<double>(2 * i) / static_cast<double>(dims));
-      const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
-      const int64_t ia = i * a_step, ib = i * a_step + b_off;
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h) {
-          float* row = g.row(b, h, t);
-          const float ga = row[ia], gb = row[ib];
-          row[ia] = ga * c + gb * s;
-          row[ib] = gb * c - ga * s;
-        }
-    }
-}
-
 }  // namespace
 
 MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& query, const Tensor& key,
@@ -158,10 +134,11 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
     }
   }
 
-  // Q ← rope(Q), K ← rope(K) (real positions only)  ⇒  dQ ← ropeᵀ(dQ), dK ← ropeᵀ(dK).
+  // Q ← rope(Q), K ← rope(K) (real positions only)  ⇒  dQ ← ropeᵀ(dQ), dK ← ropeᵀ(dK): the
+  // transpose of a rotation is the rotation by −angle, the same primitive run Unrotate.
   if (c.rope.enabled) {
-    rope_transpose(plan.q_heads(dqkv.data(), call, c), c.rope);
-    rope_transpose(plan.k_heads(dqkv.data(), call, c), c.rope);
+    apply_rope(plan.q_heads(dqkv.data(), call, c), c.rope, nullptr, RopeDirection::Unrotate);
+    apply_rope(plan.k_heads(dqkv.data(), call, c), c.rope, nullptr, RopeDirection::Unrotate);
   }
 
   // Q = query · W_Qᵀ + b_Q  ⇒  dW_Q = dQᵀ · query, db_Q = Σ dQ, d query = dQ · W_Q (K, V alike).

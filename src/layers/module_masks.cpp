@@ -2,6 +2,8 @@
 
 #include <array>
 
+#include "kernels/masking.h"
+
 namespace mha::detail {
 
 namespace {
@@ -35,12 +37,11 @@ void widen_module_masks(const MhaForwardOptions& options, int64_t B, int64_t H, 
     else
       owned.allowed = BoolTensor({1, Tq, S}, 1);
     if (causal_on_real_keys) {
-      const Causal& cm = options.causal;
-      const int64_t off = cm.offset_for(Tq, Tk);
+      const kernels::CausalRule rule = kernels::CausalRule::of(options.causal, Tq, Tk);
       for (int64_t pl = 0; pl < aplanes; ++pl)
         for (int64_t i = 0; i < Tq; ++i)
           for (int64_t j = 0; j < Tk; ++j)
-            if (j > i + off || (cm.window > 0 && j <= i + off - cm.window)) owned.allowed.at({pl, i, j}) = 0;
+            if (!rule.sees(i, j)) owned.allowed.at({pl, i, j}) = 0;
       sopt.masks.causal = Causal::none();
     }
     const bool p3 = aplanes > 1;

@@ -14,7 +14,7 @@ void Rope::validate(int64_t head_dim) const {
     fail("Rope: rotary dims must be even and ≤ the head dim ", head_dim, " (0 = all), got ", dims);
 }
 
-void apply_rope(View4<float> x, const Rope& rope, const int64_t* start) {
+void apply_rope(View4<float> x, const Rope& rope, const int64_t* start, RopeDirection direction) {
   rope.validate(x.shape[3]);
   if (x.shape[0] * x.shape[1] * x.shape[2] * x.shape[3] == 0) return;
   if (x.empty()) fail("apply_rope: x ", shape_str(x.shape_vec()), " has no data");
@@ -23,7 +23,8 @@ void apply_rope(View4<float> x, const Rope& rope, const int64_t* start) {
   p.start = start;
   p.theta = rope.theta;
   p.dims = rope.rotary_dims(x.shape[3]);
-  p.layout = rope.layout;
+  p.pairing = rope.pairing;
+  p.direction = direction;
   kernels::rope_inplace(p);
 }
 

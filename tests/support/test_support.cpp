@@ -9,20 +9,14 @@
 #include <fstream>
 #include <sstream>
 
+#include "mha/random.h"
+
 namespace mha::testing {
 
 Tensor random_tensor(const Shape& shape, uint64_t seed, float lo, float hi) {
   Tensor t(shape);
-  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 0x1234567ull;
-  for (float& x : t.values()) {
-    state += 0x9E3779B97F4A7C15ull;
-    uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const double u = static_cast<double>(z >> 11) * 0x1.0p-53;
-    x = static_cast<float>(lo + (hi - lo) * u);
-  }
+  SplitMix64 rng(seed * SplitMix64::kGamma + 0x1234567ull);  // the tests' own seeding
+  for (float& x : t.values()) x = static_cast<float>(lo + (hi - lo) * rng.uniform());
   return t;
 }
 
