@@ -35,6 +35,7 @@
 #include "mha/image.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
+#include "mha/weights.h"
 
 namespace {
 

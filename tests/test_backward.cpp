@@ -13,6 +13,7 @@
 #include "kernels/dropout_rng.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
+#include "mha/weights.h"
 #include "support/test_support.h"
 
 namespace mha {

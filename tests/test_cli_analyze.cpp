@@ -9,6 +9,7 @@
 #include "mha/image.h"
 #include "mha/prune.h"
 #include "mha/safetensors.h"
+#include "mha/weights.h"
 #include "support/test_support.h"
 
 namespace {
