@@ -383,7 +383,7 @@ TEST(Image, HeatmapShowsDiagonalMaskedCellsAndMaskedRows) {
   EXPECT_EQ(img.width, direct.width);
   EXPECT_EQ(img.height, direct.height);
   EXPECT_EQ(img.rgb, direct.rgb);
-  const HeatmapLayout L = heatmap_layout(w, opt);
+  const HeatmapPlacement L = heatmap_placement(w, opt);
   EXPECT_GE(L.cell, 8);
   const Rgb hot = heat_color(1.0);
   for (int64_t i = 0; i < T; ++i) {

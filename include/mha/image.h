@@ -61,7 +61,7 @@ void write_heatmap_svg(const std::string& path, const Tensor& weights, const Hea
 
 /// Where a cell (row i, column j) of panel `head` lands in render_heatmap_grid's image: the
 /// pixel at the cell's centre. For tests and for anyone annotating the picture.
-struct HeatmapLayout {
+struct HeatmapPlacement {
   int64_t cell = 0;
   std::vector<int64_t> panel_x, panel_y;  ///< top-left pixel of each panel's matrix
   int64_t center_x(int64_t head, int64_t j) const {
@@ -71,7 +71,7 @@ struct HeatmapLayout {
     return panel_y.at(static_cast<size_t>(head)) + i * cell + cell / 2;
   }
 };
-HeatmapLayout heatmap_layout(const Tensor& weights, const HeatmapOptions& options = {});
+HeatmapPlacement heatmap_placement(const Tensor& weights, const HeatmapOptions& options = {});
 
 // ---- line plots --------------------------------------------------------------------------------
 

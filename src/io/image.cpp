@@ -412,7 +412,7 @@ namespace {
 constexpr Rgb kWhite{255, 255, 255}, kBlack{0, 0, 0}, kAxisGrey{110, 110, 110}, kGridGrey{228, 228, 228};
 constexpr int64_t kMargin = 12, kGap = 18, kTitleH = 14;
 
-struct GridLayout {
+struct GridGeometry {
   int64_t H = 0, Tq = 0, Tk = 0, cell = 0, cols = 0, rows = 0;
   int64_t left = 0, bottom = 0;      ///< label space left of / below each matrix
   int64_t panel_w = 0, panel_h = 0;  ///< including labels and title
@@ -421,13 +421,13 @@ struct GridLayout {
   int64_t width = 0, height = 0;
   int64_t label_step_q = 1, label_step_k = 1;
   std::vector<std::string> qlabels, klabels, titles;
-  HeatmapLayout cells;
+  HeatmapPlacement cells;
 };
 
-GridLayout layout_grid(const Tensor& weights, const HeatmapOptions& o, const char* fn) {
+GridGeometry plan_grid(const Tensor& weights, const HeatmapOptions& o, const char* fn) {
   if (weights.dim() != 2 && weights.dim() != 3)
     fail(fn, ": weights must be (h, T_q, T_k) or (T_q, T_k), got ", shape_str(weights.shape()));
-  GridLayout g;
+  GridGeometry g;
   g.H = weights.dim() == 3 ? weights.size(0) : 1;
   g.Tq = weights.size(-2), g.Tk = weights.size(-1);
   if (g.H < 1 || g.Tq < 1 || g.Tk < 1) fail(fn, ": nothing to draw in weights ", shape_str(weights.shape()));
@@ -491,7 +491,7 @@ std::string fixed2(double v) {
   return buf;
 }
 
-void draw_heatmap_grid(Canvas& cv, const Tensor& weights, const HeatmapOptions& o, const GridLayout& g) {
+void draw_heatmap_grid(Canvas& cv, const Tensor& weights, const HeatmapOptions& o, const GridGeometry& g) {
   cv.rect(0, 0, g.width, g.height, kWhite);
   if (!o.title.empty()) cv.text(kMargin, kMargin, o.title, 2, kBlack, Orient::Horizontal);
   const float* w = weights.data();
@@ -533,12 +533,12 @@ void draw_heatmap_grid(Canvas& cv, const Tensor& weights, const HeatmapOptions& 
 
 }  // namespace
 
-HeatmapLayout heatmap_layout(const Tensor& weights, const HeatmapOptions& options) {
-  return layout_grid(weights, options, "heatmap_layout").cells;
+HeatmapPlacement heatmap_placement(const Tensor& weights, const HeatmapOptions& options) {
+  return plan_grid(weights, options, "heatmap_placement").cells;
 }
 
 Image render_heatmap_grid(const Tensor& weights, const HeatmapOptions& options) {
-  const GridLayout g = layout_grid(weights, options, "render_heatmap_grid");
+  const GridGeometry g = plan_grid(weights, options, "render_heatmap_grid");
   RasterCanvas cv(g.width, g.height);
   draw_heatmap_grid(cv, weights, options, g);
   return std::move(cv.img);
@@ -549,7 +549,7 @@ void write_heatmap_png(const std::string& path, const Tensor& weights, const Hea
 }
 
 void write_heatmap_svg(const std::string& path, const Tensor& weights, const HeatmapOptions& options) {
-  const GridLayout g = layout_grid(weights, options, "write_heatmap_svg");
+  const GridGeometry g = plan_grid(weights, options, "write_heatmap_svg");
   SvgCanvas cv(g.width, g.height);
   draw_heatmap_grid(cv, weights, options, g);
   write_text_file(path, cv.finish(), "write_heatmap_svg");
