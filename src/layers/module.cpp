@@ -118,7 +118,8 @@ AttnMask AttnMask::add(Tensor bias) {
   return m;
 }
 AttnMask AttnMask::from_torch_bool(const BoolTensor& masked_out) {
-  // The one place where PyTorch's "true = masked out" polarity is turned into ours (SEMANTICS 2).
+  // The one place where PyTorch's "true = masked out" polarity is turned into ours
+  // (docs/semantics.md, 'Mask polarity is in the type').
   BoolTensor allowed(masked_out.shape());
   for (int64_t i = 0; i < masked_out.numel(); ++i) allowed.data()[i] = masked_out.data()[i] ? 0 : 1;
   return allow(std::move(allowed));
@@ -186,7 +187,7 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
   const int64_t E = c.embed_dim, d = c.head_dim(), H = c.num_heads, KV = c.kv_heads();
   const int64_t kdim = c.key_dim(), vdim = c.value_dim();
 
-  // ---- validate the inputs (SEMANTICS 11: once, here, naming the shapes) ----
+  // ---- validate the inputs (docs/semantics.md, 'Bad input is an error': once, here, naming the shapes) ----
   if (query.dim() != 2 && query.dim() != 3)
     fail(kFwd, ": query must be 3-D ", layout_name(c.layout, false), " or 2-D (T, E) unbatched, got ",
          shape_str(query.shape()));
