@@ -2,6 +2,7 @@
 // at the cells and lines they must show.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -73,19 +74,49 @@ TEST(Image, HeatmapShowsDiagonalMaskedCellsAndMaskedRows) {
   }
   // Colours on the scale are never the masked colour.
   for (int n = 0; n <= 100; ++n) EXPECT_NE(heat_color(n / 100.0), masked_color());
-  // Text was drawn: the title row has black pixels.
-  bool ink = false;
-  for (int64_t x = 0; x < img.width && !ink; ++x)
-    for (int64_t y = 12; y < 26 && !ink; ++y) ink = img.pixel(x, y) == Rgb{0, 0, 0};
-  EXPECT_TRUE(ink);
+  // Text was drawn (anti-aliased, so not compared pixel by pixel): the title puts dark ink above
+  // the panel titles, and every query row has its label left of the matrix.
+  const auto dark = [](Rgb c) { return std::max({c.r, c.g, c.b}) < 96; };
+  const auto not_white = [](Rgb c) { return c != Rgb{255, 255, 255}; };
+  const auto count = [&](int64_t x0, int64_t x1, int64_t y0, int64_t y1, auto pred) {
+    int64_t n = 0;
+    for (int64_t y = y0; y < y1; ++y)
+      for (int64_t x = x0; x < x1; ++x) n += pred(img.pixel(x, y));
+    return n;
+  };
+  const int64_t title_band = L.panel_y[0] - 20;  // the panel titles sit just above the matrices
+  EXPECT_GT(count(0, img.width, 0, title_band, dark), 20) << "the title";
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t y = L.panel_y[0] + i * L.cell;
+    EXPECT_GT(count(L.panel_x[0] - 30, L.panel_x[0] - 1, y, y + L.cell, not_white), 5) << "label of query row " << i;
+  }
+  HeatmapOptions untitled = opt;
+  untitled.title.clear();
+  EXPECT_LT(heatmap_placement(w, untitled).panel_y[0], L.panel_y[0]) << "no title, no room for one";
 
   const std::string svg = mha::testing::temp_dir() + "/heads.svg";
   write_heatmap_svg(svg, w, opt);
   std::ifstream f(svg);
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(text.rfind("<svg", 0), 0u);
-  EXPECT_NE(text.find("head 0: self_attend"), std::string::npos);
+  // The same picture: the PNG's size, and text as glyph outlines (cairo's SVG has no <text>).
+  EXPECT_NE(text.find("<svg"), std::string::npos);
+  EXPECT_NE(text.find("width=\"" + std::to_string(img.width) + "px\""), std::string::npos);
+  EXPECT_NE(text.find("height=\"" + std::to_string(img.height) + "px\""), std::string::npos);
+  EXPECT_NE(text.find("<symbol"), std::string::npos) << "glyphs";
   EXPECT_NE(text.find("</svg>"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(svg + ".tmp"));
+}
+
+TEST(Image, LabelsMayBeAnyText) {
+  // UTF-8 is drawn as such; bytes that are not valid UTF-8, and control characters, become '?'
+  // rather than an error (cairo refuses invalid UTF-8).
+  const Tensor w({1, 3, 3}, 0.5f);
+  HeatmapOptions o;
+  o.title = "caf\xc3\xa9 \xe2\x86\x92 attention";
+  o.query_labels = o.key_labels = {"\xe6\x97\xa5\xe6\x9c\xac", "bad\xff\xfe", "tab\there"};
+  o.panel_titles = {"a label much longer than twelve characters"};
+  EXPECT_NO_THROW(render_heatmap_grid(w, o));
+  EXPECT_NO_THROW(render_line_plot("\xc3(", "x\x01", "y", {{"\xff", {1, 2}, {1, 2}}}));
 }
 
 TEST(Image, HeatmapRejectsBadOptions) {
