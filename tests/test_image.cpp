@@ -108,12 +108,12 @@ TEST(Image, HeatmapShowsDiagonalMaskedCellsAndMaskedRows) {
 }
 
 TEST(Image, LabelsMayBeAnyText) {
-  // UTF-8 is drawn as such; bytes that are not valid UTF-8, and control characters, become '?'
-  // rather than an error (cairo refuses invalid UTF-8).
+  // UTF-8 is drawn as such; bytes that are not valid UTF-8 (stray, overlong, a surrogate) and
+  // control characters become '?' rather than an error (cairo refuses invalid UTF-8).
   const Tensor w({1, 3, 3}, 0.5f);
   HeatmapOptions o;
   o.title = "caf\xc3\xa9 \xe2\x86\x92 attention";
-  o.query_labels = o.key_labels = {"\xe6\x97\xa5\xe6\x9c\xac", "bad\xff\xfe", "tab\there"};
+  o.query_labels = o.key_labels = {"\xe6\x97\xa5\xe6\x9c\xac", "bad\xff\xfe\xc0\xaf", "tab\there\xed\xa0\x80"};
   o.panel_titles = {"a label much longer than twelve characters"};
   EXPECT_NO_THROW(render_heatmap_grid(w, o));
   EXPECT_NO_THROW(render_line_plot("\xc3(", "x\x01", "y", {{"\xff", {1, 2}, {1, 2}}}));

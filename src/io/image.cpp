@@ -100,14 +100,22 @@ void draw_text(cairo_t* cr, double x, double y, const std::string& s, double siz
   cairo_restore(cr);
 }
 
-/// Valid UTF-8 without control characters (cairo refuses invalid UTF-8); anything else becomes '?'.
+/// Valid UTF-8 without control characters (cairo refuses invalid UTF-8: bad bytes, overlong forms,
+/// surrogates, code points past U+10FFFF); anything else becomes '?'.
 std::string printable(const std::string& s) {
   std::string out;
   for (size_t i = 0; i < s.size();) {
     const auto c = static_cast<unsigned char>(s[i]);
     const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-    bool ok = n > 0 && i + n <= s.size() && (n > 1 || (c >= 32 && c != 127));
-    for (size_t k = 1; ok && k < n; ++k) ok = (static_cast<unsigned char>(s[i + k]) & 0xC0) == 0x80;
+    bool ok = n > 0 && i + n <= s.size();
+    uint32_t cp = n == 1 ? c : n == 2 ? c & 0x1Fu : n == 3 ? c & 0x0Fu : c & 0x07u;
+    for (size_t k = 1; ok && k < n; ++k) {
+      const auto cont = static_cast<unsigned char>(s[i + k]);
+      ok = (cont & 0xC0) == 0x80;
+      cp = cp << 6 | (cont & 0x3Fu);
+    }
+    static constexpr std::array<uint32_t, 5> kMin = {0, 0, 0x80, 0x800, 0x10000};  // shortest form per length
+    ok = ok && cp >= kMin[n] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF) && cp >= 32 && cp != 127;
     out += ok ? s.substr(i, n) : "?";
     i += ok ? n : 1;
   }
