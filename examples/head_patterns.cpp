@@ -24,6 +24,7 @@
 #include "mha/analysis.h"
 #include "mha/module.h"
 #include "mha/safetensors.h"
+#include "mha/weights.h"
 
 int main(int argc, char** argv) {
   std::string dir = ".";

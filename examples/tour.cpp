@@ -4,6 +4,7 @@
 #include <mha/module.h>
 #include <mha/safetensors.h>
 #include <mha/sdpa.h>
+#include <mha/weights.h>
 
 int main() {
   // 1. Scaled dot-product attention on (B, h, T, d) tensors, causal, with weights and log-sum-exp.

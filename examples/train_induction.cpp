@@ -36,6 +36,7 @@
 #include "mha/random.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
+#include "mha/weights.h"
 
 namespace {
 

@@ -4,12 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages: compilers and build tools, the libraries mha links, GoogleTest and Google
-# Benchmark, and python3 for the conformance checker. PyTorch is not needed to build or test (the
+# Debian packages: compilers and build tools, the libraries mha links (cairo for the pictures, with
+# the DejaVu fonts it draws text in, found through fontconfig), GoogleTest and Google Benchmark, and
+# python3 for the conformance checker. PyTorch is not needed to build or test (the
 # golden data is committed); regenerating goldens and bench/compare.py need
 # `apt-get install python3-torch python3-numpy`.
-packages=(g++ cmake ninja-build pkg-config git libdnnl-dev libhwy-dev libpng-dev libcli11-dev
-          nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3)
+packages=(g++ cmake ninja-build pkg-config git libdnnl-dev libhwy-dev libcairo2-dev fonts-dejavu-core
+          fontconfig libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -16,6 +16,7 @@
 #include "kernels/dropout_rng.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
+#include "mha/weights.h"
 #include "support/test_support.h"
 
 namespace mha {
@@ -81,7 +82,7 @@ SdpaSetup make_setup(const SdpaCase& c, uint64_t seed) {
   return s;
 }
 
-/// Padded K/V rows get NaN: the backward must never read them (SEMANTICS 5).
+/// Padded K/V rows get NaN: the backward must never read them (docs/semantics.md, 'Padded keys are never read').
 void poison_padding(SdpaSetup& s) {
   if (!s.padding.defined()) return;
   const int64_t B = s.k.size(0), KV = s.k.size(1), Tk = s.k.size(2);
@@ -94,7 +95,7 @@ void poison_padding(SdpaSetup& s) {
       }
 }
 
-/// The forward in double from double inputs (an independent check, written from SEMANTICS.md):
+/// The forward in double from double inputs (an independent check, written from docs/semantics.md):
 /// L = Σ out · dout. Masks come from the same key_hidden()/additive_terms() definitions.
 double loss_double(const SdpaSetup& s, const std::vector<double>& q, const std::vector<double>& k,
                    const std::vector<double>& v) {

@@ -9,6 +9,7 @@
 #include "mha/image.h"
 #include "mha/prune.h"
 #include "mha/safetensors.h"
+#include "mha/weights.h"
 #include "support/test_support.h"
 
 namespace {
@@ -110,7 +111,7 @@ TEST(CliAnalyze, ImageShowsTheSinkColumnAndTheMaskedTriangle) {
   const auto j = nlohmann::json::parse(r.out);
   const mha::Image img = mha::read_png(png);
   EXPECT_GT(img.width, 2 * kT * 8);
-  mha::HeatmapLayout L;
+  mha::HeatmapPlacement L;
   L.cell = j["image"]["cell_pixels"].get<int64_t>();
   L.panel_x = j["image"]["panel_x"].get<std::vector<int64_t>>();
   L.panel_y = j["image"]["panel_y"].get<std::vector<int64_t>>();

@@ -7,6 +7,7 @@
 #include "mha/module.h"
 #include "mha/safetensors.h"
 #include "mha/sdpa.h"
+#include "mha/weights.h"
 #include "support/test_support.h"
 
 namespace {

@@ -192,7 +192,7 @@ TEST(Module, ZeroLengthSequences) {
 namespace {
 
 TEST(Module, BitwiseIdenticalForAnyThreadCount) {
-  // SEMANTICS 9: projections (oneDNN) and attention give the same bits for 1, 2 or 3 threads.
+  // docs/semantics.md, 'Determinism': projections (oneDNN) and attention give the same bits for 1, 2 or 3 threads.
   MhaConfig c = config(64, 8);
   c.num_kv_heads = 2;
   MultiheadAttention m(c, 17);

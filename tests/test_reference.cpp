@@ -1,4 +1,4 @@
-// The reference SDPA (the oracle) against hand-computed values and every promise of SEMANTICS.md.
+// The reference SDPA (the oracle) against hand-computed values and every promise of docs/semantics.md.
 #include <cmath>
 #include <limits>
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mha/safetensors.h"
+#include "mha/weights.h"
 #include "support/test_support.h"
 
 namespace mha::io {

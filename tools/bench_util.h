@@ -10,14 +10,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <span>
 #include <string>
 #include <vector>
 
-#include "kernels/gemm.h"
+#include "gemm_reference.h"
 #include "mha/module.h"
 #include "mha/random.h"
 #include "mha/sdpa.h"
@@ -120,20 +119,10 @@ inline Tensor random_tensor(Shape shape, uint64_t seed) {
   return t;
 }
 
-/// Whether include/mha/sdpa.h has a bfloat16 overload: sdpa(View4<const bf16> q, k, v, options,
-/// SdpaOutputs). Detected, not assumed, so this file builds before and after it lands.
-template <class T>
-concept HasSdpaFor = requires(View4<const T> x, const SdpaOptions& o, const SdpaOutputs& out) {
-  mha::sdpa(x, x, x, o, out);
-};
-inline constexpr bool kHaveBf16Sdpa = HasSdpaFor<bf16>;
-
 /// The attention core alone: sdpa on contiguous (B, h, T_q, d) and (B, kv, T_k, d) tensors.
 class CoreCase {
  public:
   explicit CoreCase(const BenchConfig& c) : c_(c) {
-    if (c.dtype == DType::BF16 && !kHaveBf16Sdpa)
-      fail("bench: --dtype bf16 is not available yet (include/mha/sdpa.h has no bfloat16 sdpa overload)");
     out_ = Tensor({c.batch, c.heads, c.seq, c.head_dim()});
     const int64_t d = c.head_dim();
     const Tensor q = random_tensor({c.batch, c.heads, c.seq, d}, 1);
@@ -152,9 +141,9 @@ class CoreCase {
     SdpaOutputs outs;
     outs.out = out_.view4();
     if (c_.dtype == DType::BF16)
-      run_sdpa<bf16>(q16_.view4(), k16_.view4(), v16_.view4(), outs);
+      mha::sdpa(q16_.view4(), k16_.view4(), v16_.view4(), opt_, outs);
     else
-      run_sdpa<float>(q_.view4(), k_.view4(), v_.view4(), outs);
+      mha::sdpa(q_.view4(), k_.view4(), v_.view4(), opt_, outs);
   }
 
   /// Which kernel Auto picks for this request, and why (sdpa_dispatch_reason; float32 shapes).
@@ -174,14 +163,6 @@ class CoreCase {
     for (int64_t i = 0; i < t.numel(); ++i) r.data()[i] = to_bf16(t.data()[i]);
     return r;
   }
-  template <class T>
-  void run_sdpa(View4<const T> q, View4<const T> k, View4<const T> v, const SdpaOutputs& outs) {
-    if constexpr (HasSdpaFor<T>)
-      mha::sdpa(q, k, v, opt_, outs);
-    else
-      fail("bench: --dtype bf16 is not available yet (include/mha/sdpa.h has no bfloat16 sdpa overload)");
-  }
-
   BenchConfig c_;
   Tensor q_, k_, v_, out_;
   BF16Tensor q16_, k16_, v16_;
@@ -328,14 +309,15 @@ inline double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/// sgemm throughput of this machine through the library's GEMM (kernels::linear, y = x·Wᵀ, the
-/// projections' layout) for n×n×n, median of `repeat` runs, with the BLAS threads already set.
-/// Measured after the case so its buffers do not count in the case's peak RSS.
+/// sgemm throughput of this machine through the library's GEMM (kernels::linear, reached through
+/// internal/gemm_reference.h; y = x·Wᵀ, the projections' layout) for n×n×n, median of `repeat`
+/// runs, with the BLAS threads already set. Measured after the case so its buffers do not count
+/// in the case's peak RSS.
 inline double sgemm_gflops(int64_t n, int repeat) {
   std::vector<float> a(static_cast<size_t>(n * n)), b(a.size()), y(a.size());
   fill_uniform(a, 11);
   fill_uniform(b, 12);
-  const auto ms = time_runs([&] { kernels::linear(a.data(), n, n, n, b.data(), n, n, nullptr, y.data(), n); }, repeat);
+  const auto ms = time_runs([&] { internal::square_linear(a.data(), b.data(), y.data(), n); }, repeat);
   return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / (median(ms) * 1e6);
 }
 

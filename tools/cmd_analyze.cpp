@@ -12,6 +12,7 @@
 #include "mha/module.h"
 #include "mha/prune.h"
 #include "mha/safetensors.h"
+#include "mha/weights.h"
 #include "registry.h"
 
 namespace mha::cli {
@@ -114,7 +115,7 @@ void run_analyze(const AnalyzeArgs& a) {
     }
     if (drawing) {
       // Where each head's matrix landed in the PNG, for anyone annotating or checking the picture.
-      const HeatmapLayout L = heatmap_layout(panel, hopt);
+      const HeatmapPlacement L = heatmap_placement(panel, hopt);
       j["image"] = {{"batch", a.batch}, {"cell_pixels", L.cell}, {"panel_x", L.panel_x}, {"panel_y", L.panel_y}};
     }
     std::printf("%s\n", j.dump(2).c_str());

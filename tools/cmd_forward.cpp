@@ -4,6 +4,7 @@
 #include "load_inputs.h"
 #include "mha/module.h"
 #include "mha/safetensors.h"
+#include "mha/weights.h"
 #include "registry.h"
 
 namespace mha::cli {

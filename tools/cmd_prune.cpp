@@ -8,6 +8,7 @@
 #include "mha/module.h"
 #include "mha/prune.h"
 #include "mha/safetensors.h"
+#include "mha/weights.h"
 #include "registry.h"
 
 namespace mha::cli {

@@ -2,7 +2,7 @@
 //
 // Input: attention weights (B, h, T_q, T_k), or (h, T_q, T_k) for one sequence, as returned by
 // MultiheadAttention::forward with NeedWeights::PerHead. For each head, over every row (b, i) that
-// is not fully masked (a row of all zeros, SEMANTICS 4, is excluded from every mean):
+// is not fully masked (a row of all zeros: docs/semantics.md, 'Fully masked rows') is excluded from every mean:
 //   entropy     mean of −Σ_j w[i,j]·ln w[i,j]          (nats; 0·ln 0 = 0; uniform over n keys = ln n)
 //   sink        mean of w[i, 0]                         (mass on the first key)
 //   prev_token  mean of w[i, p(i) − 1]                  (mass on the previous position)

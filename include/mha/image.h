@@ -1,13 +1,19 @@
-// mha/image.h — pictures of attention: heat-map grids and line plots, as PNG (libpng) or SVG.
+// mha/image.h — pictures of attention: heat-map grids and line plots, as PNG or SVG.
 //
-// Everything is drawn by mha itself: rectangles, lines and text in a built-in 5×7 bitmap font
-// (ASCII 32–126; other bytes draw as '?'). The same layout code drives the PNG rasteriser and the
-// SVG writer, so both show the same picture.
+// Link mha::image (the core mha::mha draws nothing). Pictures are drawn with cairo: each is laid
+// out once and drawn by one routine onto either an image surface (PNG, or an Image to read pixels
+// from) or an SVG surface, so both show the same picture. Lines are anti-aliased; text is DejaVu
+// Sans (Debian's fonts-dejavu-core, found through fontconfig), any valid UTF-8, and in SVG it is
+// drawn as glyph outlines. Heat-map cells are pixel-aligned rectangles, so the pixel at a cell's
+// centre has exactly the cell's colour.
 //
 // Heat maps: one panel per head, rows = queries (top to bottom), columns = keys (left to right),
 // colour = weight on a fixed scale [0, vmax] (vmax = 1 by default: weights are probabilities)
 // from dark (0) to the hot colour heat_color(1) (light yellow). A weight of exactly 0 — a masked
 // key, or a fully masked row — is drawn in masked_color(), a light grey that is not on the scale.
+//
+// fontconfig keeps caches that it frees only in FcFini(), which a library must not call; leak
+// checkers report them (tests/lsan.supp suppresses them for mha's sanitizer build).
 #pragma once
 
 #include <cstdint>
@@ -36,7 +42,8 @@ struct Image {
 
 /// Writes an 8-bit RGB PNG (to a temporary file beside `path`, then renamed). Throws mha::Error.
 void write_png(const std::string& path, const Image& image);
-/// Reads any PNG libpng understands, converted to 8-bit RGB (alpha dropped). Throws mha::Error.
+/// Reads any PNG (grey, palette, 16-bit, alpha), converted to 8-bit RGB (alpha dropped, colours
+/// un-premultiplied). Throws mha::Error.
 Image read_png(const std::string& path);
 
 /// The colour scale: t in [0, 1] (clamped) from dark to the hot colour at t = 1.
@@ -61,7 +68,7 @@ void write_heatmap_svg(const std::string& path, const Tensor& weights, const Hea
 
 /// Where a cell (row i, column j) of panel `head` lands in render_heatmap_grid's image: the
 /// pixel at the cell's centre. For tests and for anyone annotating the picture.
-struct HeatmapLayout {
+struct HeatmapPlacement {
   int64_t cell = 0;
   std::vector<int64_t> panel_x, panel_y;  ///< top-left pixel of each panel's matrix
   int64_t center_x(int64_t head, int64_t j) const {
@@ -71,7 +78,7 @@ struct HeatmapLayout {
     return panel_y.at(static_cast<size_t>(head)) + i * cell + cell / 2;
   }
 };
-HeatmapLayout heatmap_layout(const Tensor& weights, const HeatmapOptions& options = {});
+HeatmapPlacement heatmap_placement(const Tensor& weights, const HeatmapOptions& options = {});
 
 // ---- line plots --------------------------------------------------------------------------------
 

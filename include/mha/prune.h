@@ -9,7 +9,7 @@
 // Grouped-query attention (kv < h, groups of r = h / kv consecutive query heads share a K/V head):
 // a group's K/V rows (and bias_k / bias_v entries) are removed when all of its query heads are
 // pruned, and kept otherwise. The result needs every surviving group to keep the same number of
-// query heads (contiguous equal groups, SEMANTICS 6). When they would differ:
+// query heads (contiguous equal groups: docs/semantics.md, 'Grouped-query attention'). When they would differ:
 //   UnevenGroups::Refuse       (default) throws mha::Error naming each group and its surviving heads;
 //   UnevenGroups::DuplicateKV  stays exact by splitting each surviving group into copies of its K/V
 //                              head, g = gcd of the surviving counts query heads per copy. The KV

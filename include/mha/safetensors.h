@@ -1,4 +1,4 @@
-// mha/safetensors.h — reading and writing safetensors files, and the module's weights in them.
+// mha/safetensors.h — reading and writing safetensors files: the file format only.
 //
 // Format: 8-byte little-endian header length N, N bytes of UTF-8 JSON mapping each tensor name to
 // {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the end of the header),
@@ -6,6 +6,7 @@
 // Files are memory-mapped and validated completely when opened: header length and JSON, known
 // dtypes, shape × dtype size = byte range (no integer overflow), ranges inside the file and not
 // overlapping. Any violation throws mha::Error naming the file and the tensor.
+// The multi-head module's parameters in such files (names, metadata) are mha/weights.h's.
 #pragma once
 
 #include <cstddef>
@@ -16,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "mha/module.h"
 #include "mha/tensor.h"
 
 namespace mha::io {
@@ -85,31 +85,5 @@ class SafetensorsWriter {
   std::map<std::string, std::string> metadata_;
   std::map<std::string, Entry> tensors_;
 };
-
-// ---- The module's weights ------------------------------------------------------------------
-
-enum class WeightNames : uint8_t {
-  PyTorch,      ///< in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v, out_proj.weight/bias
-  HuggingFace,  ///< q_proj.weight, k_proj.weight, v_proj.weight, o_proj.weight (+ .bias)
-};
-
-/// The configuration stored in a file's metadata (keys as in shared/conformance/README.md:
-/// embed_dim, num_heads, num_kv_heads, kdim, vdim, bias, add_bias_kv, add_zero_attn, batch_first).
-MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadata, const std::string& label);
-std::map<std::string, std::string> metadata_from_config(const MhaConfig& config);
-
-/// Which naming scheme a file uses (throws if it has neither set of projection weights).
-WeightNames detect_weight_names(const SafetensorsFile& file);
-
-/// Loads every parameter of `module` from `file` (either naming scheme, auto-detected), checking
-/// each shape against the module's configuration.
-void load_weights(MultiheadAttention& module, const SafetensorsFile& file);
-
-/// Config from the metadata, then the weights.
-MultiheadAttention load_module(const SafetensorsFile& file);
-
-/// Adds the module's parameters (and its config as metadata) to `writer` under `names`.
-void add_weights(SafetensorsWriter& writer, const MultiheadAttention& module, WeightNames names);
-void save_module(const std::string& path, const MultiheadAttention& module, WeightNames names);
 
 }  // namespace mha::io

@@ -6,7 +6,7 @@
 // Shapes: Q (B, h, T_q, d), K (B, kv, T_k, d), V (B, kv, T_k, d_v), out (B, h, T_q, d_v);
 // h must be a multiple of kv and query head i reads K/V head g(i) = i / (h / kv)
 // (grouped-query and multi-query attention; K/V are never copied per query head).
-// Every promise of SEMANTICS.md holds on every backend: masks named by meaning, causal with an
+// Every promise of docs/semantics.md holds on every backend: masks named by meaning, causal with an
 // explicit alignment, fully masked rows give zeros (lse = −inf), padded keys are never read,
 // dropout from a counter-based generator, bitwise-identical results for any thread count.
 #pragma once

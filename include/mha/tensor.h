@@ -101,10 +101,11 @@ class BasicTensor {
   T& at(std::initializer_list<int64_t> index) { return data_[offset(index)]; }
   const T& at(std::initializer_list<int64_t> index) const { return data_[offset(index)]; }
 
-  /// Same storage, new shape with the same element count.
+  /// A copy of the values under a new shape with the same element count. The storage is copied,
+  /// not shared: writes to the result do not show in this tensor (O(numel) time and memory).
   BasicTensor reshaped(Shape shape) const {
     if (shape_numel(shape) != numel())
-      fail("Tensor::reshaped: cannot view ", shape_str(shape_), " as ", shape_str(shape));
+      fail("Tensor::reshaped: cannot reshape ", shape_str(shape_), " to ", shape_str(shape));
     return BasicTensor(std::move(shape), data_);
   }
 

@@ -4,7 +4,7 @@
 // Module level: forward_train(module, q, k, v, opt) → output + MhaContext
 //               backward(module, ctx, d_output) → d query / key / value and every parameter's gradient
 //
-// The backward pass obeys every promise of SEMANTICS.md that the forward does: the same masks and
+// The backward pass obeys every promise of docs/semantics.md that the forward does: the same masks and
 // causal alignment, fully masked rows give zero gradient, padded keys are never read (their dK and
 // dV are 0), grouped-query dK/dV are summed over each group's query heads, dropout regenerates the
 // forward's mask from the counter-based generator (same seed), and results are bitwise identical for

@@ -1,253 +1,178 @@
-// io/image.cpp — PNG/SVG pictures: a tiny canvas (rectangles, lines, bitmap text), the heat-map
-// grid and the line plot laid out once over it, a rasteriser to PNG through libpng, and an SVG
-// writer (mha/image.h).
+// io/image.cpp — heat-map grids and line plots (mha/image.h), drawn with cairo.
+//
+// Each picture is laid out once (sizes in pixels, text measured in its font) and drawn by one
+// routine on a cairo context; the context's surface decides the output: an RGB image surface for
+// PNG and for the Image a caller reads pixels from, or an SVG surface. cairo anti-aliases the lines,
+// draws text in DejaVu Sans (found through fontconfig) and reads and writes the PNG files.
 #include "mha/image.h"
 
-#include <png.h>
+#include <cairo-svg.h>
+#include <cairo.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <csetjmp>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
+#include <memory>
+#include <numbers>
 
 namespace mha {
 
 namespace {
 
-// ---- the 5×7 font --------------------------------------------------------------------------------
-// One glyph per printable ASCII character (32–126), 7 rows of 5 pixels, bit 4 = leftmost column.
-// Drawn by hand for mha. Every glyph advances 6 pixels (one blank column) and is 7 pixels tall.
-constexpr int kGlyphW = 5, kGlyphH = 7, kAdvance = 6;
-constexpr std::array<std::array<uint8_t, 7>, 95> kFont = {{
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00},  // ' '
-    {0x04, 0x04, 0x04, 0x04, 0x04, 0x00, 0x04},  // '!'
-    {0x0A, 0x0A, 0x0A, 0x00, 0x00, 0x00, 0x00},  // '"'
-    {0x0A, 0x0A, 0x1F, 0x0A, 0x1F, 0x0A, 0x0A},  // '#'
-    {0x04, 0x0F, 0x14, 0x0E, 0x05, 0x1E, 0x04},  // '$'
-    {0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03},  // '%'
-    {0x0C, 0x12, 0x14, 0x08, 0x15, 0x12, 0x0D},  // '&'
-    {0x04, 0x04, 0x08, 0x00, 0x00, 0x00, 0x00},  // "'"
-    {0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02},  // '('
-    {0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08},  // ')'
-    {0x00, 0x04, 0x15, 0x0E, 0x15, 0x04, 0x00},  // '*'
-    {0x00, 0x04, 0x04, 0x1F, 0x04, 0x04, 0x00},  // '+'
-    {0x00, 0x00, 0x00, 0x00, 0x0C, 0x04, 0x08},  // ','
-    {0x00, 0x00, 0x00, 0x1F, 0x00, 0x00, 0x00},  // '-'
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x0C, 0x0C},  // '.'
-    {0x00, 0x01, 0x02, 0x04, 0x08, 0x10, 0x00},  // '/'
-    {0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E},  // '0'
-    {0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E},  // '1'
-    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F},  // '2'
-    {0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E},  // '3'
-    {0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02},  // '4'
-    {0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E},  // '5'
-    {0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E},  // '6'
-    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08},  // '7'
-    {0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E},  // '8'
-    {0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C},  // '9'
-    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x0C, 0x00},  // ':'
-    {0x00, 0x0C, 0x0C, 0x00, 0x0C, 0x04, 0x08},  // ';'
-    {0x02, 0x04, 0x08, 0x10, 0x08, 0x04, 0x02},  // '<'
-    {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00},  // '='
-    {0x08, 0x04, 0x02, 0x01, 0x02, 0x04, 0x08},  // '>'
-    {0x0E, 0x11, 0x01, 0x02, 0x04, 0x00, 0x04},  // '?'
-    {0x0E, 0x11, 0x01, 0x0D, 0x15, 0x15, 0x0E},  // '@'
-    {0x0E, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11},  // 'A'
-    {0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E},  // 'B'
-    {0x0E, 0x11, 0x10, 0x10, 0x10, 0x11, 0x0E},  // 'C'
-    {0x1C, 0x12, 0x11, 0x11, 0x11, 0x12, 0x1C},  // 'D'
-    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x1F},  // 'E'
-    {0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x10},  // 'F'
-    {0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F},  // 'G'
-    {0x11, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11},  // 'H'
-    {0x0E, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E},  // 'I'
-    {0x07, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C},  // 'J'
-    {0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11},  // 'K'
-    {0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x1F},  // 'L'
-    {0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11},  // 'M'
-    {0x11, 0x11, 0x19, 0x15, 0x13, 0x11, 0x11},  // 'N'
-    {0x0E, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E},  // 'O'
-    {0x1E, 0x11, 0x11, 0x1E, 0x10, 0x10, 0x10},  // 'P'
-    {0x0E, 0x11, 0x11, 0x11, 0x15, 0x12, 0x0D},  // 'Q'
-    {0x1E, 0x11, 0x11, 0x1E, 0x14, 0x12, 0x11},  // 'R'
-    {0x0F, 0x10, 0x10, 0x0E, 0x01, 0x01, 0x1E},  // 'S'
-    {0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04},  // 'T'
-    {0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E},  // 'U'
-    {0x11, 0x11, 0x11, 0x11, 0x11, 0x0A, 0x04},  // 'V'
-    {0x11, 0x11, 0x11, 0x15, 0x15, 0x15, 0x0A},  // 'W'
-    {0x11, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x11},  // 'X'
-    {0x11, 0x11, 0x0A, 0x04, 0x04, 0x04, 0x04},  // 'Y'
-    {0x1F, 0x01, 0x02, 0x04, 0x08, 0x10, 0x1F},  // 'Z'
-    {0x0E, 0x08, 0x08, 0x08, 0x08, 0x08, 0x0E},  // '['
-    {0x00, 0x10, 0x08, 0x04, 0x02, 0x01, 0x00},  // backslash
-    {0x0E, 0x02, 0x02, 0x02, 0x02, 0x02, 0x0E},  // ']'
-    {0x04, 0x0A, 0x11, 0x00, 0x00, 0x00, 0x00},  // '^'
-    {0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1F},  // '_'
-    {0x08, 0x04, 0x02, 0x00, 0x00, 0x00, 0x00},  // '`'
-    {0x00, 0x00, 0x0E, 0x01, 0x0F, 0x11, 0x0F},  // 'a'
-    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x1E},  // 'b'
-    {0x00, 0x00, 0x0E, 0x10, 0x10, 0x11, 0x0E},  // 'c'
-    {0x01, 0x01, 0x0D, 0x13, 0x11, 0x11, 0x0F},  // 'd'
-    {0x00, 0x00, 0x0E, 0x11, 0x1F, 0x10, 0x0E},  // 'e'
-    {0x06, 0x09, 0x08, 0x1C, 0x08, 0x08, 0x08},  // 'f'
-    {0x00, 0x0F, 0x11, 0x11, 0x0F, 0x01, 0x0E},  // 'g'
-    {0x10, 0x10, 0x16, 0x19, 0x11, 0x11, 0x11},  // 'h'
-    {0x04, 0x00, 0x0C, 0x04, 0x04, 0x04, 0x0E},  // 'i'
-    {0x02, 0x00, 0x06, 0x02, 0x02, 0x12, 0x0C},  // 'j'
-    {0x10, 0x10, 0x12, 0x14, 0x18, 0x14, 0x12},  // 'k'
-    {0x0C, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E},  // 'l'
-    {0x00, 0x00, 0x1A, 0x15, 0x15, 0x11, 0x11},  // 'm'
-    {0x00, 0x00, 0x16, 0x19, 0x11, 0x11, 0x11},  // 'n'
-    {0x00, 0x00, 0x0E, 0x11, 0x11, 0x11, 0x0E},  // 'o'
-    {0x00, 0x00, 0x1E, 0x11, 0x1E, 0x10, 0x10},  // 'p'
-    {0x00, 0x0F, 0x11, 0x11, 0x0F, 0x01, 0x01},  // 'q'
-    {0x00, 0x00, 0x16, 0x19, 0x10, 0x10, 0x10},  // 'r'
-    {0x00, 0x00, 0x0E, 0x10, 0x0E, 0x01, 0x1E},  // 's'
-    {0x08, 0x08, 0x1C, 0x08, 0x08, 0x09, 0x06},  // 't'
-    {0x00, 0x00, 0x11, 0x11, 0x11, 0x13, 0x0D},  // 'u'
-    {0x00, 0x00, 0x11, 0x11, 0x11, 0x0A, 0x04},  // 'v'
-    {0x00, 0x00, 0x11, 0x11, 0x15, 0x15, 0x0A},  // 'w'
-    {0x00, 0x00, 0x11, 0x0A, 0x04, 0x0A, 0x11},  // 'x'
-    {0x00, 0x00, 0x11, 0x11, 0x0F, 0x01, 0x0E},  // 'y'
-    {0x00, 0x00, 0x1F, 0x02, 0x04, 0x08, 0x1F},  // 'z'
-    {0x02, 0x04, 0x04, 0x08, 0x04, 0x04, 0x02},  // '{'
-    {0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04},  // '|'
-    {0x08, 0x04, 0x04, 0x02, 0x04, 0x04, 0x08},  // '}'
-    {0x00, 0x00, 0x08, 0x15, 0x02, 0x00, 0x00},  // '~'
-}};
+// ---- cairo handles, errors, colours, text --------------------------------------------------------
 
-const std::array<uint8_t, 7>& glyph(char ch) {
-  const auto c = static_cast<unsigned char>(ch);
-  return kFont[(c >= 32 && c <= 126) ? c - 32 : '?' - 32];
+struct SurfaceDeleter {
+  void operator()(cairo_surface_t* s) const { cairo_surface_destroy(s); }
+};
+struct ContextDeleter {
+  void operator()(cairo_t* c) const { cairo_destroy(c); }
+};
+using Surface = std::unique_ptr<cairo_surface_t, SurfaceDeleter>;
+using Context = std::unique_ptr<cairo_t, ContextDeleter>;
+
+void check(cairo_status_t status, const char* fn, const std::string& what) {
+  if (status != CAIRO_STATUS_SUCCESS) fail(fn, ": ", what, ": ", cairo_status_to_string(status));
 }
 
-int64_t text_width(const std::string& s, int scale) { return static_cast<int64_t>(s.size()) * kAdvance * scale; }
+/// A context whose text measures the same on every surface (unhinted metrics), so a layout
+/// computed once fits the PNG and the SVG alike.
+Context make_context(cairo_surface_t* surface, const char* fn) {
+  Context cr(cairo_create(surface));
+  check(cairo_status(cr.get()), fn, "cannot create a drawing context");
+  cairo_font_options_t* fo = cairo_font_options_create();
+  cairo_font_options_set_hint_metrics(fo, CAIRO_HINT_METRICS_OFF);
+  cairo_font_options_set_hint_style(fo, CAIRO_HINT_STYLE_SLIGHT);
+  cairo_font_options_set_antialias(fo, CAIRO_ANTIALIAS_GRAY);
+  cairo_set_font_options(cr.get(), fo);
+  cairo_font_options_destroy(fo);
+  return cr;
+}
 
-// ---- canvases ------------------------------------------------------------------------------------
-
-enum class Orient : uint8_t { Horizontal, Vertical };  ///< Vertical reads bottom to top
-
-/// What the layouts draw on. Coordinates are pixels, origin top-left; text (x, y) is the top-left
-/// of the text's box (for Vertical text, of the rotated box: width 7·scale, height = its length).
-class Canvas {
- public:
-  virtual ~Canvas() = default;
-  virtual void rect(int64_t x, int64_t y, int64_t w, int64_t h, Rgb c) = 0;
-  virtual void line(double x0, double y0, double x1, double y1, Rgb c, int thickness) = 0;
-  virtual void text(int64_t x, int64_t y, const std::string& s, int scale, Rgb c, Orient o) = 0;
+/// A 1×1 surface to measure text on before the picture's size is known.
+struct Measurer {
+  Surface surface{cairo_image_surface_create(CAIRO_FORMAT_RGB24, 1, 1)};
+  Context cr = make_context(surface.get(), "image");
 };
 
-class RasterCanvas final : public Canvas {
- public:
-  RasterCanvas(int64_t w, int64_t h) : img(w, h) {}
-  void rect(int64_t x, int64_t y, int64_t w, int64_t h, Rgb c) override {
-    for (int64_t yy = std::max<int64_t>(y, 0); yy < std::min(y + h, img.height); ++yy)
-      for (int64_t xx = std::max<int64_t>(x, 0); xx < std::min(x + w, img.width); ++xx) img.set(xx, yy, c);
-  }
-  void line(double x0, double y0, double x1, double y1, Rgb c, int thickness) override {
-    // Sample along the segment at sub-pixel steps, stamping a thickness × thickness square.
-    const double len = std::hypot(x1 - x0, y1 - y0);
-    const auto steps = static_cast<int64_t>(std::ceil(len * 2)) + 1;
-    for (int64_t s = 0; s <= steps; ++s) {
-      const double t = steps ? static_cast<double>(s) / static_cast<double>(steps) : 0.0;
-      const auto px = static_cast<int64_t>(std::lround(x0 + t * (x1 - x0))) - thickness / 2;
-      const auto py = static_cast<int64_t>(std::lround(y0 + t * (y1 - y0))) - thickness / 2;
-      rect(px, py, thickness, thickness, c);
-    }
-  }
-  void text(int64_t x, int64_t y, const std::string& s, int scale, Rgb c, Orient o) override {
-    for (size_t n = 0; n < s.size(); ++n) {
-      const auto& g = glyph(s[n]);
-      const int64_t along = static_cast<int64_t>(n) * kAdvance * scale;
-      for (int row = 0; row < kGlyphH; ++row)
-        for (int col = 0; col < kGlyphW; ++col) {
-          if (!(g[static_cast<size_t>(row)] & (0x10 >> col))) continue;
-          if (o == Orient::Horizontal) {
-            rect(x + along + col * scale, y + row * scale, scale, scale, c);
-          } else {  // rotated 90° counter-clockwise: the text runs upwards from the bottom of its box
-            const int64_t len = text_width(s, scale);
-            rect(x + row * scale, y + len - 1 - along - col * scale - (scale - 1), scale, scale, c);
-          }
-        }
-    }
-  }
-  Image img;
-};
+void set_color(cairo_t* cr, Rgb c) { cairo_set_source_rgb(cr, c.r / 255.0, c.g / 255.0, c.b / 255.0); }
 
-std::string xml_escape(const std::string& s) {
+/// Pixel-aligned rectangles keep exact colours (cell centres are read back by tests and tools).
+void fill_rect(cairo_t* cr, double x, double y, double w, double h, Rgb c) {
+  set_color(cr, c);
+  cairo_rectangle(cr, x, y, w, h);
+  cairo_fill(cr);
+}
+
+enum class Weight : uint8_t { Normal, Bold };
+enum class Anchor : uint8_t { Start, Middle, End };
+enum class Direction : uint8_t { Right, Up };  ///< Up: rotated 90° counter-clockwise, read bottom to top
+
+/// Text sizes (the em square, in pixels) and where a line of text sits around its baseline.
+constexpr double kLabelSize = 10, kPanelTitleSize = 12, kTitleSize = 16;
+constexpr double kAscent = 0.76, kMidline = 0.36;  ///< cap height and the middle of lowercase, × size
+
+void set_font(cairo_t* cr, double size, Weight weight) {
+  cairo_select_font_face(cr, "DejaVu Sans", CAIRO_FONT_SLANT_NORMAL,
+                         weight == Weight::Bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
+  cairo_set_font_size(cr, size);
+}
+
+double text_width(cairo_t* cr, const std::string& s, double size, Weight weight = Weight::Normal) {
+  set_font(cr, size, weight);
+  cairo_text_extents_t e;
+  cairo_text_extents(cr, s.c_str(), &e);
+  return e.x_advance;
+}
+
+/// Text with its baseline through (x, y), anchored there by its start, middle or end.
+void draw_text(cairo_t* cr, double x, double y, const std::string& s, double size, Rgb c, Anchor anchor,
+               Direction dir = Direction::Right, Weight weight = Weight::Normal) {
+  const double w = text_width(cr, s, size, weight);
+  cairo_save(cr);
+  cairo_translate(cr, x, y);
+  if (dir == Direction::Up) cairo_rotate(cr, -std::numbers::pi / 2);
+  cairo_move_to(cr, anchor == Anchor::Start ? 0.0 : anchor == Anchor::Middle ? -w / 2 : -w, 0.0);
+  set_color(cr, c);
+  cairo_show_text(cr, s.c_str());
+  cairo_restore(cr);
+}
+
+/// Valid UTF-8 without control characters (cairo refuses invalid UTF-8: bad bytes, overlong forms,
+/// surrogates, code points past U+10FFFF); anything else becomes '?'.
+std::string printable(const std::string& s) {
   std::string out;
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (ch == '&')
-      out += "&amp;";
-    else if (ch == '<')
-      out += "&lt;";
-    else if (ch == '>')
-      out += "&gt;";
-    else if (ch == '"')
-      out += "&quot;";
-    else if (c < 32 || c > 126)
-      out += '?';  // the same subset the bitmap font draws
-    else
-      out += ch;
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = n > 0 && i + n <= s.size();
+    uint32_t cp = n == 1 ? c : n == 2 ? c & 0x1Fu : n == 3 ? c & 0x0Fu : c & 0x07u;
+    for (size_t k = 1; ok && k < n; ++k) {
+      const auto cont = static_cast<unsigned char>(s[i + k]);
+      ok = (cont & 0xC0) == 0x80;
+      cp = cp << 6 | (cont & 0x3Fu);
+    }
+    static constexpr std::array<uint32_t, 5> kMin = {0, 0, 0x80, 0x800, 0x10000};  // shortest form per length
+    ok = ok && cp >= kMin[n] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF) && cp >= 32 && cp != 127;
+    out += ok ? s.substr(i, n) : "?";
+    i += ok ? n : 1;
   }
   return out;
 }
 
-std::string css(Rgb c) {
-  char buf[16];
-  std::snprintf(buf, sizeof buf, "#%02x%02x%02x", c.r, c.g, c.b);
-  return buf;
+/// Keeps the first max_chars − 1 code points and adds '…' when `s` is longer.
+std::string shortened(const std::string& s, size_t max_chars) {
+  size_t chars = 0, i = 0, cut = 0;
+  for (; i < s.size(); ++i) {
+    if ((static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) continue;
+    if (++chars == max_chars) cut = i;
+    if (chars > max_chars) return s.substr(0, cut) + "\u2026";
+  }
+  return s;
 }
 
-class SvgCanvas final : public Canvas {
- public:
-  SvgCanvas(int64_t w, int64_t h) {
-    os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 " << w
-       << ' ' << h << "\" shape-rendering=\"crispEdges\">\n";
-  }
-  void rect(int64_t x, int64_t y, int64_t w, int64_t h, Rgb c) override {
-    os << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << h << "\" fill=\"" << css(c)
-       << "\"/>\n";
-  }
-  void line(double x0, double y0, double x1, double y1, Rgb c, int thickness) override {
-    os << "<line x1=\"" << x0 << "\" y1=\"" << y0 << "\" x2=\"" << x1 << "\" y2=\"" << y1 << "\" stroke=\"" << css(c)
-       << "\" stroke-width=\"" << thickness << "\" shape-rendering=\"auto\"/>\n";
-  }
-  void text(int64_t x, int64_t y, const std::string& s, int scale, Rgb c, Orient o) override {
-    // A monospace font at 10·scale px advances about 6·scale px per character, like the bitmap font.
-    const int64_t size = 10 * scale, base = 7 * scale;
-    if (o == Orient::Horizontal) {
-      os << "<text x=\"" << x << "\" y=\"" << y + base << "\"";
-    } else {
-      const int64_t bx = x + base, by = y + text_width(s, scale);
-      os << "<text x=\"" << bx << "\" y=\"" << by << "\" transform=\"rotate(-90 " << bx << ' ' << by << ")\"";
+// ---- surfaces to pixels and files ----------------------------------------------------------------
+
+Surface image_surface(int64_t w, int64_t h, const char* fn) {
+  Surface s(cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(w), static_cast<int>(h)));
+  check(cairo_surface_status(s.get()), fn,
+        "cannot create a " + std::to_string(w) + " x " + std::to_string(h) + " image");
+  return s;
+}
+
+Image to_image(cairo_surface_t* s) {
+  cairo_surface_flush(s);
+  const int w = cairo_image_surface_get_width(s), h = cairo_image_surface_get_height(s);
+  const int stride = cairo_image_surface_get_stride(s);
+  const bool alpha = cairo_image_surface_get_format(s) == CAIRO_FORMAT_ARGB32;
+  const unsigned char* data = cairo_image_surface_get_data(s);
+  Image img(w, h);
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x) {
+      uint32_t p = 0;
+      std::memcpy(&p, data + static_cast<size_t>(y) * stride + 4 * static_cast<size_t>(x), 4);
+      const uint32_t a = alpha ? p >> 24 : 255;
+      const auto un = [a](uint32_t v) {  // ARGB32 is premultiplied; alpha is then dropped
+        return static_cast<uint8_t>(a == 0 ? 0 : std::min<uint32_t>(255, (v * 255 + a / 2) / a));
+      };
+      img.set(x, y, {un((p >> 16) & 255), un((p >> 8) & 255), un(p & 255)});
     }
-    os << " font-family=\"monospace\" font-size=\"" << size << "\" fill=\"" << css(c) << "\">" << xml_escape(s)
-       << "</text>\n";
-  }
-  std::string finish() {
-    os << "</svg>\n";
-    return os.str();
-  }
+  return img;
+}
 
- private:
-  std::ostringstream os;
-};
-
-void write_text_file(const std::string& path, const std::string& content, const char* fn) {
+/// Writes through a temporary file beside `path`, renamed into place when complete.
+template <class Write>
+void write_atomically(const std::string& path, const char* fn, Write write) {
   const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    if (!f) fail(fn, ": cannot open '", tmp, "' for writing");
-    f << content;
-    if (!f.flush()) fail(fn, ": cannot write '", tmp, "'");
-  }
   std::error_code ec;
+  try {
+    write(tmp);
+  } catch (...) {
+    std::filesystem::remove(tmp, ec);
+    throw;
+  }
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
     std::filesystem::remove(tmp, ec);
@@ -255,73 +180,27 @@ void write_text_file(const std::string& path, const std::string& content, const 
   }
 }
 
-// ---- PNG through libpng --------------------------------------------------------------------------
-// libpng reports errors by longjmp. The functions that call setjmp hold only trivially
-// destructible locals, so the jump skips no destructor; the C++ caller throws afterwards.
-
-struct PngMessage {
-  char text[256] = {};
-};
-
-void png_error_to_buffer(png_structp png, png_const_charp msg) {
-  auto* m = static_cast<PngMessage*>(png_get_error_ptr(png));
-  std::snprintf(m->text, sizeof m->text, "%s", msg);
-  png_longjmp(png, 1);
-}
-void png_warning_ignored(png_structp, png_const_charp) {}
-
-bool png_write_rows(std::FILE* f, const Image* image, png_bytep* rows, PngMessage* msg) {
-  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, msg, png_error_to_buffer, png_warning_ignored);
-  if (!png) return false;
-  png_infop info = png_create_info_struct(png);
-  if (!info || setjmp(png_jmpbuf(png))) {
-    png_destroy_write_struct(&png, &info);
-    return false;
-  }
-  png_init_io(png, f);
-  png_set_IHDR(png, info, static_cast<png_uint_32>(image->width), static_cast<png_uint_32>(image->height), 8,
-               PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
-  png_write_info(png, info);
-  png_write_image(png, rows);
-  png_write_end(png, nullptr);
-  png_destroy_write_struct(&png, &info);
-  return true;
+void write_surface_png(const std::string& path, cairo_surface_t* s, const char* fn) {
+  write_atomically(path, fn, [&](const std::string& tmp) {
+    check(cairo_surface_write_to_png(s, tmp.c_str()), fn, "cannot write '" + tmp + "'");
+  });
 }
 
-/// Reads the header (and sets up 8-bit RGB conversion) into w/h; then the caller allocates rows.
-bool png_read_all(std::FILE* f, png_uint_32* w, png_uint_32* h, std::vector<uint8_t>* pixels, PngMessage* msg) {
-  png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, msg, png_error_to_buffer, png_warning_ignored);
-  if (!png) return false;
-  png_infop info = png_create_info_struct(png);
-  png_bytep* rows = nullptr;
-  if (!info || setjmp(png_jmpbuf(png))) {
-    std::free(rows);
-    png_destroy_read_struct(&png, &info, nullptr);
-    return false;
-  }
-  png_init_io(png, f);
-  png_read_info(png, info);
-  *w = png_get_image_width(png, info);
-  *h = png_get_image_height(png, info);
-  if (*w == 0 || *h == 0 || *w > 65535 || *h > 65535) png_error(png, "image size out of range");
-  png_set_expand(png);
-  png_set_strip_16(png);
-  png_set_strip_alpha(png);
-  png_set_gray_to_rgb(png);
-  png_set_interlace_handling(png);
-  png_read_update_info(png, info);
-  if (png_get_rowbytes(png, info) != static_cast<size_t>(*w) * 3) png_error(png, "unexpected row size");
-  // resize() may throw std::bad_alloc past a longjmp target; w, h ≤ 65535 keep it to ≤ 12 GiB and
-  // the caller catches it. The vector itself lives in the caller's frame.
-  pixels->resize(static_cast<size_t>(*w) * *h * 3);
-  rows = static_cast<png_bytep*>(std::malloc(sizeof(png_bytep) * *h));
-  if (!rows) png_error(png, "out of memory");
-  for (png_uint_32 y = 0; y < *h; ++y) rows[y] = pixels->data() + static_cast<size_t>(y) * *w * 3;
-  png_read_image(png, rows);
-  png_read_end(png, nullptr);
-  std::free(rows);
-  png_destroy_read_struct(&png, &info, nullptr);
-  return true;
+/// Draws on an SVG surface of w × h pixels and writes it to `path`.
+template <class Draw>
+void write_svg(const std::string& path, int64_t w, int64_t h, const char* fn, Draw draw) {
+  write_atomically(path, fn, [&](const std::string& tmp) {
+    Surface s(cairo_svg_surface_create(tmp.c_str(), static_cast<double>(w), static_cast<double>(h)));
+    check(cairo_surface_status(s.get()), fn, "cannot open '" + tmp + "' for writing");
+    cairo_svg_surface_set_document_unit(s.get(), CAIRO_SVG_UNIT_PX);
+    {
+      Context cr = make_context(s.get(), fn);
+      draw(cr.get());
+      check(cairo_status(cr.get()), fn, "drawing failed");
+    }
+    cairo_surface_finish(s.get());
+    check(cairo_surface_status(s.get()), fn, "cannot write '" + tmp + "'");
+  });
 }
 
 }  // namespace
@@ -349,43 +228,34 @@ void write_png(const std::string& path, const Image& image) {
   if (image.width <= 0 || image.height <= 0 || static_cast<int64_t>(image.rgb.size()) != image.width * image.height * 3)
     fail("write_png: ", path, ": image of ", image.width, " x ", image.height, " with ", image.rgb.size(),
          " bytes is empty or inconsistent");
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) fail("write_png: cannot open '", tmp, "' for writing");
-  std::vector<png_bytep> rows(static_cast<size_t>(image.height));
+  const Surface s = image_surface(image.width, image.height, "write_png");
+  unsigned char* data = cairo_image_surface_get_data(s.get());
+  const int stride = cairo_image_surface_get_stride(s.get());
   for (int64_t y = 0; y < image.height; ++y)
-    rows[static_cast<size_t>(y)] = const_cast<png_bytep>(image.rgb.data() + y * image.width * 3);
-  PngMessage msg;
-  const bool ok = png_write_rows(f, &image, rows.data(), &msg);
-  const bool closed = std::fclose(f) == 0;
-  std::error_code ec;
-  if (!ok || !closed) {
-    std::filesystem::remove(tmp, ec);
-    fail("write_png: ", path, ": ", ok ? "cannot close the file" : msg.text);
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    fail("write_png: cannot rename '", tmp, "' to '", path, "'");
-  }
+    for (int64_t x = 0; x < image.width; ++x) {
+      const Rgb c = image.pixel(x, y);
+      const uint32_t p = 0xFF000000u | uint32_t{c.r} << 16 | uint32_t{c.g} << 8 | c.b;
+      std::memcpy(data + y * stride + 4 * x, &p, 4);
+    }
+  cairo_surface_mark_dirty(s.get());
+  write_surface_png(path, s.get(), "write_png");
 }
 
 Image read_png(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) fail("read_png: cannot open '", path, "'");
-  png_uint_32 w = 0, h = 0;
-  Image img;
-  PngMessage msg;
-  bool ok = false;
-  try {
-    ok = png_read_all(f, &w, &h, &img.rgb, &msg);
-  } catch (const std::bad_alloc&) {
-    std::snprintf(msg.text, sizeof msg.text, "out of memory");
+  const Surface s(cairo_image_surface_create_from_png(path.c_str()));
+  const cairo_status_t status = cairo_surface_status(s.get());
+  if (status == CAIRO_STATUS_FILE_NOT_FOUND) fail("read_png: cannot open '", path, "'");
+  check(status, "read_png", path);
+  const cairo_format_t f = cairo_image_surface_get_format(s.get());
+  if (f != CAIRO_FORMAT_RGB24 && f != CAIRO_FORMAT_ARGB32) {  // other PNG kinds: convert by drawing
+    const Surface rgb =
+        image_surface(cairo_image_surface_get_width(s.get()), cairo_image_surface_get_height(s.get()), "read_png");
+    const Context cr = make_context(rgb.get(), "read_png");
+    cairo_set_source_surface(cr.get(), s.get(), 0, 0);
+    cairo_paint(cr.get());
+    return to_image(rgb.get());
   }
-  std::fclose(f);
-  if (!ok) fail("read_png: ", path, ": ", msg.text[0] ? msg.text : "not a PNG file");
-  img.width = w, img.height = h;
-  return img;
+  return to_image(s.get());
 }
 
 Rgb heat_color(double t) {
@@ -409,25 +279,35 @@ Rgb masked_color() { return {214, 214, 214}; }
 
 namespace {
 
-constexpr Rgb kWhite{255, 255, 255}, kBlack{0, 0, 0}, kAxisGrey{110, 110, 110}, kGridGrey{228, 228, 228};
-constexpr int64_t kMargin = 12, kGap = 18, kTitleH = 14;
+constexpr Rgb kWhite{255, 255, 255}, kBlack{0, 0, 0}, kAxisGrey{90, 90, 90}, kGridGrey{228, 228, 228};
+constexpr int64_t kMargin = 12, kGap = 20, kPanelTitleH = 18;
+constexpr int64_t kBarW = 16;
 
-struct GridLayout {
+int64_t ceil_px(double v) { return static_cast<int64_t>(std::ceil(v)); }
+
+struct GridGeometry {
   int64_t H = 0, Tq = 0, Tk = 0, cell = 0, cols = 0, rows = 0;
   int64_t left = 0, bottom = 0;      ///< label space left of / below each matrix
   int64_t panel_w = 0, panel_h = 0;  ///< including labels and title
   int64_t top = 0;                   ///< y of the first panel row
   int64_t bar_x = 0, bar_h = 0;      ///< colour scale bar
   int64_t width = 0, height = 0;
-  int64_t label_step_q = 1, label_step_k = 1;
+  int64_t label_step = 1;  ///< label every label_step-th row and column
+  std::string title;
   std::vector<std::string> qlabels, klabels, titles;
-  HeatmapLayout cells;
+  HeatmapPlacement cells;
 };
 
-GridLayout layout_grid(const Tensor& weights, const HeatmapOptions& o, const char* fn) {
+std::string fixed2(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", v);
+  return buf;
+}
+
+GridGeometry plan_grid(const Tensor& weights, const HeatmapOptions& o, const char* fn) {
   if (weights.dim() != 2 && weights.dim() != 3)
     fail(fn, ": weights must be (h, T_q, T_k) or (T_q, T_k), got ", shape_str(weights.shape()));
-  GridLayout g;
+  GridGeometry g;
   g.H = weights.dim() == 3 ? weights.size(0) : 1;
   g.Tq = weights.size(-2), g.Tk = weights.size(-1);
   if (g.H < 1 || g.Tq < 1 || g.Tk < 1) fail(fn, ": nothing to draw in weights ", shape_str(weights.shape()));
@@ -448,111 +328,126 @@ GridLayout layout_grid(const Tensor& weights, const HeatmapOptions& o, const cha
   g.cols = o.columns > 0 ? std::min(o.columns, g.H)
                          : static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(g.H)) - 1e-9));
   g.rows = (g.H + g.cols - 1) / g.cols;
+  g.title = printable(o.title);
   for (int64_t i = 0; i < g.Tq; ++i)
-    g.qlabels.push_back(o.query_labels.empty() ? std::to_string(i) : o.query_labels[static_cast<size_t>(i)]);
+    g.qlabels.push_back(
+        shortened(printable(o.query_labels.empty() ? std::to_string(i) : o.query_labels[static_cast<size_t>(i)]), 12));
   for (int64_t j = 0; j < g.Tk; ++j)
-    g.klabels.push_back(o.key_labels.empty() ? std::to_string(j) : o.key_labels[static_cast<size_t>(j)]);
+    g.klabels.push_back(
+        shortened(printable(o.key_labels.empty() ? std::to_string(j) : o.key_labels[static_cast<size_t>(j)]), 12));
   for (int64_t h = 0; h < g.H; ++h)
-    g.titles.push_back(o.panel_titles.empty() ? "head " + std::to_string(h) : o.panel_titles[static_cast<size_t>(h)]);
-  for (auto* labels : {&g.qlabels, &g.klabels})
-    for (auto& s : *labels)
-      if (s.size() > 12) s = s.substr(0, 11) + "~";  // keep the axes readable
-  // A label needs 8 px of axis; with smaller cells only every k-th position is labelled.
-  g.label_step_q = (8 + g.cell - 1) / g.cell;
-  g.label_step_k = g.label_step_q;
-  size_t qmax = 0, kmax = 0;
-  for (const auto& s : g.qlabels) qmax = std::max(qmax, s.size());
-  for (const auto& s : g.klabels) kmax = std::max(kmax, s.size());
-  g.left = static_cast<int64_t>(qmax) * kAdvance + 4;
-  g.bottom = static_cast<int64_t>(kmax) * kAdvance + 4;
-  size_t tmax = 0;
-  for (const auto& s : g.titles) tmax = std::max(tmax, s.size());
-  g.panel_w = std::max(g.left + g.Tk * g.cell, static_cast<int64_t>(tmax) * kAdvance) + kGap;
-  g.panel_h = kTitleH + g.Tq * g.cell + g.bottom + kGap;
-  g.top = kMargin + (o.title.empty() ? 0 : 2 * kGlyphH + 10);
+    g.titles.push_back(
+        printable(o.panel_titles.empty() ? "head " + std::to_string(h) : o.panel_titles[static_cast<size_t>(h)]));
+  // A label needs its line height of axis; with smaller cells only every k-th position is labelled.
+  g.label_step = (ceil_px(kLabelSize * 1.15) + g.cell - 1) / g.cell;
+
+  Measurer m;
+  double qmax = 0, kmax = 0, tmax = 0;
+  for (const auto& s : g.qlabels) qmax = std::max(qmax, text_width(m.cr.get(), s, kLabelSize));
+  for (const auto& s : g.klabels) kmax = std::max(kmax, text_width(m.cr.get(), s, kLabelSize));
+  for (const auto& s : g.titles) tmax = std::max(tmax, text_width(m.cr.get(), s, kPanelTitleSize));
+  g.left = ceil_px(qmax) + 6;
+  g.bottom = ceil_px(kmax) + 6;
+  g.panel_w = std::max(g.left + g.Tk * g.cell, ceil_px(tmax)) + kGap;
+  g.panel_h = kPanelTitleH + g.Tq * g.cell + g.bottom + kGap;
+  g.top = kMargin + (g.title.empty() ? 0 : ceil_px(kTitleSize * 1.25) + 8);
   g.bar_x = kMargin + g.cols * g.panel_w;
   g.bar_h = std::clamp<int64_t>(g.Tq * g.cell, 100, 260);
-  const int64_t bar_w = 16 + 4 + 4 * kAdvance;     // bar, tick, "1.00"
-  const int64_t legend_w = 10 + 4 + 6 * kAdvance;  // swatch + "masked"
-  g.width = std::max(g.bar_x + std::max(bar_w, legend_w) + kMargin, kMargin + text_width(o.title, 2) + kMargin);
-  g.height = std::max(g.top + g.rows * g.panel_h, g.top + kTitleH + g.bar_h + 40) + kMargin;
+  const double tick_w = text_width(m.cr.get(), fixed2(o.vmax), kLabelSize);
+  const int64_t bar_w = kBarW + 6 + ceil_px(tick_w);
+  const int64_t legend_w = 10 + 4 + ceil_px(text_width(m.cr.get(), "masked", kLabelSize));
+  const int64_t header_w = ceil_px(text_width(m.cr.get(), "weight", kLabelSize));
+  const int64_t title_w = ceil_px(text_width(m.cr.get(), g.title, kTitleSize, Weight::Bold));
+  g.width = std::max(g.bar_x + std::max({bar_w, legend_w, header_w}) + kMargin, kMargin + title_w + kMargin);
+  g.height = std::max(g.top + g.rows * g.panel_h, g.top + kPanelTitleH + g.bar_h + 40) + kMargin;
   g.cells.cell = g.cell;
   for (int64_t h = 0; h < g.H; ++h) {
     const int64_t px = kMargin + (h % g.cols) * g.panel_w, py = g.top + (h / g.cols) * g.panel_h;
     g.cells.panel_x.push_back(px + g.left);
-    g.cells.panel_y.push_back(py + kTitleH);
+    g.cells.panel_y.push_back(py + kPanelTitleH);
   }
   return g;
 }
 
-std::string fixed2(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f", v);
-  return buf;
-}
-
-void draw_heatmap_grid(Canvas& cv, const Tensor& weights, const HeatmapOptions& o, const GridLayout& g) {
-  cv.rect(0, 0, g.width, g.height, kWhite);
-  if (!o.title.empty()) cv.text(kMargin, kMargin, o.title, 2, kBlack, Orient::Horizontal);
+void draw_heatmap_grid(cairo_t* cr, const Tensor& weights, const HeatmapOptions& o, const GridGeometry& g) {
+  fill_rect(cr, 0, 0, static_cast<double>(g.width), static_cast<double>(g.height), kWhite);
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  if (!g.title.empty())
+    draw_text(cr, kMargin, kMargin + kTitleSize * kAscent, g.title, kTitleSize, kBlack, Anchor::Start, Direction::Right,
+              Weight::Bold);
   const float* w = weights.data();
+  const double cell = d(g.cell);
   for (int64_t h = 0; h < g.H; ++h) {
-    const int64_t mx = g.cells.panel_x[static_cast<size_t>(h)], my = g.cells.panel_y[static_cast<size_t>(h)];
-    cv.text(mx - g.left, my - kTitleH + 2, g.titles[static_cast<size_t>(h)], 1, kBlack, Orient::Horizontal);
+    const double mx = d(g.cells.panel_x[static_cast<size_t>(h)]), my = d(g.cells.panel_y[static_cast<size_t>(h)]);
+    draw_text(cr, mx - d(g.left), my - 6, g.titles[static_cast<size_t>(h)], kPanelTitleSize, kBlack, Anchor::Start);
     for (int64_t i = 0; i < g.Tq; ++i) {
       const float* row = w + (h * g.Tq + i) * g.Tk;
       for (int64_t j = 0; j < g.Tk; ++j) {
         // An exact 0 is a masked key (or a fully masked row): drawn off the colour scale.
         const Rgb c = row[j] == 0.0f ? masked_color() : heat_color(static_cast<double>(row[j]) / o.vmax);
-        cv.rect(mx + j * g.cell, my + i * g.cell, g.cell, g.cell, c);
+        fill_rect(cr, mx + d(j) * cell, my + d(i) * cell, cell, cell, c);
       }
     }
-    // Axis labels: queries down the left, keys along the bottom (reading upwards).
-    for (int64_t i = 0; i < g.Tq; i += g.label_step_q) {
-      const std::string& s = g.qlabels[static_cast<size_t>(i)];
-      cv.text(mx - 3 - text_width(s, 1), my + i * g.cell + (g.cell - kGlyphH) / 2, s, 1, kAxisGrey, Orient::Horizontal);
-    }
-    for (int64_t j = 0; j < g.Tk; j += g.label_step_k) {
-      const std::string& s = g.klabels[static_cast<size_t>(j)];
-      cv.text(mx + j * g.cell + (g.cell - kGlyphH) / 2, my + g.Tq * g.cell + 3, s, 1, kAxisGrey, Orient::Vertical);
-    }
+    // Axis labels: queries down the left, keys along the bottom (reading upwards), each centred
+    // on its row or column.
+    for (int64_t i = 0; i < g.Tq; i += g.label_step)
+      draw_text(cr, mx - 4, my + (d(i) + 0.5) * cell + kLabelSize * kMidline, g.qlabels[static_cast<size_t>(i)],
+                kLabelSize, kAxisGrey, Anchor::End);
+    for (int64_t j = 0; j < g.Tk; j += g.label_step)
+      draw_text(cr, mx + (d(j) + 0.5) * cell + kLabelSize * kMidline, my + d(g.Tq) * cell + 4,
+                g.klabels[static_cast<size_t>(j)], kLabelSize, kAxisGrey, Anchor::End, Direction::Up);
   }
-  // Colour scale: vmax at the top, 0 at the bottom, then the masked swatch.
-  const int64_t bx = g.bar_x, by = g.top + kTitleH;
-  cv.text(bx, g.top + 2, "weight", 1, kBlack, Orient::Horizontal);
-  for (int64_t y = 0; y < g.bar_h; ++y)
-    cv.rect(bx, by + y, 16, 1, heat_color(1.0 - static_cast<double>(y) / static_cast<double>(g.bar_h - 1)));
+  // Colour scale: vmax at the top, 0 at the bottom (the same stops as heat_color), then the
+  // masked swatch.
+  const double bx = d(g.bar_x), by = d(g.top + kPanelTitleH), bh = d(g.bar_h);
+  draw_text(cr, bx, by - 6, "weight", kLabelSize, kBlack, Anchor::Start);
+  cairo_pattern_t* scale = cairo_pattern_create_linear(0, by + bh, 0, by);
+  for (int s = 0; s <= 4; ++s) {
+    const Rgb c = heat_color(s / 4.0);
+    cairo_pattern_add_color_stop_rgb(scale, s / 4.0, c.r / 255.0, c.g / 255.0, c.b / 255.0);
+  }
+  cairo_rectangle(cr, bx, by, kBarW, bh);
+  cairo_set_source(cr, scale);
+  cairo_fill(cr);
+  cairo_pattern_destroy(scale);
   for (int tick = 0; tick <= 4; ++tick) {
-    const int64_t y = by + (g.bar_h - 1) * tick / 4;
-    cv.rect(bx + 16, y, 4, 1, kBlack);
-    cv.text(bx + 22, y - kGlyphH / 2, fixed2(o.vmax * (4 - tick) / 4.0), 1, kBlack, Orient::Horizontal);
+    const double y = by + std::round((bh - 1) * tick / 4.0);
+    fill_rect(cr, bx + kBarW, y, 4, 1, kBlack);
+    draw_text(cr, bx + kBarW + 6, y + 0.5 + kLabelSize * kMidline, fixed2(o.vmax * (4 - tick) / 4.0), kLabelSize,
+              kBlack, Anchor::Start);
   }
-  const int64_t ly = by + g.bar_h + 14;
-  cv.rect(bx, ly, 10, 10, masked_color());
-  cv.text(bx + 14, ly + 1, "masked", 1, kBlack, Orient::Horizontal);
+  const double ly = by + bh + 14;
+  fill_rect(cr, bx, ly, 10, 10, masked_color());
+  draw_text(cr, bx + 14, ly + 5 + kLabelSize * kMidline, "masked", kLabelSize, kBlack, Anchor::Start);
+}
+
+Surface render_grid_surface(const Tensor& weights, const HeatmapOptions& options, const char* fn) {
+  const GridGeometry g = plan_grid(weights, options, fn);
+  Surface s = image_surface(g.width, g.height, fn);
+  const Context cr = make_context(s.get(), fn);
+  draw_heatmap_grid(cr.get(), weights, options, g);
+  check(cairo_status(cr.get()), fn, "drawing failed");
+  return s;
 }
 
 }  // namespace
 
-HeatmapLayout heatmap_layout(const Tensor& weights, const HeatmapOptions& options) {
-  return layout_grid(weights, options, "heatmap_layout").cells;
+HeatmapPlacement heatmap_placement(const Tensor& weights, const HeatmapOptions& options) {
+  return plan_grid(weights, options, "heatmap_placement").cells;
 }
 
 Image render_heatmap_grid(const Tensor& weights, const HeatmapOptions& options) {
-  const GridLayout g = layout_grid(weights, options, "render_heatmap_grid");
-  RasterCanvas cv(g.width, g.height);
-  draw_heatmap_grid(cv, weights, options, g);
-  return std::move(cv.img);
+  return to_image(render_grid_surface(weights, options, "render_heatmap_grid").get());
 }
 
 void write_heatmap_png(const std::string& path, const Tensor& weights, const HeatmapOptions& options) {
-  write_png(path, render_heatmap_grid(weights, options));
+  write_surface_png(path, render_grid_surface(weights, options, "write_heatmap_png").get(), "write_heatmap_png");
 }
 
 void write_heatmap_svg(const std::string& path, const Tensor& weights, const HeatmapOptions& options) {
-  const GridLayout g = layout_grid(weights, options, "write_heatmap_svg");
-  SvgCanvas cv(g.width, g.height);
-  draw_heatmap_grid(cv, weights, options, g);
-  write_text_file(path, cv.finish(), "write_heatmap_svg");
+  const GridGeometry g = plan_grid(weights, options, "write_heatmap_svg");
+  write_svg(path, g.width, g.height, "write_heatmap_svg",
+            [&](cairo_t* cr) { draw_heatmap_grid(cr, weights, options, g); });
 }
 
 // ---- line plot -----------------------------------------------------------------------------------
@@ -567,6 +462,8 @@ constexpr std::array<Rgb, 8> kPalette = {{{31, 119, 180},
                                           {140, 86, 75},
                                           {227, 119, 194},
                                           {100, 100, 100}}};
+
+constexpr double kAxisLabelSize = 11;
 
 /// Tick positions (in data units) for [lo, hi]: 1/2/5 × 10^k steps, or powers of ten on a log axis.
 std::vector<double> ticks_for(double lo, double hi, bool log_axis) {
@@ -628,101 +525,134 @@ Axis make_axis(const std::vector<Series>& series, bool x, bool log_axis, const c
   return ax;
 }
 
-void draw_line_plot(Canvas& cv, const std::string& title, const std::string& x_label, const std::string& y_label,
+void check_plot(const std::vector<Series>& series, const LinePlotOptions& o, const char* fn) {
+  if (o.width < 100 || o.height < 100 || o.width > 8192 || o.height > 8192)
+    fail(fn, ": plot size ", o.width, " x ", o.height, " must be within 100 .. 8192 pixels");
+  for (const Series& s : series)
+    if (s.xs.size() != s.ys.size())
+      fail(fn, ": series '", s.name, "' has ", s.xs.size(), " x values and ", s.ys.size(), " y values");
+}
+
+void draw_line_plot(cairo_t* cr, const std::string& raw_title, const std::string& x_label, const std::string& y_label,
                     const std::vector<Series>& series, const LinePlotOptions& o, const char* fn) {
-  const int64_t W = o.width, Hh = o.height;
+  const double W = static_cast<double>(o.width), H = static_cast<double>(o.height);
+  const std::string title = printable(raw_title);
   const Axis ax = make_axis(series, true, o.log_x, fn), ay = make_axis(series, false, o.log_y, fn);
   const std::vector<double> xt = ticks_for(ax.lo, ax.hi, ax.log), yt = ticks_for(ay.lo, ay.hi, ay.log);
-  size_t ylab = 0;
-  for (double v : yt) ylab = std::max(ylab, tick_label(v).size());
-  const int64_t x0 = kMargin + kGlyphH + 8 + static_cast<int64_t>(ylab) * kAdvance + 6, x1 = W - kMargin - 8;
-  const int64_t y0 = kMargin + (title.empty() ? 0 : 2 * kGlyphH + 12), y1 = Hh - kMargin - kGlyphH - 8 - kGlyphH - 8;
-  if (x1 - x0 < 40 || y1 - y0 < 40) fail(fn, ": a ", W, " x ", Hh, " plot is too small to draw");
-  cv.rect(0, 0, W, Hh, kWhite);
-  if (!title.empty()) cv.text((W - text_width(title, 2)) / 2, kMargin, title, 2, kBlack, Orient::Horizontal);
+  double ylab = 0;
+  for (double v : yt) ylab = std::max(ylab, text_width(cr, tick_label(v), kLabelSize));
+  // The plot area [x0, x1] × [y0, y1]: left of it the y label and tick labels, below it the tick
+  // labels and the x label, above it the title.
+  const double x0 = std::round(kMargin + kAxisLabelSize * 1.2 + 6 + ylab + 8), x1 = W - kMargin - 10;
+  const double y0 = kMargin + (title.empty() ? 4 : std::round(kTitleSize * 1.25) + 10);
+  const double y1 = std::round(H - kMargin - kAxisLabelSize * 1.2 - 6 - kLabelSize * 1.2 - 6);
+  if (x1 - x0 < 40 || y1 - y0 < 40) fail(fn, ": a ", o.width, " x ", o.height, " plot is too small to draw");
+  fill_rect(cr, 0, 0, W, H, kWhite);
+  if (!title.empty())
+    draw_text(cr, W / 2, kMargin + kTitleSize * kAscent, title, kTitleSize, kBlack, Anchor::Middle, Direction::Right,
+              Weight::Bold);
   for (double v : xt) {
-    const auto px = static_cast<int64_t>(std::lround(ax.map(v, static_cast<double>(x0), static_cast<double>(x1))));
-    cv.rect(px, y0, 1, y1 - y0, kGridGrey);
-    cv.rect(px, y1, 1, 5, kBlack);
-    const std::string s = tick_label(v);
-    cv.text(px - text_width(s, 1) / 2, y1 + 7, s, 1, kBlack, Orient::Horizontal);
+    const double px = std::round(ax.map(v, x0, x1));
+    fill_rect(cr, px, y0, 1, y1 - y0, kGridGrey);
+    fill_rect(cr, px, y1, 1, 5, kBlack);
+    draw_text(cr, px + 0.5, y1 + 7 + kLabelSize * kAscent, tick_label(v), kLabelSize, kBlack, Anchor::Middle);
   }
   for (double v : yt) {
-    const auto py = static_cast<int64_t>(std::lround(ay.map(v, static_cast<double>(y1), static_cast<double>(y0))));
-    cv.rect(x0, py, x1 - x0, 1, kGridGrey);
-    cv.rect(x0 - 5, py, 5, 1, kBlack);
-    const std::string s = tick_label(v);
-    cv.text(x0 - 7 - text_width(s, 1), py - kGlyphH / 2, s, 1, kBlack, Orient::Horizontal);
+    const double py = std::round(ay.map(v, y1, y0));
+    fill_rect(cr, x0, py, x1 - x0, 1, kGridGrey);
+    fill_rect(cr, x0 - 5, py, 5, 1, kBlack);
+    draw_text(cr, x0 - 8, py + 0.5 + kLabelSize * kMidline, tick_label(v), kLabelSize, kBlack, Anchor::End);
   }
-  cv.rect(x0, y0, 1, y1 - y0 + 1, kBlack);
-  cv.rect(x0, y1, x1 - x0 + 1, 1, kBlack);
-  cv.text((x0 + x1 - text_width(x_label, 1)) / 2, Hh - kMargin - kGlyphH, x_label, 1, kBlack, Orient::Horizontal);
-  cv.text(kMargin, (y0 + y1 - text_width(y_label, 1)) / 2, y_label, 1, kBlack, Orient::Vertical);
+  fill_rect(cr, x0, y0, 1, y1 - y0 + 1, kBlack);
+  fill_rect(cr, x0, y1, x1 - x0 + 1, 1, kBlack);
+  draw_text(cr, (x0 + x1) / 2, H - kMargin - 3, printable(x_label), kAxisLabelSize, kBlack, Anchor::Middle);
+  draw_text(cr, kMargin + kAxisLabelSize * kAscent, (y0 + y1) / 2, printable(y_label), kAxisLabelSize, kBlack,
+            Anchor::Middle, Direction::Up);
 
+  // Each series as one anti-aliased path; a non-finite point breaks it, a lone point is a dot.
+  cairo_save(cr);
+  cairo_rectangle(cr, x0, y0, x1 - x0 + 1, y1 - y0 + 1);
+  cairo_clip(cr);
+  cairo_set_line_width(cr, 2);
+  cairo_set_line_join(cr, CAIRO_LINE_JOIN_ROUND);
+  cairo_set_line_cap(cr, CAIRO_LINE_CAP_ROUND);
   for (size_t s = 0; s < series.size(); ++s) {
     const Series& sr = series[s];
-    if (sr.xs.size() != sr.ys.size())
-      fail(fn, ": series '", sr.name, "' has ", sr.xs.size(), " x values and ", sr.ys.size(), " y values");
-    const Rgb c = kPalette[s % kPalette.size()];
-    bool have_prev = false;
-    double px = 0, py = 0;
+    set_color(cr, kPalette[s % kPalette.size()]);
+    size_t run = 0;  // points in the current unbroken run
+    double lx = 0, ly = 0;
+    const auto end_run = [&] {
+      if (run == 1) {
+        cairo_new_sub_path(cr);
+        cairo_arc(cr, lx, ly, 2.5, 0, 2 * std::numbers::pi);
+        cairo_fill(cr);
+      } else if (run > 1) {
+        cairo_stroke(cr);
+      }
+      run = 0;
+    };
     for (size_t n = 0; n < sr.xs.size(); ++n) {
       if (!std::isfinite(sr.xs[n]) || !std::isfinite(sr.ys[n])) {
-        have_prev = false;
+        end_run();
         continue;
       }
-      const double qx = ax.map(sr.xs[n], static_cast<double>(x0), static_cast<double>(x1));
-      const double qy = ay.map(sr.ys[n], static_cast<double>(y1), static_cast<double>(y0));
-      if (have_prev)
-        cv.line(px, py, qx, qy, c, 2);
-      else if (n + 1 == sr.xs.size() || !std::isfinite(sr.ys[n + 1]))
-        cv.rect(std::lround(qx) - 2, std::lround(qy) - 2, 5, 5, c);
-      px = qx, py = qy, have_prev = true;
+      lx = ax.map(sr.xs[n], x0, x1), ly = ay.map(sr.ys[n], y1, y0);
+      if (run++ == 0)
+        cairo_move_to(cr, lx, ly);
+      else
+        cairo_line_to(cr, lx, ly);
     }
+    end_run();
   }
+  cairo_restore(cr);
+
   // Legend, top right inside the axes.
-  size_t nmax = 0;
-  for (const Series& s : series) nmax = std::max(nmax, s.name.size());
+  double nmax = 0;
+  for (const Series& s : series) nmax = std::max(nmax, text_width(cr, printable(s.name), kLabelSize));
   if (series.empty() || nmax == 0) return;
-  const int64_t lw = 30 + static_cast<int64_t>(nmax) * kAdvance, lh = 6 + 12 * static_cast<int64_t>(series.size());
-  const int64_t lx = x1 - lw - 6, ly = y0 + 6;
-  cv.rect(lx - 1, ly - 1, lw + 2, lh + 2, kAxisGrey);
-  cv.rect(lx, ly, lw, lh, kWhite);
+  const double row_h = std::round(kLabelSize * 1.4);
+  const double lw = std::round(34 + nmax), lh = 8 + row_h * static_cast<double>(series.size());
+  const double lx = x1 - lw - 8, ly = y0 + 8;
+  fill_rect(cr, lx - 1, ly - 1, lw + 2, lh + 2, kAxisGrey);
+  fill_rect(cr, lx, ly, lw, lh, kWhite);
   for (size_t s = 0; s < series.size(); ++s) {
-    const int64_t yy = ly + 4 + 12 * static_cast<int64_t>(s);
-    cv.rect(lx + 5, yy + 3, 18, 2, kPalette[s % kPalette.size()]);
-    cv.text(lx + 27, yy, series[s].name, 1, kBlack, Orient::Horizontal);
+    const double mid = ly + 4 + row_h * (static_cast<double>(s) + 0.5);
+    fill_rect(cr, lx + 6, std::round(mid) - 1, 20, 2, kPalette[s % kPalette.size()]);
+    draw_text(cr, lx + 30, mid + kLabelSize * kMidline, printable(series[s].name), kLabelSize, kBlack, Anchor::Start);
   }
 }
 
-void check_plot_size(const LinePlotOptions& o, const char* fn) {
-  if (o.width < 100 || o.height < 100 || o.width > 8192 || o.height > 8192)
-    fail(fn, ": plot size ", o.width, " x ", o.height, " must be within 100 .. 8192 pixels");
+Surface render_plot_surface(const std::string& title, const std::string& x_label, const std::string& y_label,
+                            const std::vector<Series>& series, const LinePlotOptions& options, const char* fn) {
+  check_plot(series, options, fn);
+  Surface s = image_surface(options.width, options.height, fn);
+  const Context cr = make_context(s.get(), fn);
+  draw_line_plot(cr.get(), title, x_label, y_label, series, options, fn);
+  check(cairo_status(cr.get()), fn, "drawing failed");
+  return s;
 }
 
 }  // namespace
 
 Image render_line_plot(const std::string& title, const std::string& x_label, const std::string& y_label,
                        const std::vector<Series>& series, const LinePlotOptions& options) {
-  check_plot_size(options, "render_line_plot");
-  RasterCanvas cv(options.width, options.height);
-  draw_line_plot(cv, title, x_label, y_label, series, options, "render_line_plot");
-  return std::move(cv.img);
+  return to_image(render_plot_surface(title, x_label, y_label, series, options, "render_line_plot").get());
 }
 
 void write_line_plot_png(const std::string& path, const std::string& title, const std::string& x_label,
                          const std::string& y_label, const std::vector<Series>& series,
                          const LinePlotOptions& options) {
-  write_png(path, render_line_plot(title, x_label, y_label, series, options));
+  const char* fn = "write_line_plot_png";
+  write_surface_png(path, render_plot_surface(title, x_label, y_label, series, options, fn).get(), fn);
 }
 
 void write_line_plot_svg(const std::string& path, const std::string& title, const std::string& x_label,
                          const std::string& y_label, const std::vector<Series>& series,
                          const LinePlotOptions& options) {
-  check_plot_size(options, "write_line_plot_svg");
-  SvgCanvas cv(options.width, options.height);
-  draw_line_plot(cv, title, x_label, y_label, series, options, "write_line_plot_svg");
-  write_text_file(path, cv.finish(), "write_line_plot_svg");
+  const char* fn = "write_line_plot_svg";
+  check_plot(series, options, fn);
+  write_svg(path, options.width, options.height, fn,
+            [&](cairo_t* cr) { draw_line_plot(cr, title, x_label, y_label, series, options, fn); });
 }
 
 }  // namespace mha

@@ -3,7 +3,7 @@
 // Internally the module keeps PyTorch's layout (MhaParameters). Hugging Face checkpoints split the
 // input projection into q/k/v linears and call the output projection o_proj; this file is the one
 // place that maps between the two, so the module never needs to know which naming a file used.
-#include "mha/safetensors.h"
+#include "mha/weights.h"
 
 #include <charconv>
 #include <sstream>

@@ -121,7 +121,7 @@ inline bool has_padding(const SdpaParams& f, int64_t b, int64_t j0, int64_t j1) 
 }
 
 /// Copies K/V rows [j0, j1) of head g into contiguous scratch with zeros for padded keys, whose
-/// rows are never read (SEMANTICS 5).
+/// rows are never read (docs/semantics.md, 'Padded keys are never read').
 inline void copy_unpadded(const SdpaParams& f, int64_t b, int64_t g, int64_t j0, int64_t j1, float* k, float* v) {
   const int64_t D = f.d(), Dv = f.d_v();
   for (int64_t j = j0; j < j1; ++j) {

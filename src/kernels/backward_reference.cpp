@@ -5,10 +5,10 @@
 // K/V-head's dK (T_k, d) and dV (T_k, d_v) accumulators.
 //
 // One K/V head at a time: its dK/dV accumulate in double over every query row of every query head
-// of its group (SEMANTICS 6), then are rounded once. Each row's softmax is recomputed from scratch
-// in double exactly as kernels/reference.cpp forms it, so this path needs neither out nor lse and
-// stays independent of the kernel it checks. Steps cite the forward lines (reference.cpp) they
-// differentiate.
+// of its group (docs/semantics.md, 'Grouped-query attention'), then are rounded once. Each row's
+// softmax is recomputed from scratch in double exactly as kernels/reference.cpp forms it, so this
+// path needs neither out nor lse and stays independent of the kernel it checks. Steps cite the
+// forward lines (reference.cpp) they differentiate.
 #include <cmath>
 
 #include "kernels/attention_backward.h"

@@ -385,7 +385,7 @@ void decode_attention(const DecodeParams& p, float* workspace) {
         for (int64_t s = 0; s < pl.splits; ++s) M = std::max(M, first[s * part + r]);
         float* out = p.out.row(it.b, head, query);
         const int64_t os = p.out.stride[3];
-        if (M == kNegInf) {  // no visible key: zeros, lse −inf (SEMANTICS 4)
+        if (M == kNegInf) {  // no visible key: zeros, lse −inf (docs/semantics.md, 'Fully masked rows')
           for (int64_t x = 0; x < p.d_v; ++x) out[x * os] = 0.0f;
           if (!p.lse.empty()) p.lse(it.b, head, query, 0) = kNegInf;
           continue;

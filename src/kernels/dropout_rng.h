@@ -1,4 +1,4 @@
-// kernels/dropout_rng.h — the counter-based generator behind dropout (SEMANTICS 8).
+// kernels/dropout_rng.h — the counter-based generator behind dropout (docs/semantics.md, 'Dropout').
 //
 // Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): the
 // counter is (batch, head, query, key) and the key is the 64-bit seed, so the decision for one

@@ -1,8 +1,9 @@
 // kernels/reference.cpp — the readable oracle for scaled dot-product attention.
 //
 // Shapes: Q (B, h, T_q, d), K/V (B, kv, T_k, d | d_v), out (B, h, T_q, d_v), weights
-// (B, h, T_q, T_k), lse (B, h, T_q, 1). One query row at a time, in the order SEMANTICS.md
-// states: scale, add the additive terms, mask, softmax (max subtracted), dropout, weighted sum.
+// (B, h, T_q, T_k), lse (B, h, T_q, 1). One query row at a time, in the order docs/semantics.md
+// gives ('Scores and the order of operations'): scale, add the additive terms, mask, softmax
+// (max subtracted), dropout, weighted sum.
 // Dot products and sums accumulate in double so this stays the most accurate path we have.
 #include <cmath>
 
@@ -27,7 +28,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
 
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t g = h / group;  // the K/V head this query head reads (SEMANTICS 6)
+      const int64_t g = h / group;  // its K/V head (docs/semantics.md, 'Grouped-query attention')
       for (int64_t i = 0; i < Tq; ++i) {
         const T* q_row = q.row(b, h, i);
         // 1. Scores: scale · q·k + additive terms; hidden keys get −inf and are never read.
@@ -46,7 +47,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           if (scores[j] > row_max) row_max = scores[j];
         }
         float* out_row = p.out.row(b, h, i);
-        // 2. A row with no visible key gives zeros and lse = −inf (SEMANTICS 4).
+        // 2. A row with no visible key gives zeros and lse = −inf (docs/semantics.md, 'Fully masked rows').
         if (row_max == kNegInfDouble) {
           for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = 0.0f;
           if (!p.weights.empty())

@@ -76,7 +76,7 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   sopt.backend = options.backend;
   sopt.threads = options.threads;
   BoolTensor padding;
-  if (padded) {  // padded new tokens are never read (SEMANTICS 5)
+  if (padded) {  // padded new tokens are never read (docs/semantics.md, 'Padded keys are never read')
     padding = BoolTensor({B, T}, 0);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = lens[static_cast<size_t>(b)]; t < T; ++t) padding.at({b, t}) = 1;

@@ -63,7 +63,8 @@ AttnMask AttnMask::add(Tensor bias) {
   return m;
 }
 AttnMask AttnMask::from_torch_bool(const BoolTensor& masked_out) {
-  // The one place where PyTorch's "true = masked out" polarity is turned into ours (SEMANTICS 2).
+  // The one place where PyTorch's "true = masked out" polarity is turned into ours
+  // (docs/semantics.md, 'Mask polarity is in the type').
   BoolTensor allowed(masked_out.shape());
   for (int64_t i = 0; i < masked_out.numel(); ++i) allowed.data()[i] = masked_out.data()[i] ? 0 : 1;
   return allow(std::move(allowed));
