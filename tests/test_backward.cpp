@@ -104,7 +104,7 @@ double loss_double(const SdpaSetup& s, const std::vector<double>& q, const std::
   const int64_t B = p.batch(), H = p.heads(), KV = p.kv_heads(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
   const std::array<int64_t, 4> full{B, H, Tq, Tk};
   auto bc = [&](auto view, std::array<int64_t, 4> shape) {
-    if (view.empty()) return view;
+    if (!view.defined()) return view;
     for (size_t a = 0; a < 4; ++a)
       if (view.shape[a] != shape[a]) view.shape[a] = shape[a], view.stride[a] = 0;
     return view;

@@ -85,7 +85,7 @@ struct KeyBias {
 };
 
 /// Every mask the kernels understand, applied together (a position is visible only when every
-/// mask allows it). Empty views mean "no such mask".
+/// mask allows it). A view that is not defined() (no data) means "no such mask".
 struct Masks {
   AllowedMask allowed;
   AdditiveMask bias;
@@ -118,7 +118,8 @@ struct SdpaOptions {
 };
 
 /// Where the results go. `out` is required; `weights` (B, h, T_q, T_k) and `lse` (B, h, T_q, 1)
-/// are written only when non-empty. Weights are the probabilities actually used (after dropout).
+/// are written only when defined() (they point at data). Weights are the probabilities actually
+/// used (after dropout).
 struct SdpaOutputs {
   View4<float> out;
   View4<float> weights;

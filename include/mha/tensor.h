@@ -53,7 +53,8 @@ struct View4 {
   std::array<int64_t, 4> shape{0, 0, 0, 0};
   std::array<int64_t, 4> stride{0, 0, 0, 0};
 
-  bool empty() const { return data == nullptr; }
+  /// Whether the view points at data (an absent optional output or mask has none).
+  bool defined() const { return data != nullptr; }
   T& operator()(int64_t i0, int64_t i1, int64_t i2, int64_t i3) const {
     return data[i0 * stride[0] + i1 * stride[1] + i2 * stride[2] + i3 * stride[3]];
   }

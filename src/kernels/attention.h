@@ -27,7 +27,7 @@ struct InputView {
   std::array<int64_t, 4> stride{0, 0, 0, 0};
 
   InputView() = default;
-  bool empty() const { return data == nullptr; }
+  bool defined() const { return data != nullptr; }
   template <class T>
   InputView(View4<T> v) : data(v.data), shape(v.shape), stride(v.stride) {}  // NOLINT: a view is an input view
   template <class T>
@@ -63,17 +63,17 @@ struct SdpaParams {
 /// −inf (those are found when the score is formed). Shared by every kernel so they agree exactly.
 inline bool key_hidden(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int64_t j, int64_t causal_offset) {
   const Masks& m = p.masks;
-  if (!m.key_padding.view.empty() && m.key_padding.view(b, 0, 0, j)) return true;
+  if (m.key_padding.view.defined() && m.key_padding.view(b, 0, 0, j)) return true;
   if (!CausalRule{m.causal.enabled(), causal_offset, m.causal.window}.sees(i, j)) return true;
-  if (!m.allowed.view.empty() && !m.allowed.view(b, h, i, j)) return true;
+  if (m.allowed.view.defined() && !m.allowed.view(b, h, i, j)) return true;
   return false;
 }
 
 /// The additive terms for one score (bias + key_bias), 0 when there are none.
 inline float additive_terms(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   float add = 0.0f;
-  if (!p.masks.bias.view.empty()) add += p.masks.bias.view(b, h, i, j);
-  if (!p.masks.key_bias.view.empty()) add += p.masks.key_bias.view(b, 0, 0, j);
+  if (p.masks.bias.view.defined()) add += p.masks.bias.view(b, h, i, j);
+  if (p.masks.key_bias.view.defined()) add += p.masks.key_bias.view(b, 0, 0, j);
   return add;
 }
 

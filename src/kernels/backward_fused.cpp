@@ -114,7 +114,7 @@ inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
 
 /// True when block [j0, j1) of batch b contains a padded key.
 inline bool has_padding(const SdpaParams& f, int64_t b, int64_t j0, int64_t j1) {
-  if (f.masks.key_padding.view.empty()) return false;
+  if (!f.masks.key_padding.view.defined()) return false;
   for (int64_t j = j0; j < j1; ++j)
     if (f.masks.key_padding.view(b, 0, 0, j)) return true;
   return false;
@@ -333,7 +333,7 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   cx.n_qblocks = (Tq + cx.br - 1) / cx.br;
   cx.n_kblocks = (Tk + kBc - 1) / kBc;
   cx.causal = CausalRule::of(f.masks.causal, Tq, Tk);
-  cx.element_masks = !f.masks.allowed.view.empty() || !f.masks.bias.view.empty() || !f.masks.key_bias.view.empty();
+  cx.element_masks = f.masks.allowed.view.defined() || f.masks.bias.view.defined() || f.masks.key_bias.view.defined();
   cx.keep_scale = f.dropout.active() ? 1.0f / (1.0f - f.dropout.p) : 1.0f;
   float* rowdot = plan.shared_part(workspace);
   cx.rowdot = rowdot;
@@ -393,7 +393,7 @@ bool fused_backward_supports(const SdpaBackwardParams& p, std::string* why) {
     return no("fused backward needs unit inner stride and row stride ≥ row length for q, k, v, out and d_out");
   if (!rows_ok(p.dq) || !rows_ok(p.dk) || !rows_ok(p.dv))
     return no("fused backward needs unit inner stride and row stride ≥ row length for dq, dk and dv");
-  if (p.lse.empty() && f.t_q() > 0) return no("fused backward needs the forward's lse");
+  if (!p.lse.defined() && f.t_q() > 0) return no("fused backward needs the forward's lse");
   if (why) *why = "supported";
   return true;
 }

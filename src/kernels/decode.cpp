@@ -387,7 +387,7 @@ void decode_attention(const DecodeParams& p, float* workspace) {
         const int64_t os = p.out.stride[3];
         if (M == kNegInf) {  // no visible key: zeros, lse −inf (docs/semantics.md, 'Fully masked rows')
           for (int64_t x = 0; x < p.d_v; ++x) out[x * os] = 0.0f;
-          if (!p.lse.empty()) p.lse(it.b, head, query, 0) = kNegInf;
+          if (p.lse.defined()) p.lse(it.b, head, query, 0) = kNegInf;
           continue;
         }
         double Lsum = 0.0;
@@ -402,7 +402,7 @@ void decode_attention(const DecodeParams& p, float* workspace) {
         }
         const float inv = static_cast<float>(1.0 / Lsum);
         for (int64_t x = 0; x < p.d_v; ++x) out[x * os] *= inv;
-        if (!p.lse.empty()) p.lse(it.b, head, query, 0) = M + static_cast<float>(std::log(Lsum));
+        if (p.lse.defined()) p.lse(it.b, head, query, 0) = M + static_cast<float>(std::log(Lsum));
       }
     }
   }

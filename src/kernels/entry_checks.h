@@ -37,10 +37,10 @@ inline void assert_sdpa_inputs(const SdpaParams& p) {
   MHA_DASSERT(KV > 0 ? H % KV == 0 : H == 0);  // query heads a multiple of K/V heads
   MHA_DASSERT(shaped(p.k, B, KV, Tk, p.d()) && shaped(p.v, B, KV, Tk, p.d_v()));
   const Masks& m = p.masks;  // broadcast to full extents by the public layer
-  MHA_DASSERT(m.allowed.view.empty() || shaped(m.allowed.view, B, H, Tq, Tk));
-  MHA_DASSERT(m.bias.view.empty() || shaped(m.bias.view, B, H, Tq, Tk));
-  MHA_DASSERT(m.key_padding.view.empty() || shaped(m.key_padding.view, B, 1, 1, Tk));
-  MHA_DASSERT(m.key_bias.view.empty() || shaped(m.key_bias.view, B, 1, 1, Tk));
+  MHA_DASSERT(!m.allowed.view.defined() || shaped(m.allowed.view, B, H, Tq, Tk));
+  MHA_DASSERT(!m.bias.view.defined() || shaped(m.bias.view, B, H, Tq, Tk));
+  MHA_DASSERT(!m.key_padding.view.defined() || shaped(m.key_padding.view, B, 1, 1, Tk));
+  MHA_DASSERT(!m.key_bias.view.defined() || shaped(m.key_bias.view, B, 1, 1, Tk));
   MHA_DASSERT(m.causal.window >= 0);
   MHA_DASSERT(!p.dropout.active() || (p.dropout.p > 0.0f && p.dropout.p < 1.0f));
 }
@@ -50,8 +50,8 @@ inline void assert_sdpa_params(const SdpaParams& p) {
   const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k();
   assert_sdpa_inputs(p);
   MHA_DASSERT(shaped(p.out, B, H, Tq, p.d_v()) && has_data(p.out));
-  MHA_DASSERT(p.lse.empty() || shaped(p.lse, B, H, Tq, 1));
-  MHA_DASSERT(p.weights.empty() || shaped(p.weights, B, H, Tq, Tk));
+  MHA_DASSERT(!p.lse.defined() || shaped(p.lse, B, H, Tq, 1));
+  MHA_DASSERT(!p.weights.defined() || shaped(p.weights, B, H, Tq, Tk));
 }
 
 /// The fused backward reads and writes whole rows (GEMMs on strided rows).
@@ -62,7 +62,7 @@ inline void assert_sdpa_backward_params(const SdpaBackwardParams& p) {
   MHA_DASSERT(has_data(f.q) && has_data(f.k) && has_data(f.v));
   MHA_DASSERT(shaped(p.out, B, H, Tq, f.d_v()) && shaped(p.dout, B, H, Tq, f.d_v()));
   MHA_DASSERT(has_data(p.out) && has_data(p.dout));
-  MHA_DASSERT(Tq == 0 || B * H == 0 || (shaped(p.lse, B, H, Tq, 1) && !p.lse.empty()));
+  MHA_DASSERT(Tq == 0 || B * H == 0 || (shaped(p.lse, B, H, Tq, 1) && p.lse.defined()));
   MHA_DASSERT(shaped(p.dq, B, H, Tq, f.d()) && shaped(p.dk, B, KV, Tk, f.d()) && shaped(p.dv, B, KV, Tk, f.d_v()));
   MHA_DASSERT(has_data(p.dq) && has_data(p.dk) && has_data(p.dv));
   MHA_DASSERT(rows_are_contiguous(f.q) && rows_are_contiguous(f.k) && rows_are_contiguous(f.v));
@@ -76,7 +76,7 @@ inline void assert_decode_params(const DecodeParams& p) {
   MHA_DASSERT(p.kv_heads > 0 ? H % p.kv_heads == 0 : H == 0);
   MHA_DASSERT(p.splits >= 1 && p.window >= 0 && p.capacity >= 0);
   MHA_DASSERT(has_data(p.q) && shaped(p.out, B, H, Tq, p.d_v) && has_data(p.out));
-  MHA_DASSERT(p.lse.empty() || shaped(p.lse, B, H, Tq, 1));
+  MHA_DASSERT(!p.lse.defined() || shaped(p.lse, B, H, Tq, 1));
   MHA_DASSERT(B * Tq == 0 || (p.key_first && p.key_end && p.q_start));
   MHA_DASSERT(B * p.kv_heads * p.capacity == 0 || (p.k && p.v));
 }

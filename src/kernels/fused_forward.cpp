@@ -344,7 +344,7 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
       hn::StoreU(x, df, row + v * N);
     }
     if (elementwise) {
-      const bool has_bias = !p.masks.bias.view.empty();
+      const bool has_bias = p.masks.bias.view.defined();
       for (int64_t jj = 0; jj < nk; ++jj) {
         if (row[jj] == kNegInf) continue;  // padding or key_bias −inf: decided at packing
         if (key_hidden(p, b, h, i, j0 + jj, cx.causal.offset))
@@ -391,8 +391,8 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
   const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kMR);
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
-  const bool per_element_masks = !p.masks.allowed.view.empty() || !p.masks.bias.view.empty();
-  const bool has_pad = !p.masks.key_padding.view.empty(), has_kbias = !p.masks.key_bias.view.empty();
+  const bool per_element_masks = p.masks.allowed.view.defined() || p.masks.bias.view.defined();
+  const bool has_pad = p.masks.key_padding.view.defined(), has_kbias = p.masks.key_bias.view.defined();
   float* const qp = ws + L.q;
   float* const kt = ws + L.kt;
   float* const vp = ws + L.v;
@@ -527,7 +527,7 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
       const bool empty_row = l[r] == 0.0f;
       const float inv = empty_row ? 0.0f : cx.keep_scale / l[r];
       for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row ? 0.0f : oh[r * ldv + c] * inv;
-      if (!p.lse.empty()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
+      if (p.lse.defined()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
     }
   }
 }
@@ -584,7 +584,7 @@ HWY_EXPORT(bf16_dot);
 }  // namespace fused
 
 bool fused_supports(const SdpaParams& p, std::string* why) {
-  if (!p.weights.empty()) {
+  if (p.weights.defined()) {
     if (why) *why = "attention weights were requested (the fused kernel never forms T_q x T_k)";
     return false;
   }
@@ -595,7 +595,7 @@ size_t fused_workspace_floats(const SdpaParams& p) { return fused::workspace_pla
 
 void sdpa_fused(const SdpaParams& p, float* workspace) {
   assert_sdpa_params(p);
-  MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && p.weights.empty());
+  MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && !p.weights.defined());
   MHA_DASSERT(workspace != nullptr);
   if (p.dtype == DType::BF16)
     HWY_DYNAMIC_DISPATCH(fused::fused_bf16)(p, workspace);

@@ -50,9 +50,9 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
         // 2. A row with no visible key gives zeros and lse = −inf (docs/semantics.md, 'Fully masked rows').
         if (row_max == kNegInfDouble) {
           for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = 0.0f;
-          if (!p.weights.empty())
+          if (p.weights.defined())
             for (int64_t j = 0; j < Tk; ++j) p.weights(b, h, i, j) = 0.0f;
-          if (!p.lse.empty()) p.lse(b, h, i, 0) = kNegInf;
+          if (p.lse.defined()) p.lse(b, h, i, 0) = kNegInf;
           continue;
         }
         // 3. Softmax with the maximum subtracted.
@@ -61,7 +61,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           if (scores[j] == kNegInf) continue;
           sum += std::exp(static_cast<double>(scores[j]) - row_max);
         }
-        if (!p.lse.empty()) p.lse(b, h, i, 0) = static_cast<float>(row_max + std::log(sum));
+        if (p.lse.defined()) p.lse(b, h, i, 0) = static_cast<float>(row_max + std::log(sum));
         // 4. Probabilities, dropout (kept ones scaled by 1/(1 − p)), and the weighted sum of V.
         const double keep_scale = p.dropout.active() ? 1.0 / (1.0 - static_cast<double>(p.dropout.p)) : 1.0;
         for (int64_t j = 0; j < Tk; ++j) {
@@ -72,7 +72,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
               prob = dropout_keep(p.dropout.seed, p.dropout.p, b, h, i, j) ? prob * keep_scale : 0.0;
           }
           scores[j] = static_cast<float>(prob);
-          if (!p.weights.empty()) p.weights(b, h, i, j) = scores[j];
+          if (p.weights.defined()) p.weights(b, h, i, j) = scores[j];
         }
         for (int64_t c = 0; c < Dv; ++c) {
           double acc = 0.0;

@@ -140,7 +140,7 @@ void KvCache::append(View4<const float> k, View4<const float> v, std::span<const
       fail("KvCache::append: sequence ", b, " holds ", length(b), " of ", c.capacity, " positions; appending ", n,
            " would exceed the capacity (make the cache larger, or a ring for sliding-window attention)");
   }
-  if (T > 0 && (k.empty() || v.empty())) fail("KvCache::append: key or value has no data");
+  if (T > 0 && (!k.defined() || !v.defined())) fail("KvCache::append: key or value has no data");
   for (int64_t b = 0; b < c.batch; ++b) {
     store_sequence(k, v, b, b, counts.empty() ? T : counts[static_cast<size_t>(b)]);
   }
@@ -157,7 +157,7 @@ void KvCache::append_sequence(int64_t b, View4<const float> k, View4<const float
   if (n > remaining(b))
     fail("KvCache::append_sequence: sequence ", b, " holds ", length(b), " of ", c.capacity, " positions; appending ",
          n, " would exceed the capacity");
-  if (n > 0 && (k.empty() || v.empty())) fail("KvCache::append_sequence: key or value has no data");
+  if (n > 0 && (!k.defined() || !v.defined())) fail("KvCache::append_sequence: key or value has no data");
   store_sequence(k, v, 0, b, n);
 }
 
@@ -187,7 +187,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   const Shape want_out{B, H, Tq, c.v_dim()};
   if (out.shape_vec() != want_out)
     fail("attend_cache: out has shape ", view_shape(out), ", expected ", shape_str(want_out));
-  if (!lse.empty() && lse.shape_vec() != Shape{B, H, Tq, 1})
+  if (lse.defined() && lse.shape_vec() != Shape{B, H, Tq, 1})
     fail("attend_cache: lse has shape ", view_shape(lse), ", expected ", shape_str({B, H, Tq, 1}));
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
     fail("attend_cache: q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
@@ -195,7 +195,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   if (options.splits < 0) fail("attend_cache: splits must be ≥ 0 (0 = auto), got ", options.splits);
   if (options.scale && !std::isfinite(*options.scale)) fail("attend_cache: scale must be finite, got ", *options.scale);
   if (B * H * Tq == 0) return;
-  if (q.empty() || out.empty()) fail("attend_cache: query or output has no data");
+  if (!q.defined() || !out.defined()) fail("attend_cache: query or output has no data");
 
   std::vector<int64_t> first(static_cast<size_t>(B)), end(static_cast<size_t>(B)), start(static_cast<size_t>(B));
   int64_t longest = 0;

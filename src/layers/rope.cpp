@@ -17,7 +17,7 @@ void Rope::validate(int64_t head_dim) const {
 void apply_rope(View4<float> x, const Rope& rope, const int64_t* start, RopeDirection direction) {
   rope.validate(x.shape[3]);
   if (x.shape[0] * x.shape[1] * x.shape[2] * x.shape[3] == 0) return;
-  if (x.empty()) fail("apply_rope: x ", shape_str(x.shape_vec()), " has no data");
+  if (!x.defined()) fail("apply_rope: x ", shape_str(x.shape_vec()), " has no data");
   kernels::RopeParams p;
   p.x = x;
   p.start = start;

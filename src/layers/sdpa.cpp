@@ -20,7 +20,7 @@ bool use_fused(const kernels::SdpaParams& p, Backend backend, std::string* why) 
 }
 
 void run(const kernels::SdpaParams& p, Backend backend) {
-  if (shape_numel(p.out.shape_vec()) == 0 && p.weights.empty()) return;
+  if (shape_numel(p.out.shape_vec()) == 0 && !p.weights.defined()) return;
   if (use_fused(p, backend, nullptr)) {
     std::vector<float> workspace(kernels::fused_workspace_floats(p));
     kernels::sdpa_fused(p, workspace.data());

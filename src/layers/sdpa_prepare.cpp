@@ -15,7 +15,7 @@ std::string view_shape(const auto& v) { return shape_str({v.shape[0], v.shape[1]
 /// along broadcast dimensions, so kernels can index it with full-size indices.
 template <class T>
 View4<T> broadcast_to(const char* fn, View4<T> view, const std::array<int64_t, 4>& full, const char* what) {
-  if (view.empty()) return view;
+  if (!view.defined()) return view;
   const View4<T> original = view;
   for (size_t a = 0; a < 4; ++a) {
     if (view.shape[a] == full[a]) continue;
@@ -32,7 +32,7 @@ View4<T> broadcast_to(const char* fn, View4<T> view, const std::array<int64_t, 4
 template <class T>
 void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const T> v, const SdpaOptions& opt,
                 const SdpaOutputs& outputs) {
-  if (q.empty() && q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3] != 0) fail(fn, ": query has no data");
+  if (!q.defined() && q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3] != 0) fail(fn, ": query has no data");
   for (size_t a = 0; a < 4; ++a) {
     if (q.shape[a] < 0 || k.shape[a] < 0 || v.shape[a] < 0)
       fail(fn, ": negative extent in query ", view_shape(q), ", key ", view_shape(k), " or value ", view_shape(v));
@@ -52,14 +52,14 @@ void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const 
   if (opt.dropout.p < 0.0f || opt.dropout.p >= 1.0f || std::isnan(opt.dropout.p))
     fail(fn, ": dropout probability must be in [0, 1), got ", opt.dropout.p);
   const Shape want_out{q.shape[0], q.shape[1], q.shape[2], v.shape[3]};
-  if (outputs.out.empty() && shape_numel(want_out) != 0) fail(fn, ": the output view is required");
+  if (!outputs.out.defined() && shape_numel(want_out) != 0) fail(fn, ": the output view is required");
   if (outputs.out.shape_vec() != want_out)
     fail(fn, ": output has shape ", view_shape(outputs.out), ", expected ", shape_str(want_out));
   const Shape want_w{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
-  if (!outputs.weights.empty() && outputs.weights.shape_vec() != want_w)
+  if (outputs.weights.defined() && outputs.weights.shape_vec() != want_w)
     fail(fn, ": weights have shape ", view_shape(outputs.weights), ", expected ", shape_str(want_w));
   const Shape want_lse{q.shape[0], q.shape[1], q.shape[2], 1};
-  if (!outputs.lse.empty() && outputs.lse.shape_vec() != want_lse)
+  if (outputs.lse.defined() && outputs.lse.shape_vec() != want_lse)
     fail(fn, ": lse has shape ", view_shape(outputs.lse), ", expected ", shape_str(want_lse));
   const Causal& causal = opt.masks.causal;
   if (causal.window < 0) fail(fn, ": sliding window must be ≥ 0 (0 = unlimited), got ", causal.window);
