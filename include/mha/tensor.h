@@ -10,6 +10,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "mha/error.h"
@@ -63,6 +64,12 @@ struct View4 {
   /// A const view of the same window.
   operator View4<const T>() const { return {data, shape, stride}; }
 };
+
+/// "(n0, n1, n2, n3)": a view's extents, for error messages.
+template <class T>
+std::string shape_str(const View4<T>& v) {
+  return shape_str(v.shape_vec());
+}
 
 /// A contiguous row-major view of `shape` starting at `data`.
 template <class T>

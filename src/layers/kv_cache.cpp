@@ -13,8 +13,6 @@ namespace mha {
 
 namespace {
 
-std::string view_shape(const auto& v) { return shape_str(v.shape_vec()); }
-
 template <class T>
 void store(T& dst, float x);
 template <>
@@ -127,7 +125,7 @@ void KvCache::append(View4<const float> k, View4<const float> v, std::span<const
   const KvCacheConfig& c = config_;
   const Shape want_k{c.batch, c.kv_heads, k.shape[2], c.head_dim}, want_v{c.batch, c.kv_heads, k.shape[2], c.v_dim()};
   if (k.shape_vec() != want_k || v.shape_vec() != want_v)
-    fail("KvCache::append: key ", view_shape(k), " and value ", view_shape(v), " must be ", shape_str(want_k), " and ",
+    fail("KvCache::append: key ", shape_str(k), " and value ", shape_str(v), " must be ", shape_str(want_k), " and ",
          shape_str(want_v), " (batch, kv_heads, T, d)");
   const int64_t T = k.shape[2];
   if (!counts.empty() && static_cast<int64_t>(counts.size()) != c.batch)
@@ -151,7 +149,7 @@ void KvCache::append_sequence(int64_t b, View4<const float> k, View4<const float
   const KvCacheConfig& c = config_;
   const Shape want_k{1, c.kv_heads, k.shape[2], c.head_dim}, want_v{1, c.kv_heads, k.shape[2], c.v_dim()};
   if (k.shape_vec() != want_k || v.shape_vec() != want_v)
-    fail("KvCache::append_sequence: key ", view_shape(k), " and value ", view_shape(v), " must be ", shape_str(want_k),
+    fail("KvCache::append_sequence: key ", shape_str(k), " and value ", shape_str(v), " must be ", shape_str(want_k),
          " and ", shape_str(want_v), " (1, kv_heads, T, d)");
   const int64_t n = k.shape[2];
   if (n > remaining(b))
@@ -182,13 +180,13 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   if (c.capacity == 0) fail("attend_cache: the cache is empty-constructed (no storage)");
   const int64_t B = q.shape[0], H = q.shape[1], Tq = q.shape[2], d = q.shape[3];
   if (B != c.batch || d != c.head_dim || H <= 0 || H % c.kv_heads != 0)
-    fail("attend_cache: query ", view_shape(q), " must be (", c.batch, ", h, T_q, ", c.head_dim,
+    fail("attend_cache: query ", shape_str(q), " must be (", c.batch, ", h, T_q, ", c.head_dim,
          ") with h a multiple of the cache's ", c.kv_heads, " kv_heads");
   const Shape want_out{B, H, Tq, c.v_dim()};
   if (out.shape_vec() != want_out)
-    fail("attend_cache: out has shape ", view_shape(out), ", expected ", shape_str(want_out));
+    fail("attend_cache: out has shape ", shape_str(out), ", expected ", shape_str(want_out));
   if (lse.defined() && lse.shape_vec() != Shape{B, H, Tq, 1})
-    fail("attend_cache: lse has shape ", view_shape(lse), ", expected ", shape_str({B, H, Tq, 1}));
+    fail("attend_cache: lse has shape ", shape_str(lse), ", expected ", shape_str({B, H, Tq, 1}));
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
     fail("attend_cache: q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
   if (options.window < 0) fail("attend_cache: window must be ≥ 0 (0 = unlimited), got ", options.window);

@@ -13,11 +13,9 @@ namespace {
 
 constexpr const char* kBwd = "sdpa_backward";
 
-std::string view_shape(const auto& v) { return shape_str(v.shape_vec()); }
-
 void check_grad_view(const View4<float>& got, const Shape& want, const char* name) {
   if (shape_numel(want) != 0 && !got.defined()) fail(kBwd, ": the gradient view ", name, " is required");
-  if (got.shape_vec() != want) fail(kBwd, ": ", name, " has shape ", view_shape(got), ", expected ", shape_str(want));
+  if (got.shape_vec() != want) fail(kBwd, ": ", name, " has shape ", shape_str(got), ", expected ", shape_str(want));
 }
 
 kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float> k, View4<const float> v,
@@ -36,7 +34,7 @@ kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float>
     fail(kBwd, ": lse (B, h, T_q, 1) from the forward is required, expected ",
          shape_str({q.shape[0], q.shape[1], q.shape[2], 1}));
   if (d_out.shape_vec() != want_out || (!d_out.defined() && shape_numel(want_out) != 0))
-    fail(kBwd, ": d_out has shape ", view_shape(d_out), ", expected ", shape_str(want_out));
+    fail(kBwd, ": d_out has shape ", shape_str(d_out), ", expected ", shape_str(want_out));
   check_grad_view(grads.dq, q.shape_vec(), "dq");
   check_grad_view(grads.dk, k.shape_vec(), "dk");
   check_grad_view(grads.dv, v.shape_vec(), "dv");

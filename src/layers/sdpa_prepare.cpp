@@ -9,8 +9,6 @@ namespace mha::detail {
 
 namespace {
 
-std::string view_shape(const auto& v) { return shape_str({v.shape[0], v.shape[1], v.shape[2], v.shape[3]}); }
-
 /// Checks that `view` broadcasts to `full` (each extent equal or 1) and returns it with stride 0
 /// along broadcast dimensions, so kernels can index it with full-size indices.
 template <class T>
@@ -20,7 +18,7 @@ View4<T> broadcast_to(const char* fn, View4<T> view, const std::array<int64_t, 4
   for (size_t a = 0; a < 4; ++a) {
     if (view.shape[a] == full[a]) continue;
     if (view.shape[a] != 1)
-      fail(fn, ": ", what, " has shape ", view_shape(original),
+      fail(fn, ": ", what, " has shape ", shape_str(original),
            ", which does not broadcast to (B, h, T_q, T_k) = ", shape_str({full[0], full[1], full[2], full[3]}));
     view.stride[a] = 0;
     view.shape[a] = full[a];
@@ -35,32 +33,32 @@ void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const 
   if (!q.defined() && q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3] != 0) fail(fn, ": query has no data");
   for (size_t a = 0; a < 4; ++a) {
     if (q.shape[a] < 0 || k.shape[a] < 0 || v.shape[a] < 0)
-      fail(fn, ": negative extent in query ", view_shape(q), ", key ", view_shape(k), " or value ", view_shape(v));
+      fail(fn, ": negative extent in query ", shape_str(q), ", key ", shape_str(k), " or value ", shape_str(v));
   }
-  if (q.shape[3] <= 0) fail(fn, ": head dim d must be ≥ 1, query is ", view_shape(q));
-  if (v.shape[3] <= 0) fail(fn, ": value head dim d_v must be ≥ 1, value is ", view_shape(v));
+  if (q.shape[3] <= 0) fail(fn, ": head dim d must be ≥ 1, query is ", shape_str(q));
+  if (v.shape[3] <= 0) fail(fn, ": value head dim d_v must be ≥ 1, value is ", shape_str(v));
   if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0])
-    fail(fn, ": batch sizes differ: query ", view_shape(q), ", key ", view_shape(k), ", value ", view_shape(v));
+    fail(fn, ": batch sizes differ: query ", shape_str(q), ", key ", shape_str(k), ", value ", shape_str(v));
   if (k.shape[3] != q.shape[3])
-    fail(fn, ": key head dim must equal the query's: query ", view_shape(q), ", key ", view_shape(k));
+    fail(fn, ": key head dim must equal the query's: query ", shape_str(q), ", key ", shape_str(k));
   if (k.shape[1] != v.shape[1] || k.shape[2] != v.shape[2])
-    fail(fn, ": key ", view_shape(k), " and value ", view_shape(v), " must agree in heads and length");
+    fail(fn, ": key ", shape_str(k), " and value ", shape_str(v), " must agree in heads and length");
   if (k.shape[1] <= 0 || q.shape[1] % k.shape[1] != 0)
     fail(fn, ": the ", q.shape[1], " query heads must be a multiple of the ", k.shape[1], " key/value heads: query ",
-         view_shape(q), ", key ", view_shape(k));
+         shape_str(q), ", key ", shape_str(k));
   if (opt.scale && !std::isfinite(*opt.scale)) fail(fn, ": scale must be finite, got ", *opt.scale);
   if (opt.dropout.p < 0.0f || opt.dropout.p >= 1.0f || std::isnan(opt.dropout.p))
     fail(fn, ": dropout probability must be in [0, 1), got ", opt.dropout.p);
   const Shape want_out{q.shape[0], q.shape[1], q.shape[2], v.shape[3]};
   if (!outputs.out.defined() && shape_numel(want_out) != 0) fail(fn, ": the output view is required");
   if (outputs.out.shape_vec() != want_out)
-    fail(fn, ": output has shape ", view_shape(outputs.out), ", expected ", shape_str(want_out));
+    fail(fn, ": output has shape ", shape_str(outputs.out), ", expected ", shape_str(want_out));
   const Shape want_w{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
   if (outputs.weights.defined() && outputs.weights.shape_vec() != want_w)
-    fail(fn, ": weights have shape ", view_shape(outputs.weights), ", expected ", shape_str(want_w));
+    fail(fn, ": weights have shape ", shape_str(outputs.weights), ", expected ", shape_str(want_w));
   const Shape want_lse{q.shape[0], q.shape[1], q.shape[2], 1};
   if (outputs.lse.defined() && outputs.lse.shape_vec() != want_lse)
-    fail(fn, ": lse has shape ", view_shape(outputs.lse), ", expected ", shape_str(want_lse));
+    fail(fn, ": lse has shape ", shape_str(outputs.lse), ", expected ", shape_str(want_lse));
   const Causal& causal = opt.masks.causal;
   if (causal.window < 0) fail(fn, ": sliding window must be ≥ 0 (0 = unlimited), got ", causal.window);
   if (causal.window > 0 && !causal.enabled())
