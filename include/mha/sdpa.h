@@ -15,93 +15,11 @@
 #include <optional>
 #include <string>
 
+#include "mha/masks.h"
 #include "mha/tensor.h"
 #include "mha/threads.h"
 
 namespace mha {
-
-/// Which keys a causal mask lets query q (of T_q) see: key k is visible when k ≤ q + offset.
-struct Causal {
-  enum class Align : uint8_t {
-    None,         ///< no causal mask
-    TopLeft,      ///< offset 0: PyTorch's is_causal (query 0 sees key 0 only)
-    BottomRight,  ///< offset T_k − T_q: the last query sees every key (FlashAttention, KV-cache decoding)
-    Offset,       ///< an explicit offset, e.g. the absolute position of query 0 in a cache
-  };
-  Align align = Align::None;
-  int64_t offset = 0;  ///< used with Align::Offset only
-  /// Sliding window: when > 0, key k is visible only if q + offset − window < k ≤ q + offset, i.e.
-  /// the last `window` positions up to and including the query's own. 0 = unlimited.
-  int64_t window = 0;
-
-  static Causal none() { return {}; }
-  static Causal top_left() { return {Align::TopLeft, 0}; }
-  static Causal bottom_right() { return {Align::BottomRight, 0}; }
-  static Causal with_offset(int64_t off) { return {Align::Offset, off}; }
-
-  /// The same alignment, limited to the last `w` positions (sliding-window attention).
-  Causal with_window(int64_t w) const {
-    Causal c = *this;
-    c.window = w;
-    return c;
-  }
-
-  bool enabled() const { return align != Align::None; }
-  /// The offset for these lengths (meaningless when !enabled()).
-  int64_t offset_for(int64_t t_q, int64_t t_k) const {
-    switch (align) {
-      case Align::BottomRight:
-        return t_k - t_q;
-      case Align::Offset:
-        return offset;
-      default:
-        return 0;
-    }
-  }
-};
-
-/// Positions that MAY be attended: nonzero = allowed. Broadcastable to (B, h, T_q, T_k):
-/// each extent is either the full size or 1 (stride 0 is fine too).
-struct AllowedMask {
-  View4<const uint8_t> view;
-};
-
-/// A float bias added to the scores after scaling, broadcastable to (B, h, T_q, T_k).
-/// −inf entries mask a position out.
-struct AdditiveMask {
-  View4<const float> view;
-};
-
-/// Per-batch key padding, shape (B, T_k) as a view (B, 1, 1, T_k): nonzero = padding.
-/// Padded keys are skipped entirely: their K and V rows are never read.
-struct KeyPadding {
-  View4<const uint8_t> view;
-};
-
-/// A float bias per key, (B, T_k) as a view (B, 1, 1, T_k), added to every query's scores
-/// (PyTorch's float key_padding_mask). −inf entries mask the key out.
-struct KeyBias {
-  View4<const float> view;
-};
-
-/// Every mask the kernels understand, applied together (a position is visible only when every
-/// mask allows it). A view that is not defined() (no data) means "no such mask".
-struct Masks {
-  AllowedMask allowed;
-  AdditiveMask bias;
-  KeyPadding key_padding;
-  KeyBias key_bias;
-  Causal causal;
-};
-
-/// Dropout on the normalised probabilities, scaled by 1/(1 − p). Active when p > 0: the caller
-/// (the module in training mode) decides. Keep-decisions come from a counter-based generator keyed
-/// on (seed, batch, head, query, key) so tiling and threads cannot change them.
-struct Dropout {
-  float p = 0.0f;
-  uint64_t seed = 0;
-  bool active() const { return p > 0.0f; }
-};
 
 enum class Backend : uint8_t {
   Auto,       ///< the fastest path that supports the request

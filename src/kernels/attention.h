@@ -11,13 +11,11 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/common.h"
 #include "kernels/masking.h"
-#include "mha/sdpa.h"
+#include "mha/masks.h"
 
 namespace mha::kernels {
-
-/// Element type of Q, K and V (outputs, masks and the softmax are always float32).
-enum class DType : uint8_t { F32, BF16 };
 
 /// Q, K or V as a kernel reads it: a strided (B, heads, T, d) view whose element type is the
 /// params' dtype; as<T>() gives the typed view.
@@ -37,7 +35,7 @@ struct InputView {
 };
 
 struct SdpaParams {
-  DType dtype = DType::F32;  // of q, k and v
+  DType dtype = DType::F32;  // of q, k and v (outputs, masks and the softmax are float32)
   InputView q;               // (B, h, T_q, d)
   InputView k;               // (B, kv, T_k, d)
   InputView v;               // (B, kv, T_k, d_v)

@@ -15,6 +15,9 @@
 
 namespace mha::kernels {
 
+/// Element type of the inputs a kernel reads (Q, K, V or a KV cache).
+enum class DType : uint8_t { F32, BF16 };
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr double kNegInfDouble = -std::numeric_limits<double>::infinity();
 

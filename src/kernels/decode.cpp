@@ -338,7 +338,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
 }
 
 void decode_item(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
-  if (p.dtype == CacheDtype::BF16)
+  if (p.dtype == DType::BF16)
     decode_item_of<bf16>(p, index, partial, scratch);
   else
     decode_item_of<float>(p, index, partial, scratch);

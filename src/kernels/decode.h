@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "mha/kv_cache.h"
+#include "kernels/common.h"
 #include "mha/rope.h"
 #include "mha/tensor.h"
 
@@ -27,7 +27,7 @@ struct DecodeParams {
   View4<const float> q;     // (B, h, T_q, d)
   const void* k = nullptr;  // (B, kv, capacity, d) contiguous, float or bf16 by dtype
   const void* v = nullptr;  // (B, kv, capacity, d_v)
-  CacheDtype dtype = CacheDtype::F32;
+  DType dtype = DType::F32;
   int64_t kv_heads = 0, capacity = 0, d_v = 0;
   bool ring = false;                   // position p lives in slot p mod capacity (else slot p)
   const int64_t* key_first = nullptr;  // (B) first position held

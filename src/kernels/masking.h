@@ -2,7 +2,7 @@
 //
 // Key j is visible to query i iff
 //     j ≤ i + offset   and   (window == 0  or  j > i + offset − window)
-// (mha/sdpa.h, Causal). Indices are rows of Q and K, or absolute positions with offset 0 when
+// (mha/masks.h, Causal). Indices are rows of Q and K, or absolute positions with offset 0 when
 // decoding against a cache. Kernels ask three questions of the rule: does query i see key j
 // (per-element masking); which keys can some row of a query block see (the key loop's bounds);
 // and is a (query block × key block) tile hidden, partly visible or wholly visible (skip it, mask
@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "mha/sdpa.h"
+#include "mha/masks.h"
 
 namespace mha::kernels {
 

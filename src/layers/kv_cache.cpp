@@ -209,7 +209,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.q = q;
   p.k = cache.k_data();
   p.v = cache.v_data();
-  p.dtype = c.dtype;
+  p.dtype = c.dtype == CacheDtype::BF16 ? kernels::DType::BF16 : kernels::DType::F32;
   p.kv_heads = c.kv_heads;
   p.capacity = c.capacity;
   p.d_v = c.v_dim();
