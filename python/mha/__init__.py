@@ -19,7 +19,7 @@ from ._functional import Additive, Allowed, Causal, sdpa, sdpa_backward
 from ._module import (KvCache, MultiheadAttention, Rope, analyze, head_importance, load_safetensors,
                       prune_heads)
 
-__version__ = "0.1.0"
+from ._version import __version__  # written by CMake: the project version
 
 __all__ = ["sdpa", "sdpa_backward", "Causal", "Allowed", "Additive", "MultiheadAttention", "KvCache", "Rope",
            "analyze", "prune_heads", "head_importance", "load_safetensors", "set_num_threads", "num_threads",

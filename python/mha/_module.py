@@ -155,7 +155,7 @@ class MultiheadAttention:
                 raise TypeError(f"MultiheadAttention: {name} must be an int, got {type(val).__name__}")
         if device not in (None, "cpu") and str(device) != "cpu":
             raise ValueError(f"MultiheadAttention: mha computes on the CPU; device={device!r} is not supported")
-        if dtype is not None and np.dtype(str(dtype).replace("torch.", "")) != np.float32:
+        if dtype is not None and str(dtype) not in ("float32", "torch.float32", "<class 'numpy.float32'>", "f32"):
             raise TypeError(f"MultiheadAttention: parameters are float32; dtype={dtype!r} is not supported")
         if rope is not None and not isinstance(rope, Rope):
             raise TypeError(f"MultiheadAttention: rope must be an mha.Rope or None, got {type(rope).__name__}")

@@ -36,6 +36,15 @@ def _np(t: _torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
+def _np3(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor):
+    """numpy views of the three inputs; one array for a tensor passed more than once (self-attention),
+    so mha projects Q, K and V with one packed GEMM."""
+    q = _np(query)
+    k = q if key is query else _np(key)
+    v = q if value is query else (k if value is key else _np(value))
+    return q, k, v
+
+
 def _mask_np(m: Optional[_torch.Tensor]) -> Optional[np.ndarray]:
     if m is None:
         return None
@@ -49,7 +58,7 @@ class _ModuleFunction(_torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, core, args, names, query, key, value, *params):  # type: ignore[override]
-        out, saved = core.forward_train(_np(query), _np(key), _np(value), args)
+        out, saved = core.forward_train(*_np3(query, key, value), args)
         ctx.core, ctx.saved, ctx.names = core, saved, names
         return _torch.from_numpy(out)
 
@@ -178,7 +187,7 @@ class MultiheadAttention(_torch.nn.Module):
         if need_weights or not needs_grad:
             need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
             args = _forward_args(fn, kpm, am, is_causal, need, training, seed, 0)
-            out, w = self._core.forward(_np(query), _np(key), _np(value), args)
+            out, w = self._core.forward(*_np3(query, key, value), args)
             weights = None if w is None else _torch.from_numpy(w)
             if not needs_grad:
                 return _torch.from_numpy(out), weights

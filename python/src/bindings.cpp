@@ -235,9 +235,28 @@ mha::MhaForwardOptions forward_options(const ForwardArgs& a) {
   return o;
 }
 
+/// The module's three inputs as owning tensors. When Python passed the same object more than once
+/// (self-attention), one tensor serves them all, so the module sees the same Tensor and projects
+/// Q, K and V with one packed GEMM, as a C++ caller passing one tensor thrice gets.
+struct ModuleInputs {
+  mha::Tensor q, k, v;
+  bool k_is_q = false, v_is_q = false, v_is_k = false;
+  const mha::Tensor& key() const { return k_is_q ? q : k; }
+  const mha::Tensor& value() const { return v_is_q ? q : (v_is_k ? key() : v); }
+};
+
+void fill_inputs(ModuleInputs& in, const py::object& q, const py::object& k, const py::object& v) {
+  in.q = tensor_from(py::cast<F32In>(q));
+  in.k_is_q = k.is(q);
+  in.v_is_q = v.is(q);
+  in.v_is_k = v.is(k);
+  if (!in.k_is_q) in.k = tensor_from(py::cast<F32In>(k));
+  if (!in.v_is_q && !in.v_is_k) in.v = tensor_from(py::cast<F32In>(v));
+}
+
 /// What forward_train saved, with the inputs it references (MhaContext points at them).
 struct TrainContext {
-  mha::Tensor query, key, value;
+  ModuleInputs inputs;
   mha::MhaContext ctx;
 };
 
@@ -421,14 +440,15 @@ PYBIND11_MODULE(_core, m) {
              *slot = std::move(t);
            })
       .def("forward",
-           [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v,
+           [](const mha::MultiheadAttention& self, const py::object& q, const py::object& k, const py::object& v,
               const ForwardArgs& args) {
-             const mha::Tensor qt = tensor_from(q), kt = tensor_from(k), vt = tensor_from(v);
+             ModuleInputs in;
+             fill_inputs(in, q, k, v);
              const mha::MhaForwardOptions opt = forward_options(args);
              mha::MhaOutput r;
              {
                py::gil_scoped_release release;
-               r = self.forward(qt, kt, vt, opt);
+               r = self.forward(in.q, in.key(), in.value(), opt);
              }
              return py::make_tuple(array_take(std::move(r.output)), array_take(std::move(r.attn_weights)));
            })
@@ -448,17 +468,15 @@ PYBIND11_MODULE(_core, m) {
              return array_take(std::move(r.output));
            })
       .def("forward_train",
-           [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v,
+           [](const mha::MultiheadAttention& self, const py::object& q, const py::object& k, const py::object& v,
               const ForwardArgs& args) {
              auto tc = std::make_unique<TrainContext>();
-             tc->query = tensor_from(q);
-             tc->key = tensor_from(k);
-             tc->value = tensor_from(v);
+             fill_inputs(tc->inputs, q, k, v);
              const mha::MhaForwardOptions opt = forward_options(args);
              mha::MhaTrainOutput r;
              {
                py::gil_scoped_release release;
-               r = mha::forward_train(self, tc->query, tc->key, tc->value, opt);
+               r = mha::forward_train(self, tc->inputs.q, tc->inputs.key(), tc->inputs.value(), opt);
              }
              tc->ctx = std::move(r.context);
              return py::make_tuple(array_take(std::move(r.output)), std::move(tc));
