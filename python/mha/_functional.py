@@ -166,6 +166,8 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
         a.causal_offset = causal.value
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
         raise TypeError(f"{fn}: window must be an int, got {type(window).__name__}")
+    if window >= 2**63:
+        raise ValueError(f"{fn}: window must be < 2**63, got {window}")
     if window < 0:
         raise ValueError(f"{fn}: window must be >= 0, got {window}")
     if window and (causal is None or causal.align == "none"):
@@ -178,6 +180,8 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
     a.dropout_p = float(dropout_p)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise TypeError(f"{fn}: seed must be a non-negative int, got {seed!r}")
+    if seed >= 2**64:
+        raise ValueError(f"{fn}: seed must be < 2**64, got {seed}")
     a.seed = int(seed)
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:

@@ -321,3 +321,21 @@ def test_backward_errors(rng):
         mha.sdpa_backward(q, k, v, out[:, :, :3], out, lse)
     with pytest.raises(TypeError):
         mha.sdpa_backward(q, k, v, out, out.astype(np.int64), lse)
+
+
+def test_edge_shapes_and_values_never_crash(rng):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    assert mha.sdpa(f(0, 2, 3, 4), f(0, 2, 3, 4), f(0, 2, 3, 4)).shape == (0, 2, 3, 4)
+    assert mha.sdpa(f(1, 2, 0, 4), f(1, 2, 3, 4), f(1, 2, 3, 4)).shape == (1, 2, 0, 4)
+    # no keys at all: every row is fully masked, so zeros
+    assert np.all(mha.sdpa(f(1, 2, 3, 4), f(1, 2, 0, 4), f(1, 2, 0, 4)) == 0)
+    with pytest.raises(ValueError, match="head dim"):
+        mha.sdpa(f(1, 2, 3, 0), f(1, 2, 3, 0), f(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="finite"):
+        mha.sdpa(f(1, 2, 3, 4), f(1, 2, 3, 4), f(1, 2, 3, 4), scale=np.inf)
+    with pytest.raises(ValueError, match="seed"):
+        mha.sdpa(f(1, 2, 3, 4), f(1, 2, 3, 4), f(1, 2, 3, 4), seed=2**70)
+    out = mha.sdpa(f(1, 2, 3, 4), f(1, 2, 3, 4), f(1, 2, 3, 4), causal=mha.Causal.offset(-10**12))
+    assert np.all(out == 0)
+    with pytest.raises(ValueError, match="cannot open"):
+        mha.load_safetensors("/nonexistent/x.safetensors")
