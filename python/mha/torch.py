@@ -168,7 +168,13 @@ class MultiheadAttention(_torch.nn.Module):
                 key_padding_mask: Optional[_torch.Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[_torch.Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> Tuple[_torch.Tensor, Optional[_torch.Tensor]]:
-        """torch.nn.MultiheadAttention.forward: same arguments, mask polarity and return value."""
+        """torch.nn.MultiheadAttention.forward: same arguments, mask polarity and return value.
+
+        When gradients are needed, the output comes from mha's forward_train (for backward); if
+        attention weights are asked for too (``need_weights=True``, PyTorch's default), they come
+        from a second, weights-only forward and carry no gradient. Pass ``need_weights=False``
+        in training (as TransformerEncoderLayer does) to run one pass.
+        """
         fn = "mha.torch.MultiheadAttention"
         for n, t in (("query", query), ("key", key), ("value", value)):
             _check(n, t, fn)
