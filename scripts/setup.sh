@@ -6,11 +6,13 @@ cd "$(dirname "$0")/.."
 
 # Debian packages: compilers and build tools, the libraries mha links (cairo for the pictures, with
 # the DejaVu fonts it draws text in, found through fontconfig), GoogleTest and Google Benchmark, and
-# python3 for the conformance checker. PyTorch is not needed to build or test (the
-# golden data is committed); regenerating goldens and bench/compare.py need
-# `apt-get install python3-torch python3-numpy`.
+# python3 for the conformance checker, and what the Python package builds and tests with
+# (python3-dev, pybind11-dev, python3-numpy, python3-pytest). PyTorch is not needed to build or test
+# (the golden data is committed; the mha.torch tests skip without it); regenerating goldens,
+# bench/compare.py and the mha.torch tests need `apt-get install python3-torch`.
 packages=(g++ cmake ninja-build pkg-config git libdnnl-dev libhwy-dev libcairo2-dev fonts-dejavu-core
-          fontconfig libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3)
+          fontconfig libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3
+          python3-dev pybind11-dev python3-numpy python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,26 @@
+"""mha: multi-head attention — fast, exact, with PyTorch's conventions — on numpy arrays.
+
+Functional API::
+
+    out = mha.sdpa(q, k, v, causal=mha.Causal.top_left())            # q (B, h, T_q, d), k/v (B, kv, T_k, ·)
+    out, lse = mha.sdpa(q, k, v, return_lse=True)
+    dq, dk, dv = mha.sdpa_backward(q, k, v, out, d_out, lse)
+
+The module (torch.nn.MultiheadAttention's constructor, forward, state_dict names)::
+
+    m = mha.MultiheadAttention(512, 8, batch_first=True).eval()
+    y, w = m(x, x, x, key_padding_mask=pad, is_causal=True)
+
+With PyTorch installed, ``mha.torch`` holds a torch.nn.Module drop-in with autograd.
+Bad input raises ValueError (shapes, values) or TypeError (types, dtypes) with the library's message.
+"""
+from ._core import num_threads, set_num_threads
+from ._functional import Additive, Allowed, Causal, sdpa, sdpa_backward
+from ._module import (KvCache, MultiheadAttention, Rope, analyze, head_importance, load_safetensors,
+                      prune_heads)
+
+from ._version import __version__  # written by CMake: the project version
+
+__all__ = ["sdpa", "sdpa_backward", "Causal", "Allowed", "Additive", "MultiheadAttention", "KvCache", "Rope",
+           "analyze", "prune_heads", "head_importance", "load_safetensors", "set_num_threads", "num_threads",
+           "__version__"]

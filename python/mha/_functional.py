@@ -1,0 +1,279 @@
+"""Scaled dot-product attention on numpy arrays: :func:`sdpa` and :func:`sdpa_backward`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _core
+
+__all__ = ["Causal", "Allowed", "Additive", "sdpa", "sdpa_backward"]
+
+
+@dataclass(frozen=True)
+class Causal:
+    """Which keys a causal mask lets query ``q`` see: key ``k`` is visible when ``k <= q + offset``.
+
+    Build one by meaning, never by a bare flag:
+
+    * ``Causal.top_left()``: offset 0, PyTorch's ``is_causal`` (query 0 sees key 0 only).
+    * ``Causal.bottom_right()``: offset ``T_k - T_q``, the last query sees every key
+      (FlashAttention's convention; KV-cache decoding).
+    * ``Causal.offset(n)``: an explicit offset, e.g. the absolute position of query 0.
+    """
+
+    align: str = "none"
+    value: int = 0
+
+    @staticmethod
+    def none() -> "Causal":
+        """No causal mask."""
+        return Causal("none", 0)
+
+    @staticmethod
+    def top_left() -> "Causal":
+        """Offset 0: query ``i`` sees keys ``0 … i`` (PyTorch's ``is_causal=True``)."""
+        return Causal("top_left", 0)
+
+    @staticmethod
+    def bottom_right() -> "Causal":
+        """Offset ``T_k - T_q``: the last query sees every key."""
+        return Causal("bottom_right", 0)
+
+    @staticmethod
+    def offset(n: int) -> "Causal":
+        """Query ``i`` sees keys ``0 … i + n``."""
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+            raise TypeError(f"Causal.offset: n must be an int, got {type(n).__name__}")
+        return Causal("offset", int(n))
+
+
+class Allowed:
+    """An attention mask whose True entries MAY be attended (mha's polarity).
+
+    Wrap a boolean array, broadcastable to (B, h, T_q, T_k), to pass it as ``attn_mask``.
+    """
+
+    def __init__(self, mask: Any):
+        self.mask = mask
+
+    def __repr__(self) -> str:
+        return f"mha.Allowed(shape={np.shape(self.mask)})"
+
+
+class Additive:
+    """A float bias added to the scaled scores (−inf masks a position out).
+
+    Wrap a float array, broadcastable to (B, h, T_q, T_k), to pass it as ``attn_mask``.
+    """
+
+    def __init__(self, bias: Any):
+        self.bias = bias
+
+    def __repr__(self) -> str:
+        return f"mha.Additive(shape={np.shape(self.bias)})"
+
+
+# ---- argument conversion ---------------------------------------------------------------------
+
+def _float_array(name: str, x: Any, fn: str) -> np.ndarray:
+    """float32 ndarray; other real float dtypes are converted (a copy); anything else is a TypeError."""
+    if x is None:
+        raise TypeError(f"{fn}: {name} must be an array, got None")
+    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if a.dtype == np.float32:
+        return a
+    if a.dtype.kind == "f" or a.dtype.kind in "iu" and not isinstance(x, np.ndarray):
+        return a.astype(np.float32)
+    raise TypeError(f"{fn}: {name} must be a float32 array (float16/float64 are converted), got dtype {a.dtype}")
+
+
+def _in_place(a: np.ndarray) -> np.ndarray:
+    """The array itself when the kernels can read it through a strided view (non-negative strides
+    that are whole elements), else a C-contiguous copy."""
+    if all(s >= 0 and s % a.itemsize == 0 for s in a.strides):
+        return a
+    return np.ascontiguousarray(a)
+
+
+def _rank4(name: str, a: np.ndarray, fn: str) -> np.ndarray:
+    if a.ndim != 4:
+        raise ValueError(f"{fn}: {name} must be 4-D (B, heads, T, d), got shape {a.shape}")
+    return a
+
+
+def _broadcast4(name: str, a: np.ndarray, fn: str) -> np.ndarray:
+    """A mask of rank ≤ 4 as 4-D with leading 1s (numpy broadcasting), without copying."""
+    if a.ndim > 4:
+        raise ValueError(f"{fn}: {name} must have at most 4 dimensions, got shape {a.shape}")
+    return a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+
+def _bool_mask(name: str, m: Any, fn: str) -> np.ndarray:
+    a = np.asarray(m)
+    if a.dtype != np.bool_:
+        raise TypeError(f"{fn}: {name} must be a boolean array, got dtype {a.dtype}")
+    return _in_place(_broadcast4(name, a, fn)).view(np.uint8)
+
+
+def _float_mask(name: str, m: Any, fn: str) -> np.ndarray:
+    return _in_place(_broadcast4(name, _float_array(name, m, fn), fn))
+
+
+def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, window, dropout_p, seed,
+          threads) -> "_core.SdpaArgs":
+    a = _core.SdpaArgs()
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{fn}: scale must be a number or None, got {type(scale).__name__}")
+        a.scale = float(scale)
+    if attn_mask is not None:
+        if isinstance(attn_mask, Allowed):
+            if allowed is not None:
+                raise ValueError(f"{fn}: pass the allowed mask once (attn_mask=Allowed(…) or allowed=…)")
+            allowed = attn_mask.mask
+        elif isinstance(attn_mask, Additive):
+            if bias is not None:
+                raise ValueError(f"{fn}: pass the additive mask once (attn_mask=Additive(…) or bias=…)")
+            bias = attn_mask.bias
+        else:
+            arr = np.asarray(attn_mask)
+            if arr.dtype == np.bool_:
+                raise TypeError(f"{fn}: a bare boolean attn_mask is ambiguous; pass allowed=… (True = may attend) "
+                                f"or attn_mask=mha.Allowed(…) (PyTorch's 'True = masked out' is ~allowed)")
+            if bias is not None:
+                raise ValueError(f"{fn}: pass the additive mask once (attn_mask or bias)")
+            bias = arr
+    if allowed is not None:
+        a.allowed = _bool_mask("allowed", allowed, fn)
+    if bias is not None:
+        a.bias = _float_mask("bias", bias, fn)
+    if key_padding_mask is not None:
+        kpm = np.asarray(key_padding_mask)
+        if kpm.ndim != 2:
+            raise ValueError(f"{fn}: key_padding_mask must be (B, T_k), got shape {kpm.shape}")
+        kpm4 = kpm.reshape(kpm.shape[0], 1, 1, kpm.shape[1])
+        if kpm.dtype == np.bool_:
+            a.key_padding = _in_place(kpm4).view(np.uint8)
+        else:
+            a.key_bias = _float_mask("key_padding_mask", kpm4, fn)
+    if causal is not None:
+        if not isinstance(causal, Causal):
+            raise TypeError(f"{fn}: causal must be an mha.Causal (Causal.top_left(), .bottom_right(), .offset(n)) "
+                            f"or None, got {type(causal).__name__}")
+        a.causal = causal.align
+        a.causal_offset = causal.value
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+        raise TypeError(f"{fn}: window must be an int, got {type(window).__name__}")
+    if window >= 2**63:
+        raise ValueError(f"{fn}: window must be < 2**63, got {window}")
+    if window < 0:
+        raise ValueError(f"{fn}: window must be >= 0, got {window}")
+    if window and (causal is None or causal.align == "none"):
+        raise ValueError(f"{fn}: window={window} needs a causal alignment (e.g. causal=mha.Causal.bottom_right())")
+    a.window = int(window)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)):
+        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
+    a.dropout_p = float(dropout_p)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise TypeError(f"{fn}: seed must be a non-negative int, got {seed!r}")
+    if seed >= 2**64:
+        raise ValueError(f"{fn}: seed must be < 2**64, got {seed}")
+    a.seed = int(seed)
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
+            raise TypeError(f"{fn}: threads must be a non-negative int or None, got {threads!r}")
+        a.threads = int(threads)
+    return a
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return _core.to_bf16_bits(a)
+
+
+def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] = None,
+         attn_mask: Union[None, Allowed, Additive, np.ndarray] = None, allowed: Optional[np.ndarray] = None,
+         bias: Optional[np.ndarray] = None, key_padding_mask: Optional[np.ndarray] = None,
+         causal: Optional[Causal] = None, window: int = 0, dropout_p: float = 0.0, seed: int = 0,
+         return_weights: bool = False, return_lse: bool = False, threads: Optional[int] = None,
+         dtype: str = "f32") -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
+    """Scaled dot-product attention: ``softmax(scale · q kᵀ + masks) v`` per head.
+
+    Args:
+        q: (B, h, T_q, d) queries. k: (B, kv, T_k, d) keys. v: (B, kv, T_k, d_v) values.
+            ``h`` must be a multiple of ``kv``; query head ``i`` reads K/V head ``i // (h // kv)``
+            (grouped-query / multi-query attention, K/V never repeated).
+        scale: multiplies the scores; default ``1/sqrt(d)``.
+        attn_mask: ``mha.Allowed(bool_array)`` (True = may attend), ``mha.Additive(float_array)``, or a
+            float array (additive). A bare boolean array is refused (TypeError): its polarity is
+            ambiguous. Broadcastable to (B, h, T_q, T_k) (each extent full or 1; fewer dims get leading 1s).
+        allowed: boolean mask, True = may attend (same as ``attn_mask=mha.Allowed(…)``).
+        bias: float mask added after scaling; −inf masks out (same as ``attn_mask=mha.Additive(…)``).
+        key_padding_mask: (B, T_k). Boolean: True = padding (the key is never read).
+            Float: added to every query's score for that key.
+        causal: ``mha.Causal.top_left()``, ``.bottom_right()`` or ``.offset(n)``; None = not causal.
+        window: sliding window (needs ``causal``): key visible only if ``pos − window < key <= pos``.
+        dropout_p, seed: dropout on the probabilities (counter-based generator; same seed, same mask).
+        return_weights: also return the (B, h, T_q, T_k) probabilities.
+        return_lse: also return the (B, h, T_q) log-sum-exp of each score row (−inf when fully masked).
+        threads: worker threads for this call; None = the library default (:func:`mha.set_num_threads`).
+        dtype: ``"f32"`` (default) or ``"bf16"``: q/k/v are rounded to bfloat16 on entry (a copy;
+            numpy has no bfloat16), products accumulate in float32; outputs are float32.
+
+    Returns:
+        ``out`` (B, h, T_q, d_v) float32, or a tuple ``(out, weights?, lse?)`` with the requested extras.
+
+    Memory: float32 inputs are read in place through strided views, never copied, when their strides
+    are non-negative (C-contiguous arrays, slices, transposes such as ``x.transpose(0, 2, 1, 3)``,
+    ``np.broadcast_to`` views). Arrays with negative strides, and non-float32 inputs, are copied first.
+    Outputs are fresh arrays written directly by the kernels. The GIL is released while computing.
+
+    Raises:
+        TypeError: wrong argument types or dtypes. ValueError: shapes or values the library rejects
+        (its message names the argument and the shapes).
+    """
+    fn = "sdpa"
+    if dtype not in ("f32", "bf16"):
+        raise ValueError(f"sdpa: dtype must be 'f32' or 'bf16', got {dtype!r}")
+    qa, ka, va = (_in_place(_rank4(n, _float_array(n, x, fn), fn)) for n, x in (("q", q), ("k", k), ("v", v)))
+    if dtype == "bf16":
+        qa, ka, va = _bf16(qa), _bf16(ka), _bf16(va)
+    args = _args(fn, scale, attn_mask, allowed, bias, key_padding_mask, causal, window, dropout_p, seed, threads)
+    out, weights, lse = _core.sdpa(qa, ka, va, args, bool(return_weights), bool(return_lse), dtype == "bf16")
+    if not return_weights and not return_lse:
+        return out
+    result = [out]
+    if return_weights:
+        result.append(weights)
+    if return_lse:
+        result.append(lse)
+    return tuple(result)
+
+
+def sdpa_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, d_out: np.ndarray,
+                  lse: np.ndarray, *, scale: Optional[float] = None,
+                  attn_mask: Union[None, Allowed, Additive, np.ndarray] = None, allowed: Optional[np.ndarray] = None,
+                  bias: Optional[np.ndarray] = None, key_padding_mask: Optional[np.ndarray] = None,
+                  causal: Optional[Causal] = None, window: int = 0, dropout_p: float = 0.0, seed: int = 0,
+                  threads: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of :func:`sdpa` with respect to q, k and v, given ``d_out = ∂loss/∂out``.
+
+    ``out`` and ``lse`` are what ``sdpa(q, k, v, …, return_lse=True)`` returned for the same inputs;
+    every keyword (masks, causal, scale, dropout_p and seed) must be the forward's. Returns
+    ``(dq, dk, dv)`` with the shapes of q, k, v (float32). For grouped-query attention dk/dv are
+    summed over each group's query heads. Same memory, GIL and error rules as :func:`sdpa`.
+    """
+    fn = "sdpa_backward"
+    arrays = []
+    for n, x in (("q", q), ("k", k), ("v", v), ("out", out), ("d_out", d_out)):
+        arrays.append(_in_place(_rank4(n, _float_array(n, x, fn), fn)))
+    la = _float_array("lse", lse, fn)
+    if la.ndim != 3:
+        raise ValueError(f"sdpa_backward: lse must be (B, h, T_q) as sdpa(return_lse=True) returns it, "
+                         f"got shape {la.shape}")
+    la = _in_place(la[..., None])
+    args = _args(fn, scale, attn_mask, allowed, bias, key_padding_mask, causal, window, dropout_p, seed, threads)
+    return _core.sdpa_backward(*arrays, la, args)

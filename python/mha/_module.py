@@ -1,0 +1,347 @@
+"""The multi-head attention module on numpy arrays, with torch.nn.MultiheadAttention's conventions."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _core
+
+__all__ = ["Rope", "MultiheadAttention", "KvCache", "analyze", "prune_heads", "head_importance",
+           "load_safetensors"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embeddings on Q and K after projection.
+
+    Args:
+        theta: base θ (10000 in most models).
+        dims: rotated features per head (even, ≤ head dim); 0 = all.
+        pairing: ``"half_split"`` (Llama / GPT-NeoX rotate_half) or ``"interleaved"`` (GPT-J).
+    """
+
+    theta: float = 10000.0
+    dims: int = 0
+    pairing: str = "half_split"
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """A numpy view of an array-like; torch tensors are detached (CPU only)."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _f32(name: str, x: Any, fn: str) -> np.ndarray:
+    if x is None:
+        raise TypeError(f"{fn}: {name} must be an array, got None")
+    a = _numpy(x)
+    if a.dtype.kind != "f":
+        raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {a.dtype}")
+    return a
+
+
+def _is_bool(a: np.ndarray) -> bool:
+    # torch 1.13 still accepts uint8 masks as boolean ones (deprecated); so do we.
+    return a.dtype == np.bool_ or a.dtype == np.uint8
+
+
+def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: bool, need: str, training: bool,
+                  seed: int, threads: int) -> "_core.ForwardArgs":
+    args = _core.ForwardArgs()
+    if attn_mask is not None:
+        m = _numpy(attn_mask)
+        if _is_bool(m):
+            # PyTorch's polarity (True = may NOT attend), converted once, here, to mha's "allowed".
+            args.attn_allowed = np.logical_not(m).view(np.uint8)
+        elif m.dtype.kind == "f":
+            args.attn_additive = m
+        else:
+            raise TypeError(f"{fn}: attn_mask must be a bool or float array, got dtype {m.dtype}")
+    if key_padding_mask is not None:
+        m = _numpy(key_padding_mask)
+        if _is_bool(m):
+            args.key_padding = (m != 0).view(np.uint8)
+        elif m.dtype.kind == "f":
+            args.key_bias = m
+        else:
+            raise TypeError(f"{fn}: key_padding_mask must be a bool or float array, got dtype {m.dtype}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"{fn}: is_causal must be a bool, got {type(is_causal).__name__}")
+    args.is_causal = bool(is_causal)
+    args.need_weights = need
+    args.training = training
+    args.seed = int(seed)
+    args.threads = int(threads)
+    return args
+
+
+class KvCache:
+    """A key/value cache for one attention layer (see :meth:`MultiheadAttention.new_cache`).
+
+    Preallocated (batch, kv_heads, capacity, d) in float32 or bfloat16; each sequence has its own
+    length. ``ring=True`` keeps the last ``capacity`` positions (sliding-window decoding).
+    """
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *, value_dim: int = 0,
+                 dtype: str = "f32", ring: bool = False):
+        self._c = _core.KvCache(int(batch), int(kv_heads), int(head_dim), int(value_dim), int(capacity), dtype,
+                                bool(ring))
+
+    def length(self, b: int = 0) -> int:
+        """Absolute length of sequence ``b`` (the position of its next token)."""
+        return self._c.length(b)
+
+    def lengths(self) -> List[int]:
+        """Every sequence's length."""
+        return [self._c.length(b) for b in range(self._c.batch)]
+
+    @property
+    def batch(self) -> int:
+        return self._c.batch
+
+    @property
+    def capacity(self) -> int:
+        return self._c.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V storage."""
+        return self._c.nbytes
+
+    def reset(self, b: Optional[int] = None) -> None:
+        """Every sequence (or sequence ``b``) back to length 0."""
+        if b is None:
+            self._c.reset()
+        else:
+            self._c.reset_sequence(b)
+
+    def clone(self) -> "KvCache":
+        """A deep copy (e.g. to branch a shared prompt)."""
+        c = KvCache.__new__(KvCache)
+        c._c = self._c.clone()
+        return c
+
+    def __repr__(self) -> str:
+        return f"mha.KvCache(batch={self.batch}, capacity={self.capacity}, lengths={self.lengths()})"
+
+
+class MultiheadAttention:
+    """Multi-head attention with torch.nn.MultiheadAttention's constructor, forward and parameter names.
+
+    ``MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+    add_zero_attn=False, kdim=None, vdim=None, batch_first=False)`` takes PyTorch's arguments in
+    PyTorch's order, plus keyword-only extras: ``num_kv_heads`` (grouped-query / multi-query
+    attention: query head i uses K/V head ``i // (num_heads // num_kv_heads)``), ``rope``
+    (:class:`mha.Rope`) and ``seed`` (the deterministic initialisation: Xavier-uniform projections,
+    zero biases, as PyTorch initialises them).
+
+    Inputs are numpy arrays (or anything ``np.asarray`` accepts): (T, B, E) by default,
+    (B, T, E) with ``batch_first=True``, (T, E) unbatched. Like a torch module it starts in
+    training mode; dropout (if > 0) applies only then. Call :meth:`eval` for inference.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False, device: Any = None, dtype: Any = None, *,
+                 num_kv_heads: Optional[int] = None, rope: Optional[Rope] = None, seed: int = 0):
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+                raise TypeError(f"MultiheadAttention: {name} must be an int, got {type(val).__name__}")
+        if device not in (None, "cpu") and str(device) != "cpu":
+            raise ValueError(f"MultiheadAttention: mha computes on the CPU; device={device!r} is not supported")
+        if dtype is not None and str(dtype) not in ("float32", "torch.float32", "<class 'numpy.float32'>", "f32"):
+            raise TypeError(f"MultiheadAttention: parameters are float32; dtype={dtype!r} is not supported")
+        if rope is not None and not isinstance(rope, Rope):
+            raise TypeError(f"MultiheadAttention: rope must be an mha.Rope or None, got {type(rope).__name__}")
+        self._m = _core.Module(int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0),
+                               int(vdim or 0), bool(bias), bool(add_bias_kv), bool(add_zero_attn), float(dropout),
+                               bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
+                               int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
+                               int(seed))
+        self.training = True
+        self.dropout_seed = 0
+
+    @classmethod
+    def _wrap(cls, core: "_core.Module") -> "MultiheadAttention":
+        m = cls.__new__(cls)
+        m._m = core
+        m.training = True
+        m.dropout_seed = 0
+        return m
+
+    # ---- configuration, like torch's attributes ----------------------------------------------
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The configuration as a dict (embed_dim, num_heads, num_kv_heads, kdim, vdim, …)."""
+        return self._m.config()
+
+    embed_dim = property(lambda self: self._m.config()["embed_dim"])
+    num_heads = property(lambda self: self._m.config()["num_heads"])
+    num_kv_heads = property(lambda self: self._m.config()["num_kv_heads"])
+    head_dim = property(lambda self: self._m.config()["head_dim"])
+    kdim = property(lambda self: self._m.config()["kdim"])
+    vdim = property(lambda self: self._m.config()["vdim"])
+    dropout = property(lambda self: self._m.config()["dropout"])
+    batch_first = property(lambda self: self._m.config()["batch_first"])
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"mha.MultiheadAttention(embed_dim={c['embed_dim']}, num_heads={c['num_heads']}, "
+                f"num_kv_heads={c['num_kv_heads']}, batch_first={c['batch_first']})")
+
+    def train(self, mode: bool = True) -> "MultiheadAttention":
+        """Training mode (dropout active when > 0). Returns self, like torch."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "MultiheadAttention":
+        """Inference mode (no dropout). Returns self."""
+        return self.train(False)
+
+    def parameter_count(self) -> int:
+        """Number of trainable scalars (4·E² + 4·E for a plain module with bias)."""
+        return self._m.parameter_count()
+
+    # ---- parameters under PyTorch's names -----------------------------------------------------
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """Parameters as numpy arrays (copies) under torch.nn.MultiheadAttention's names, in its order:
+        in_proj_weight or q/k/v_proj_weight, in_proj_bias, bias_k, bias_v, out_proj.weight, out_proj.bias."""
+        return {n: self._m.get(n) for n in self._m.param_names()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Loads parameters by PyTorch name (numpy arrays, or CPU torch tensors). Shapes must match;
+        with ``strict`` every parameter must be present and no other name may appear."""
+        names = self._m.param_names()
+        if strict:
+            missing = [n for n in names if n not in state_dict]
+            unexpected = [n for n in state_dict if n not in names]
+            if missing or unexpected:
+                raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for n, value in state_dict.items():
+            if n in names:
+                self._m.set(n, _f32(n, value, "load_state_dict"))
+
+    def save(self, path: PathLike, names: str = "pytorch") -> None:
+        """Writes the parameters and configuration to a safetensors file, under PyTorch names
+        (``names="pytorch"``) or Hugging Face ones (``"huggingface"``: q_proj, k_proj, v_proj, o_proj)."""
+        self._m.save(os.fspath(path), names)
+
+    @classmethod
+    def load(cls, path: PathLike) -> "MultiheadAttention":
+        """A module built from a safetensors file's configuration metadata and weights (either naming)."""
+        return cls._wrap(_core.load_module(os.fspath(path)))
+
+    def load_weights(self, path: PathLike) -> None:
+        """Loads weights (either naming) from a safetensors file into this module; shapes are checked."""
+        _core.load_weights(self._m, os.fspath(path))
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None, need_weights: bool = True,
+                attn_mask: Any = None, average_attn_weights: bool = True, is_causal: bool = False,
+                *, threads: int = 0) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """torch.nn.MultiheadAttention.forward, on numpy arrays.
+
+        Masks use PyTorch's polarity at this boundary: a boolean ``attn_mask`` ((T_q, T_k) or
+        (B·h, T_q, T_k)) is True where attention is NOT allowed; a float one is added to the scores.
+        A boolean ``key_padding_mask`` ((B, T_k), or (T_k) unbatched) is True at padding; a float
+        one is added. ``is_causal=True`` applies the top-left causal mask (query i sees keys ≤ i),
+        together with any attn_mask. Returns ``(output, weights)``: weights are (B, T_q, S) averaged
+        over heads, (B, h, T_q, S) with ``average_attn_weights=False``, None when not ``need_weights``.
+        """
+        fn = "MultiheadAttention.forward"
+        q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
+        need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
+        training = self.training and self.dropout > 0.0
+        args = _forward_args(fn, key_padding_mask, attn_mask, is_causal, need, training, self.dropout_seed, threads)
+        if training:
+            self.dropout_seed += 1  # a fresh dropout mask per call, reproducible from the module's seed
+        return self._m.forward(q, k, v, args)
+
+    __call__ = forward
+
+    # ---- decoding with a KV cache -------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int, *, dtype: str = "f32", ring: bool = False) -> KvCache:
+        """A KV cache sized for this module: ``batch`` sequences of up to ``capacity`` positions."""
+        c = self.config
+        return KvCache(batch, c["num_kv_heads"], c["head_dim"], capacity, dtype=dtype, ring=ring)
+
+    def forward_incremental(self, query: Any, key: Any, value: Any, cache: KvCache, *,
+                            new_lengths: Optional[Sequence[int]] = None, window: int = 0,
+                            threads: int = 0) -> np.ndarray:
+        """Decodes new tokens against ``cache`` and appends their K/V to it.
+
+        query/key/value hold T_new new tokens per sequence in forward()'s layout (1 to decode, many to
+        prefill). Each new token attends causally, by absolute position, to the cache plus the new
+        tokens. ``new_lengths`` (B entries) lets sequence b take only its first tokens (right padding).
+        Prefill followed by one-token steps equals ``forward(…, is_causal=True)`` row for row.
+        Returns the output only (no weights)."""
+        fn = "MultiheadAttention.forward_incremental"
+        if not isinstance(cache, KvCache):
+            raise TypeError(f"{fn}: cache must be an mha.KvCache, got {type(cache).__name__}")
+        q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
+        return self._m.forward_incremental(q, k, v, cache._c, list(new_lengths or []), int(window), int(threads))
+
+
+def prune_heads(module: MultiheadAttention, heads: Sequence[int], *, duplicate_kv: bool = False) -> MultiheadAttention:
+    """A smaller module without ``heads`` (original indices), equal to the original with those heads'
+    contributions zeroed. Grouped-query groups left uneven are refused (ValueError) unless
+    ``duplicate_kv=True`` (which splits groups by duplicating K/V heads)."""
+    if not isinstance(module, MultiheadAttention):
+        raise TypeError(f"prune_heads: module must be an mha.MultiheadAttention, got {type(module).__name__}")
+    hs = [int(h) for h in heads]
+    return MultiheadAttention._wrap(module._m.prune(hs, bool(duplicate_kv)))
+
+
+def head_importance(module: MultiheadAttention, query: Any, key: Any, value: Any, *, key_padding_mask: Any = None,
+                    attn_mask: Any = None, is_causal: bool = False) -> np.ndarray:
+    """Each head's importance by ablation: ‖y − y₋ᵢ‖ / ‖y‖ on these inputs (masks in PyTorch's polarity)."""
+    fn = "head_importance"
+    q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
+    args = _forward_args(fn, key_padding_mask, attn_mask, is_causal, "none", False, 0, 0)
+    return np.asarray(module._m.head_importance(q, k, v, args))
+
+
+def analyze(weights: Any, *, query_offset: Optional[int] = None, png: Optional[PathLike] = None) -> List[Dict[str, Any]]:
+    """What each head does, from attention weights (B, h, T_q, T_k) or (h, T_q, T_k).
+
+    Returns one dict per head: ``head``, ``rows`` (rows measured), ``entropy`` (nats), ``sink``
+    (mass on key 0), ``prev_token``, ``self``, ``focus`` and ``class`` (``"attention_sink"``,
+    ``"prev_token"``, ``"self_attend"``, ``"focused"``, ``"broad"`` or ``"empty"``). With ``png``,
+    also writes a heat map of the first sequence's heads there.
+    """
+    w = _f32("weights", weights, "analyze")
+    result = _core.analyze(w, query_offset)
+    if png is not None:
+        _core.write_heatmap_png(os.fspath(png), w[0] if w.ndim == 4 else w)
+    return result
+
+
+def load_safetensors(path: PathLike) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+    """Reads every tensor of a safetensors file as numpy (float types → float32, BOOL → bool),
+    with the file's metadata. The file is validated completely first (mha/safetensors.h)."""
+    return _core.read_safetensors(os.fspath(path))
+
+
+def _gradients(self: MultiheadAttention, query: Any, key: Any, value: Any, d_output: Any,
+               key_padding_mask: Any = None, attn_mask: Any = None, is_causal: bool = False,
+               *, threads: int = 0) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+    """Forward and backward in one call: returns ``(output, grads)`` where ``grads`` maps ``"query"``,
+    ``"key"``, ``"value"`` (per argument, even for self-attention: sum them yourself) and every
+    parameter's PyTorch name to ∂L/∂(that), for L = sum(output · d_output). Masks as in :meth:`forward`;
+    dropout applies in training mode with the module's dropout seed."""
+    fn = "MultiheadAttention.gradients"
+    q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
+    training = self.training and self.dropout > 0.0
+    args = _forward_args(fn, key_padding_mask, attn_mask, is_causal, "none", training, self.dropout_seed, threads)
+    output, ctx = self._m.forward_train(q, k, v, args)
+    grads = self._m.backward(ctx, _f32("d_output", d_output, fn))
+    return output, grads
+
+
+MultiheadAttention.gradients = _gradients

@@ -1,0 +1,261 @@
+"""PyTorch interop (importable only when torch is installed).
+
+* :class:`MultiheadAttention`: a ``torch.nn.Module`` with torch.nn.MultiheadAttention's constructor,
+  forward and ``nn.Parameter`` names, computing with mha; gradients flow through a
+  ``torch.autograd.Function`` that calls mha's forward_train / backward.
+  ``model.self_attn = mha.torch.MultiheadAttention.from_torch(model.self_attn)`` swaps it in.
+* :func:`scaled_dot_product_attention`: ``torch.nn.functional.scaled_dot_product_attention``'s
+  signature and semantics (boolean mask True = take part), with autograd.
+
+Float32 CPU tensors only; anything else raises TypeError. Works with torch 1.13 and 2.x.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch as _torch
+
+from . import _core
+from ._functional import _args, _in_place
+from ._module import Rope, _forward_args
+
+__all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
+
+
+def _check(name: str, t: Any, fn: str) -> None:
+    if not isinstance(t, _torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != _torch.float32 or t.device.type != "cpu":
+        raise TypeError(f"{fn}: {name} must be a float32 CPU tensor (mha computes in float32 on the CPU), "
+                        f"got {t.dtype} on {t.device}")
+
+
+def _np(t: _torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+def _np3(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor):
+    """numpy views of the three inputs; one array for a tensor passed more than once (self-attention),
+    so mha projects Q, K and V with one packed GEMM."""
+    q = _np(query)
+    k = q if key is query else _np(key)
+    v = q if value is query else (k if value is key else _np(value))
+    return q, k, v
+
+
+def _mask_np(m: Optional[_torch.Tensor]) -> Optional[np.ndarray]:
+    if m is None:
+        return None
+    if not isinstance(m, _torch.Tensor):
+        return np.asarray(m)
+    return m.detach().cpu().numpy()
+
+
+class _ModuleFunction(_torch.autograd.Function):
+    """Output of mha's module forward_train; backward() returns every input's and parameter's gradient."""
+
+    @staticmethod
+    def forward(ctx, core, args, names, query, key, value, *params):  # type: ignore[override]
+        out, saved = core.forward_train(*_np3(query, key, value), args)
+        ctx.core, ctx.saved, ctx.names = core, saved, names
+        return _torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, d_output):  # type: ignore[override]
+        g = ctx.core.backward(ctx.saved, _np(d_output))
+        ctx.saved = None
+        t = lambda a: None if a is None else _torch.from_numpy(a)  # noqa: E731
+        return (None, None, None, t(g["query"]), t(g["key"]), t(g["value"]), *[t(g.get(n)) for n in ctx.names])
+
+
+class MultiheadAttention(_torch.nn.Module):
+    """torch.nn.MultiheadAttention, computed by mha.
+
+    Same constructor (positional order included), same forward, same parameters and state_dict
+    names (``in_proj_weight`` or ``q/k/v_proj_weight``, ``in_proj_bias``, ``bias_k``, ``bias_v``,
+    ``out_proj.weight``, ``out_proj.bias``), initialised as PyTorch does from torch's generator.
+    Keyword-only extras: ``num_kv_heads`` (grouped-query attention) and ``rope`` (:class:`mha.Rope`).
+
+    Each forward copies the current parameters into mha (O(parameters)); the backward uses the
+    parameters of the last forward, so run backward before changing them (as an optimiser loop does).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False, device: Any = None, dtype: Any = None, *,
+                 num_kv_heads: Optional[int] = None, rope: Optional[Rope] = None):
+        super().__init__()
+        if device is not None and _torch.device(device).type != "cpu":
+            raise TypeError(f"mha.torch.MultiheadAttention: CPU only, got device={device}")
+        if dtype is not None and dtype != _torch.float32:
+            raise TypeError(f"mha.torch.MultiheadAttention: float32 only, got dtype={dtype}")
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.add_zero_attn = add_zero_attn
+        self.rope = rope
+        # Validates everything (raises ValueError with the library's message) and gives the shapes.
+        self._core = _core.Module(int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0),
+                                  int(vdim or 0), bool(bias), bool(add_bias_kv), bool(add_zero_attn), float(dropout),
+                                  bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
+                                  int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0, 0)
+        cfg = self._core.config()
+        self.num_kv_heads = cfg["num_kv_heads"]
+        self.head_dim = cfg["head_dim"]
+        shapes = {n: self._core.get(n).shape for n in self._core.param_names()}
+        P = lambda n: _torch.nn.Parameter(_torch.empty(shapes[n])) if n in shapes else None  # noqa: E731
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = P("in_proj_weight")
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = P("q_proj_weight")
+            self.k_proj_weight = P("k_proj_weight")
+            self.v_proj_weight = P("v_proj_weight")
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = P("in_proj_bias")
+        else:
+            self.register_parameter("in_proj_bias", None)
+        linear = getattr(_torch.nn.modules.linear, "NonDynamicallyQuantizableLinear", _torch.nn.Linear)
+        self.out_proj = linear(cfg["num_heads"] * cfg["head_dim"], embed_dim, bias=bias)
+        if add_bias_kv:
+            self.bias_k = P("bias_k")
+            self.bias_v = P("bias_v")
+        else:
+            self.bias_k = self.bias_v = None
+        self._dropout_seed = 0
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """PyTorch's initialisation: Xavier-uniform input projections, zero biases, Xavier-normal bias_k/v."""
+        if self._qkv_same_embed_dim:
+            _torch.nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            _torch.nn.init.xavier_uniform_(self.q_proj_weight)
+            _torch.nn.init.xavier_uniform_(self.k_proj_weight)
+            _torch.nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            _torch.nn.init.constant_(self.in_proj_bias, 0.0)
+            _torch.nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            _torch.nn.init.xavier_normal_(self.bias_k)
+            _torch.nn.init.xavier_normal_(self.bias_v)
+
+    @classmethod
+    def from_torch(cls, old: "_torch.nn.MultiheadAttention") -> "MultiheadAttention":
+        """The same configuration, parameters (copied) and training mode as a torch.nn.MultiheadAttention."""
+        if not isinstance(old, _torch.nn.MultiheadAttention):
+            raise TypeError(f"from_torch: expected a torch.nn.MultiheadAttention, got {type(old).__name__}")
+        new = cls(old.embed_dim, old.num_heads, dropout=old.dropout, bias=old.in_proj_bias is not None,
+                  add_bias_kv=old.bias_k is not None, add_zero_attn=old.add_zero_attn, kdim=old.kdim, vdim=old.vdim,
+                  batch_first=old.batch_first)
+        new.load_state_dict(old.state_dict())
+        new.train(old.training)
+        return new
+
+    def _param_items(self):
+        return [(n, p) for n, p in self.named_parameters() if n in set(self._core.param_names())]
+
+    def forward(self, query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor,
+                key_padding_mask: Optional[_torch.Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[_torch.Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[_torch.Tensor, Optional[_torch.Tensor]]:
+        """torch.nn.MultiheadAttention.forward: same arguments, mask polarity and return value.
+
+        When gradients are needed, the output comes from mha's forward_train (for backward); if
+        attention weights are asked for too (``need_weights=True``, PyTorch's default), they come
+        from a second, weights-only forward and carry no gradient. Pass ``need_weights=False``
+        in training (as TransformerEncoderLayer does) to run one pass.
+        """
+        fn = "mha.torch.MultiheadAttention"
+        for n, t in (("query", query), ("key", key), ("value", value)):
+            _check(n, t, fn)
+        items = self._param_items()
+        for n, p in items:
+            _check(n, p, fn)
+            self._core.set(n, p.detach().numpy())
+        training = self.training and self.dropout > 0.0
+        seed = self._dropout_seed
+        if training:
+            self._dropout_seed += 1
+        kpm, am = _mask_np(key_padding_mask), _mask_np(attn_mask)
+        needs_grad = _torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
+                                                   or any(p.requires_grad for _, p in items))
+        weights = None
+        if need_weights or not needs_grad:
+            need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
+            args = _forward_args(fn, kpm, am, is_causal, need, training, seed, 0)
+            out, w = self._core.forward(*_np3(query, key, value), args)
+            weights = None if w is None else _torch.from_numpy(w)
+            if not needs_grad:
+                return _torch.from_numpy(out), weights
+        args = _forward_args(fn, kpm, am, is_causal, "none", training, seed, 0)
+        names = [n for n, _ in items]
+        out = _ModuleFunction.apply(self._core, args, names, query, key, value, *[p for _, p in items])
+        return out, weights
+
+
+class _SdpaFunction(_torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, args, q, k, v):  # type: ignore[override]
+        qn, kn, vn = _np(q), _np(k), _np(v)
+        out, _, lse = _core.sdpa(qn, kn, vn, args, False, True, False)
+        ctx.args, ctx.arrays = args, (qn, kn, vn, out, lse)
+        return _torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        qn, kn, vn, out, lse = ctx.arrays
+        dq, dk, dv = _core.sdpa_backward(qn, kn, vn, out, _np(d_out), lse[..., None], ctx.args)
+        ctx.arrays = None
+        return None, _torch.from_numpy(dq), _torch.from_numpy(dk), _torch.from_numpy(dv)
+
+
+def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor,
+                                 attn_mask: Optional[_torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None) -> _torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention, computed by mha, with autograd.
+
+    query (N, h, L, E) or (N, L, E); key/value (N, kv, S, ·) or (N, S, ·) (kv may divide h: grouped-query).
+    A boolean ``attn_mask`` is True where attention is allowed (PyTorch's SDPA polarity, the
+    opposite of nn.MultiheadAttention's); a float one is added. ``is_causal`` is top-left (query i
+    sees keys ≤ i) and, as in PyTorch, may not be combined with ``attn_mask``. Dropout uses mha's
+    counter-based generator, seeded from torch's generator (masks differ from PyTorch's).
+    """
+    fn = "scaled_dot_product_attention"
+    for n, t in (("query", query), ("key", key), ("value", value)):
+        _check(n, t, fn)
+    if is_causal and attn_mask is not None:
+        raise ValueError(f"{fn}: attn_mask and is_causal cannot both be set (as in PyTorch)")
+    three = query.dim() == 3
+    if three:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"{fn}: expected 3-D or 4-D query/key/value, got {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+    allowed = bias = None
+    if attn_mask is not None:
+        m = _mask_np(attn_mask)
+        if three and m.ndim == 3:
+            m = m[:, None]
+        if m.dtype == np.bool_:
+            allowed = m
+        else:
+            bias = m.astype(np.float32, copy=False)
+    seed = int(_torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+    from ._functional import Causal
+    args = _args(fn, scale, None, allowed, bias, None, Causal.top_left() if is_causal else None, 0, float(dropout_p),
+                 seed, None)
+    out = _SdpaFunction.apply(args, query, key, value)
+    return out.squeeze(1) if three else out
+
+
+del math, _in_place

@@ -1,0 +1,550 @@
+// python/src/bindings.cpp — the compiled half of the `mha` Python package (mha._core).
+//
+// Thin: every function takes numpy arrays the Python half (python/mha/*.py) has already checked for
+// dtype and rank, wraps them as strided View4s without copying where it can, releases the GIL,
+// and calls the public C++ API (include/mha/). mha::Error becomes ValueError with the library's
+// message; the Python half raises TypeError for wrong types before anything gets here.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mha/analysis.h"
+#include "mha/error.h"
+#include "mha/image.h"
+#include "mha/kv_cache.h"
+#include "mha/module.h"
+#include "mha/prune.h"
+#include "mha/safetensors.h"
+#include "mha/sdpa.h"
+#include "mha/threads.h"
+#include "mha/training.h"
+#include "mha/weights.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// ---- numpy <-> views and tensors ------------------------------------------------------------------
+
+/// A strided 4-D view over a numpy array's buffer (no copy). The Python half guarantees 4 dims,
+/// the dtype and non-negative strides that are whole elements; this re-checks and names `what`.
+template <class T>
+mha::View4<T> view_of(const py::array& a, const char* what) {
+  if (a.ndim() != 4) mha::fail(what, ": expected a 4-D array, got ", a.ndim(), " dimensions");
+  if (a.itemsize() != static_cast<py::ssize_t>(sizeof(T))) mha::fail(what, ": unexpected element size");
+  mha::View4<T> v;
+  v.data = static_cast<T*>(const_cast<void*>(a.data()));
+  for (size_t i = 0; i < 4; ++i) {
+    const int64_t bytes = static_cast<int64_t>(a.strides(static_cast<py::ssize_t>(i)));
+    if (bytes < 0 || bytes % static_cast<int64_t>(sizeof(T)) != 0)
+      mha::fail(what, ": strides must be non-negative whole elements");
+    v.shape[i] = static_cast<int64_t>(a.shape(static_cast<py::ssize_t>(i)));
+    v.stride[i] = bytes / static_cast<int64_t>(sizeof(T));
+  }
+  return v;
+}
+
+template <class T>
+mha::View4<const T> opt_view(const std::optional<py::array>& a, const char* what) {
+  if (!a) return {};
+  return view_of<const T>(*a, what);
+}
+
+/// A C-contiguous float32 copy of a numpy array as an owning Tensor (the module's API owns its inputs).
+mha::Tensor tensor_from(const py::array_t<float, py::array::c_style | py::array::forcecast>& a) {
+  mha::Shape shape(a.shape(), a.shape() + a.ndim());
+  std::vector<float> values(a.data(), a.data() + a.size());
+  return mha::Tensor(std::move(shape), std::move(values));
+}
+
+mha::BoolTensor bool_tensor_from(const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& a) {
+  mha::Shape shape(a.shape(), a.shape() + a.ndim());
+  std::vector<uint8_t> values(a.data(), a.data() + a.size());
+  for (auto& x : values) x = x ? 1 : 0;
+  return mha::BoolTensor(std::move(shape), std::move(values));
+}
+
+/// A numpy array that owns a copy of the tensor (empty tensor → None).
+py::object array_from(const mha::Tensor& t) {
+  if (!t.defined()) return py::none();
+  py::array_t<float> out(std::vector<py::ssize_t>(t.shape().begin(), t.shape().end()));
+  if (t.numel()) std::memcpy(out.mutable_data(), t.data(), static_cast<size_t>(t.numel()) * sizeof(float));
+  return out;
+}
+
+/// Moves a tensor's storage into a numpy array without copying (the capsule owns the vector).
+py::object array_take(mha::Tensor&& t) {
+  if (!t.defined()) return py::none();
+  auto* storage = new std::vector<float>(std::move(t.storage()));
+  py::capsule owner(storage, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+  return py::array_t<float>(std::vector<py::ssize_t>(t.shape().begin(), t.shape().end()), storage->data(), owner);
+}
+
+// ---- sdpa -------------------------------------------------------------------------------------
+
+mha::Causal make_causal(const std::string& align, int64_t offset, int64_t window) {
+  mha::Causal c;
+  if (align == "none")
+    c = mha::Causal::none();
+  else if (align == "top_left")
+    c = mha::Causal::top_left();
+  else if (align == "bottom_right")
+    c = mha::Causal::bottom_right();
+  else if (align == "offset")
+    c = mha::Causal::with_offset(offset);
+  else
+    mha::fail("causal: unknown alignment '", align, "'");
+  return c.with_window(window);
+}
+
+struct SdpaArgs {
+  std::optional<float> scale;
+  std::optional<py::array> allowed, bias, key_padding, key_bias;
+  std::string causal = "none";
+  int64_t causal_offset = 0, window = 0;
+  float dropout_p = 0.0f;
+  uint64_t seed = 0;
+  int threads = 0;
+};
+
+mha::SdpaOptions make_options(const SdpaArgs& a) {
+  mha::SdpaOptions opt;
+  opt.scale = a.scale;
+  opt.masks.allowed.view = opt_view<uint8_t>(a.allowed, "sdpa: allowed");
+  opt.masks.bias.view = opt_view<float>(a.bias, "sdpa: bias");
+  opt.masks.key_padding.view = opt_view<uint8_t>(a.key_padding, "sdpa: key_padding_mask");
+  opt.masks.key_bias.view = opt_view<float>(a.key_bias, "sdpa: key_padding_mask");
+  opt.masks.causal = make_causal(a.causal, a.causal_offset, a.window);
+  opt.dropout = {a.dropout_p, a.seed};
+  opt.threads = a.threads;
+  return opt;
+}
+
+/// Output (B, h, T_q, d_v), optional weights (B, h, T_q, T_k) and lse (B, h, T_q): numpy arrays
+/// allocated here and written in place by the kernels.
+py::tuple py_sdpa(const py::array& q, const py::array& k, const py::array& v, const SdpaArgs& args, bool want_weights,
+                  bool want_lse, bool bf16_inputs) {
+  const mha::SdpaOptions opt = make_options(args);
+  const int64_t B = q.shape(0), h = q.shape(1), Tq = q.shape(2), Tk = k.ndim() == 4 ? k.shape(2) : 0,
+                dv = v.ndim() == 4 ? v.shape(3) : 0;
+  py::array_t<float> out({B, h, Tq, dv});
+  py::object weights = py::none(), lse = py::none();
+  mha::SdpaOutputs outs;
+  outs.out = view_of<float>(out, "out");
+  if (want_weights) {
+    py::array_t<float> w({B, h, Tq, Tk});
+    outs.weights = view_of<float>(w, "weights");
+    weights = w;
+  }
+  if (want_lse) {
+    py::array_t<float> l({B, h, Tq, int64_t{1}});
+    outs.lse = view_of<float>(l, "lse");
+    lse = l.attr("reshape")(py::make_tuple(B, h, Tq));
+  }
+  if (bf16_inputs) {
+    const auto qv = view_of<const mha::bf16>(q, "sdpa: q"), kv = view_of<const mha::bf16>(k, "sdpa: k"),
+               vv = view_of<const mha::bf16>(v, "sdpa: v");
+    py::gil_scoped_release release;
+    mha::sdpa(qv, kv, vv, opt, outs);
+  } else {
+    const auto qv = view_of<const float>(q, "sdpa: q"), kv = view_of<const float>(k, "sdpa: k"),
+               vv = view_of<const float>(v, "sdpa: v");
+    py::gil_scoped_release release;
+    mha::sdpa(qv, kv, vv, opt, outs);
+  }
+  return py::make_tuple(out, weights, lse);
+}
+
+py::tuple py_sdpa_backward(const py::array& q, const py::array& k, const py::array& v, const py::array& out,
+                           const py::array& d_out, const py::array& lse, const SdpaArgs& args) {
+  const mha::SdpaOptions opt = make_options(args);
+  const auto qv = view_of<const float>(q, "sdpa_backward: q"), kv = view_of<const float>(k, "sdpa_backward: k"),
+             vv = view_of<const float>(v, "sdpa_backward: v");
+  const auto ov = view_of<const float>(out, "sdpa_backward: out"),
+             gv = view_of<const float>(d_out, "sdpa_backward: d_out"),
+             lv = view_of<const float>(lse, "sdpa_backward: lse");
+  py::array_t<float> dq({qv.shape[0], qv.shape[1], qv.shape[2], qv.shape[3]});
+  py::array_t<float> dk({kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[3]});
+  py::array_t<float> dv({vv.shape[0], vv.shape[1], vv.shape[2], vv.shape[3]});
+  const mha::SdpaGrads grads{view_of<float>(dq, "dq"), view_of<float>(dk, "dk"), view_of<float>(dv, "dv")};
+  {
+    py::gil_scoped_release release;
+    mha::sdpa_backward(qv, kv, vv, ov, gv, lv, opt, grads);
+  }
+  return py::make_tuple(dq, dk, dv);
+}
+
+// ---- the module ---------------------------------------------------------------------------------
+
+using F32In = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using BoolIn = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
+
+/// Parameter tensors by PyTorch name.
+mha::Tensor* param_slot(mha::MhaParameters& p, const std::string& name) {
+  if (name == "in_proj_weight") return &p.in_proj_weight;
+  if (name == "q_proj_weight") return &p.q_proj_weight;
+  if (name == "k_proj_weight") return &p.k_proj_weight;
+  if (name == "v_proj_weight") return &p.v_proj_weight;
+  if (name == "in_proj_bias") return &p.in_proj_bias;
+  if (name == "bias_k") return &p.bias_k;
+  if (name == "bias_v") return &p.bias_v;
+  if (name == "out_proj.weight") return &p.out_proj_weight;
+  if (name == "out_proj.bias") return &p.out_proj_bias;
+  mha::fail("unknown parameter name '", name, "'");
+}
+
+const std::vector<std::string> kParamNames = {"in_proj_weight", "q_proj_weight",   "k_proj_weight",
+                                              "v_proj_weight",  "in_proj_bias",    "bias_k",
+                                              "bias_v",         "out_proj.weight", "out_proj.bias"};
+
+/// The forward options, from the Python half's already-converted masks (mha polarity).
+struct ForwardArgs {
+  std::optional<BoolIn> attn_allowed;
+  std::optional<F32In> attn_additive;
+  std::optional<BoolIn> key_padding;
+  std::optional<F32In> key_bias;
+  bool is_causal = false;
+  std::string need_weights = "none";  // none | per_head | averaged
+  bool training = false;
+  uint64_t seed = 0;
+  int threads = 0;
+};
+
+mha::MhaForwardOptions forward_options(const ForwardArgs& a) {
+  mha::MhaForwardOptions o;
+  if (a.attn_allowed) o.attn_mask = mha::AttnMask::allow(bool_tensor_from(*a.attn_allowed));
+  if (a.attn_additive) o.attn_mask = mha::AttnMask::add(tensor_from(*a.attn_additive));
+  if (a.key_padding) o.key_padding_mask.is_padding = bool_tensor_from(*a.key_padding);
+  if (a.key_bias) o.key_padding_mask.additive = tensor_from(*a.key_bias);
+  if (a.is_causal) o.causal = mha::Causal::top_left();
+  if (a.need_weights == "per_head")
+    o.need_weights = mha::NeedWeights::PerHead;
+  else if (a.need_weights == "averaged")
+    o.need_weights = mha::NeedWeights::Averaged;
+  o.mode = a.training ? mha::Mode::Training : mha::Mode::Eval;
+  o.dropout_seed = a.seed;
+  o.threads = a.threads;
+  return o;
+}
+
+/// The module's three inputs as owning tensors. When Python passed the same object more than once
+/// (self-attention), one tensor serves them all, so the module sees the same Tensor and projects
+/// Q, K and V with one packed GEMM, as a C++ caller passing one tensor thrice gets.
+struct ModuleInputs {
+  mha::Tensor q, k, v;
+  bool k_is_q = false, v_is_q = false, v_is_k = false;
+  const mha::Tensor& key() const { return k_is_q ? q : k; }
+  const mha::Tensor& value() const { return v_is_q ? q : (v_is_k ? key() : v); }
+};
+
+void fill_inputs(ModuleInputs& in, const py::object& q, const py::object& k, const py::object& v) {
+  in.q = tensor_from(py::cast<F32In>(q));
+  in.k_is_q = k.is(q);
+  in.v_is_q = v.is(q);
+  in.v_is_k = v.is(k);
+  if (!in.k_is_q) in.k = tensor_from(py::cast<F32In>(k));
+  if (!in.v_is_q && !in.v_is_k) in.v = tensor_from(py::cast<F32In>(v));
+}
+
+/// What forward_train saved, with the inputs it references (MhaContext points at them).
+struct TrainContext {
+  ModuleInputs inputs;
+  mha::MhaContext ctx;
+};
+
+py::dict config_dict(const mha::MhaConfig& c) {
+  py::dict d;
+  d["embed_dim"] = c.embed_dim;
+  d["num_heads"] = c.num_heads;
+  d["num_kv_heads"] = c.kv_heads();
+  d["kdim"] = c.key_dim();
+  d["vdim"] = c.value_dim();
+  d["bias"] = c.bias;
+  d["add_bias_kv"] = c.add_bias_kv;
+  d["add_zero_attn"] = c.add_zero_attn;
+  d["dropout"] = c.dropout;
+  d["batch_first"] = c.layout == mha::Layout::BatchFirst;
+  d["head_dim"] = c.head_dim();
+  if (c.rope.enabled) {
+    py::dict r;
+    r["theta"] = c.rope.theta;
+    r["dims"] = c.rope.dims;
+    r["pairing"] = c.rope.pairing == mha::RopePairing::HalfSplit ? "half_split" : "interleaved";
+    d["rope"] = r;
+  } else {
+    d["rope"] = py::none();
+  }
+  return d;
+}
+
+mha::MhaConfig make_config(int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
+                           bool bias, bool add_bias_kv, bool add_zero_attn, float dropout, bool batch_first, bool rope,
+                           double rope_theta, int64_t rope_dims, const std::string& rope_pairing, int64_t head_dim) {
+  mha::MhaConfig c;
+  c.embed_dim = embed_dim;
+  c.num_heads = num_heads;
+  c.num_kv_heads = num_kv_heads;
+  c.kdim = kdim;
+  c.vdim = vdim;
+  c.bias = bias;
+  c.add_bias_kv = add_bias_kv;
+  c.add_zero_attn = add_zero_attn;
+  c.dropout = dropout;
+  c.layout = batch_first ? mha::Layout::BatchFirst : mha::Layout::SeqFirst;
+  if (rope) {
+    if (rope_pairing == "half_split")
+      c.rope = mha::Rope::half_split(rope_theta, rope_dims);
+    else if (rope_pairing == "interleaved")
+      c.rope = mha::Rope::interleaved(rope_theta, rope_dims);
+    else
+      mha::fail("rope: pairing must be 'half_split' or 'interleaved', got '", rope_pairing, "'");
+  }
+  c.head_dim_override = head_dim;
+  return c;
+}
+
+py::list metrics_list(const std::vector<mha::HeadMetrics>& metrics) {
+  py::list out;
+  for (const auto& m : metrics) {
+    py::dict d;
+    d["head"] = m.head;
+    d["rows"] = m.rows;
+    d["entropy"] = m.entropy;
+    d["sink"] = m.sink;
+    d["prev_token"] = m.prev_token;
+    d["self"] = m.self;
+    d["focus"] = m.focus;
+    d["class"] = mha::head_class_name(m.cls);
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "mha's compiled core; use the `mha` package instead of this module.";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const mha::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  py::class_<SdpaArgs>(m, "SdpaArgs")
+      .def(py::init<>())
+      .def_readwrite("scale", &SdpaArgs::scale)
+      .def_readwrite("allowed", &SdpaArgs::allowed)
+      .def_readwrite("bias", &SdpaArgs::bias)
+      .def_readwrite("key_padding", &SdpaArgs::key_padding)
+      .def_readwrite("key_bias", &SdpaArgs::key_bias)
+      .def_readwrite("causal", &SdpaArgs::causal)
+      .def_readwrite("causal_offset", &SdpaArgs::causal_offset)
+      .def_readwrite("window", &SdpaArgs::window)
+      .def_readwrite("dropout_p", &SdpaArgs::dropout_p)
+      .def_readwrite("seed", &SdpaArgs::seed)
+      .def_readwrite("threads", &SdpaArgs::threads);
+  m.def("sdpa", &py_sdpa);
+  m.def("sdpa_backward", &py_sdpa_backward);
+
+  m.def("to_bf16_bits", [](const F32In& a) {
+    py::array_t<uint16_t> out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+    const float* src = a.data();
+    uint16_t* dst = out.mutable_data();
+    for (py::ssize_t i = 0; i < a.size(); ++i) dst[i] = mha::to_bf16(src[i]).bits;
+    return out;
+  });
+  m.def("set_num_threads", &mha::set_num_threads);
+  m.def("num_threads", &mha::num_threads);
+
+  py::class_<ForwardArgs>(m, "ForwardArgs")
+      .def(py::init<>())
+      .def_readwrite("attn_allowed", &ForwardArgs::attn_allowed)
+      .def_readwrite("attn_additive", &ForwardArgs::attn_additive)
+      .def_readwrite("key_padding", &ForwardArgs::key_padding)
+      .def_readwrite("key_bias", &ForwardArgs::key_bias)
+      .def_readwrite("is_causal", &ForwardArgs::is_causal)
+      .def_readwrite("need_weights", &ForwardArgs::need_weights)
+      .def_readwrite("training", &ForwardArgs::training)
+      .def_readwrite("seed", &ForwardArgs::seed)
+      .def_readwrite("threads", &ForwardArgs::threads);
+
+  py::class_<TrainContext>(m, "TrainContext");
+
+  py::class_<mha::KvCache>(m, "KvCache")
+      .def(py::init([](int64_t batch, int64_t kv_heads, int64_t head_dim, int64_t value_dim, int64_t capacity,
+                       const std::string& dtype, bool ring) {
+        mha::KvCacheConfig c;
+        c.batch = batch;
+        c.kv_heads = kv_heads;
+        c.head_dim = head_dim;
+        c.value_dim = value_dim;
+        c.capacity = capacity;
+        if (dtype == "bf16")
+          c.dtype = mha::CacheDtype::BF16;
+        else if (dtype != "f32")
+          mha::fail("KvCache: dtype must be 'f32' or 'bf16', got '", dtype, "'");
+        c.ring = ring;
+        return mha::KvCache(c);
+      }))
+      .def("length", &mha::KvCache::length)
+      .def("stored", &mha::KvCache::stored)
+      .def("remaining", &mha::KvCache::remaining)
+      .def_property_readonly("batch", &mha::KvCache::batch)
+      .def_property_readonly("capacity", &mha::KvCache::capacity)
+      .def_property_readonly("ring", &mha::KvCache::ring)
+      .def_property_readonly("nbytes", &mha::KvCache::bytes)
+      .def("reset", py::overload_cast<>(&mha::KvCache::reset))
+      .def("reset_sequence", py::overload_cast<int64_t>(&mha::KvCache::reset))
+      .def("clone", &mha::KvCache::clone);
+
+  py::class_<mha::MultiheadAttention>(m, "Module")
+      .def(py::init([](int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
+                       bool bias, bool add_bias_kv, bool add_zero_attn, float dropout, bool batch_first, bool rope,
+                       double rope_theta, int64_t rope_dims, const std::string& rope_pairing, int64_t head_dim,
+                       uint64_t seed) {
+        return mha::MultiheadAttention(
+            make_config(embed_dim, num_heads, num_kv_heads, kdim, vdim, bias, add_bias_kv, add_zero_attn, dropout,
+                        batch_first, rope, rope_theta, rope_dims, rope_pairing, head_dim),
+            seed);
+      }))
+      .def("config", [](const mha::MultiheadAttention& self) { return config_dict(self.config()); })
+      .def("parameter_count", &mha::MultiheadAttention::parameter_count)
+      .def("param_names",
+           [](mha::MultiheadAttention& self) {
+             std::vector<std::string> names;
+             for (const auto& n : kParamNames)
+               if (param_slot(self.params(), n)->defined()) names.push_back(n);
+             return names;
+           })
+      .def("get", [](mha::MultiheadAttention& self,
+                     const std::string& name) { return array_from(*param_slot(self.params(), name)); })
+      .def("set",
+           [](mha::MultiheadAttention& self, const std::string& name, const F32In& value) {
+             mha::Tensor* slot = param_slot(self.params(), name);
+             mha::Tensor t = tensor_from(value);
+             if (!slot->defined())
+               mha::fail("load_state_dict: this module's configuration has no parameter '", name, "'");
+             if (t.shape() != slot->shape())
+               mha::fail("load_state_dict: '", name, "' has shape ", mha::shape_str(t.shape()), ", expected ",
+                         mha::shape_str(slot->shape()));
+             *slot = std::move(t);
+           })
+      .def("forward",
+           [](const mha::MultiheadAttention& self, const py::object& q, const py::object& k, const py::object& v,
+              const ForwardArgs& args) {
+             ModuleInputs in;
+             fill_inputs(in, q, k, v);
+             const mha::MhaForwardOptions opt = forward_options(args);
+             mha::MhaOutput r;
+             {
+               py::gil_scoped_release release;
+               r = self.forward(in.q, in.key(), in.value(), opt);
+             }
+             return py::make_tuple(array_take(std::move(r.output)), array_take(std::move(r.attn_weights)));
+           })
+      .def("forward_incremental",
+           [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v, mha::KvCache& cache,
+              std::vector<int64_t> new_lengths, int64_t window, int threads) {
+             const mha::Tensor qt = tensor_from(q), kt = tensor_from(k), vt = tensor_from(v);
+             mha::IncrementalOptions opt;
+             opt.new_lengths = std::move(new_lengths);
+             opt.window = window;
+             opt.threads = threads;
+             mha::MhaOutput r;
+             {
+               py::gil_scoped_release release;
+               r = self.forward_incremental(qt, kt, vt, cache, opt);
+             }
+             return array_take(std::move(r.output));
+           })
+      .def("forward_train",
+           [](const mha::MultiheadAttention& self, const py::object& q, const py::object& k, const py::object& v,
+              const ForwardArgs& args) {
+             auto tc = std::make_unique<TrainContext>();
+             fill_inputs(tc->inputs, q, k, v);
+             const mha::MhaForwardOptions opt = forward_options(args);
+             mha::MhaTrainOutput r;
+             {
+               py::gil_scoped_release release;
+               r = mha::forward_train(self, tc->inputs.q, tc->inputs.key(), tc->inputs.value(), opt);
+             }
+             tc->ctx = std::move(r.context);
+             return py::make_tuple(array_take(std::move(r.output)), std::move(tc));
+           })
+      .def("backward",
+           [](const mha::MultiheadAttention& self, const TrainContext& tc, const F32In& d_output) {
+             const mha::Tensor g = tensor_from(d_output);
+             mha::MhaGradients r;
+             {
+               py::gil_scoped_release release;
+               r = mha::backward(self, tc.ctx, g);
+             }
+             py::dict d;
+             d["query"] = array_take(std::move(r.query));
+             d["key"] = array_take(std::move(r.key));
+             d["value"] = array_take(std::move(r.value));
+             for (const auto& n : kParamNames) {
+               mha::Tensor* t = param_slot(r.params, n);
+               if (t->defined()) d[py::str(n)] = array_take(std::move(*t));
+             }
+             return d;
+           })
+      .def("save",
+           [](const mha::MultiheadAttention& self, const std::string& path, const std::string& names) {
+             mha::io::WeightNames w = mha::io::WeightNames::PyTorch;
+             if (names == "huggingface")
+               w = mha::io::WeightNames::HuggingFace;
+             else if (names != "pytorch")
+               mha::fail("save: names must be 'pytorch' or 'huggingface', got '", names, "'");
+             mha::io::save_module(path, self, w);
+           })
+      .def("prune",
+           [](const mha::MultiheadAttention& self, const std::vector<int64_t>& heads, bool duplicate_kv) {
+             mha::PruneOptions o;
+             o.uneven_groups = duplicate_kv ? mha::UnevenGroups::DuplicateKV : mha::UnevenGroups::Refuse;
+             return mha::prune_heads(self, heads, o);
+           })
+      .def("head_importance", [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v,
+                                 const ForwardArgs& args) {
+        return mha::head_importance(self, tensor_from(q), tensor_from(k), tensor_from(v), forward_options(args));
+      });
+
+  m.def("load_module",
+        [](const std::string& path) { return mha::io::load_module(mha::io::SafetensorsFile::open(path)); });
+  m.def("load_weights", [](mha::MultiheadAttention& self, const std::string& path) {
+    mha::io::load_weights(self, mha::io::SafetensorsFile::open(path));
+  });
+  m.def("read_safetensors", [](const std::string& path) {
+    const auto f = mha::io::SafetensorsFile::open(path);
+    py::dict tensors;
+    for (const auto& name : f.names()) {
+      const auto& info = f.info(name);
+      if (info.dtype == mha::io::DType::BOOL) {
+        const mha::BoolTensor b = f.read_bool(name);
+        py::array_t<bool> a(std::vector<py::ssize_t>(b.shape().begin(), b.shape().end()));
+        for (int64_t i = 0; i < b.numel(); ++i) a.mutable_data()[i] = b.data()[i] != 0;
+        tensors[py::str(name)] = a;
+      } else {
+        tensors[py::str(name)] = array_take(f.read_f32(name));
+      }
+    }
+    return py::make_tuple(tensors, f.metadata());
+  });
+  m.def("analyze", [](const F32In& weights, std::optional<int64_t> query_offset) {
+    mha::MetricsOptions o;
+    o.query_offset = query_offset;
+    return metrics_list(mha::head_metrics(tensor_from(weights), o));
+  });
+  m.def("write_heatmap_png",
+        [](const std::string& path, const F32In& weights) { mha::write_heatmap_png(path, tensor_from(weights)); });
+}

@@ -1,0 +1,200 @@
+"""mha.MultiheadAttention on numpy arrays: PyTorch's conventions, state_dict, files, cache, analysis."""
+import numpy as np
+import pytest
+
+import mha
+
+
+def x(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_constructor_positional_like_torch():
+    m = mha.MultiheadAttention(16, 4, 0.0, True, False, False, None, None, True)
+    assert (m.embed_dim, m.num_heads, m.head_dim, m.batch_first, m.kdim, m.vdim) == (16, 4, 4, True, 16, 16)
+    assert m.training and m.eval() is m and not m.training
+
+
+def test_parameter_count_4d2():
+    for d in (8, 64, 512):
+        m = mha.MultiheadAttention(d, 8 if d >= 8 else 1, bias=False)
+        assert m.parameter_count() == 4 * d * d
+    assert mha.MultiheadAttention(16, 4).parameter_count() == 4 * 16 * 16 + 4 * 16
+
+
+def test_state_dict_names_and_roundtrip(rng):
+    m = mha.MultiheadAttention(16, 4, add_bias_kv=True)
+    sd = m.state_dict()
+    assert list(sd) == ["in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "out_proj.weight", "out_proj.bias"]
+    assert sd["in_proj_weight"].shape == (48, 16) and sd["bias_k"].shape == (1, 1, 16)
+    sep = mha.MultiheadAttention(16, 4, kdim=10, vdim=6, bias=False)
+    assert list(sep.state_dict()) == ["q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"]
+    sd2 = {k: x(rng, *v.shape) for k, v in sd.items()}
+    m.load_state_dict(sd2)
+    for k in sd2:
+        np.testing.assert_array_equal(m.state_dict()[k], sd2[k])
+    with pytest.raises(ValueError, match="missing"):
+        m.load_state_dict({"in_proj_weight": sd2["in_proj_weight"]})
+    with pytest.raises(ValueError, match="shape"):
+        m.load_state_dict({**sd2, "in_proj_bias": np.zeros(3, np.float32)})
+    with pytest.raises(TypeError):
+        m.load_state_dict({**sd2, "in_proj_bias": np.zeros(48, np.int32)})
+
+
+def test_forward_conventions(rng):
+    m = mha.MultiheadAttention(16, 4, batch_first=True).eval()
+    q, kv = x(rng, 2, 5, 16), x(rng, 2, 7, 16)
+    out, w = m(q, kv, kv)
+    assert out.shape == (2, 5, 16) and w.shape == (2, 5, 7)
+    np.testing.assert_allclose(w.sum(-1), 1, atol=1e-5)
+    out2, wh = m(q, kv, kv, average_attn_weights=False)
+    assert wh.shape == (2, 4, 5, 7)
+    np.testing.assert_allclose(wh.mean(1), w, atol=1e-6)
+    np.testing.assert_array_equal(out, out2)
+    out3, none = m(q, kv, kv, need_weights=False)
+    assert none is None
+    np.testing.assert_allclose(out3, out, atol=1e-6)
+    # PyTorch polarity: True = may NOT attend
+    masked = np.zeros((5, 7), bool)
+    masked[:, 3] = True
+    _, wm = m(q, kv, kv, attn_mask=masked)
+    assert np.all(wm[..., 3] == 0)
+    fm = np.where(masked, -np.inf, 0).astype(np.float32)
+    np.testing.assert_allclose(m(q, kv, kv, attn_mask=fm)[0], m(q, kv, kv, attn_mask=masked)[0], atol=1e-6)
+    kpm = np.zeros((2, 7), bool)
+    kpm[0, 5:] = True
+    _, wk = m(q, kv, kv, key_padding_mask=kpm)
+    assert np.all(wk[0, :, 5:] == 0) and np.all(wk[1] > 0)
+    # is_causal: top-left
+    _, wc = m(q, q, q, is_causal=True)
+    assert np.all(np.triu(wc[0], 1) == 0)
+    # seq-first default and unbatched input
+    s = mha.MultiheadAttention(16, 4).eval()
+    s.load_state_dict(m.state_dict())
+    np.testing.assert_allclose(s(q.transpose(1, 0, 2), kv.transpose(1, 0, 2), kv.transpose(1, 0, 2))[0],
+                               out.transpose(1, 0, 2), atol=1e-6)
+    np.testing.assert_allclose(s(q[0], kv[0], kv[0])[0], out[0], atol=1e-5)
+
+
+def test_forward_errors(rng):
+    m = mha.MultiheadAttention(16, 4, batch_first=True)
+    q = x(rng, 2, 5, 16)
+    with pytest.raises(ValueError):
+        m(q, x(rng, 2, 5, 15), q)
+    with pytest.raises(ValueError):
+        m(q, q, q, attn_mask=np.zeros((3, 3), bool))
+    with pytest.raises(ValueError):
+        m(q, q, q, key_padding_mask=np.zeros((2, 4), bool))
+    with pytest.raises(TypeError):
+        m(q.astype(np.int32), q, q)
+    with pytest.raises(TypeError):
+        m(q, q, q, attn_mask=np.zeros((5, 5), np.int64))
+    with pytest.raises(TypeError):
+        m(q, q, q, is_causal="yes")
+    with pytest.raises(ValueError):
+        mha.MultiheadAttention(16, 3)
+    with pytest.raises(ValueError):
+        mha.MultiheadAttention(16, 4, num_kv_heads=3)
+    with pytest.raises(TypeError):
+        mha.MultiheadAttention(16.0, 4)
+    with pytest.raises(ValueError, match="pairing"):
+        mha.MultiheadAttention(16, 4, rope=mha.Rope(pairing="x"))
+
+
+def test_save_load(rng, tmp_path):
+    m = mha.MultiheadAttention(16, 4, num_kv_heads=2, batch_first=True, seed=3).eval()
+    q = x(rng, 2, 5, 16)
+    ref = m(q, q, q)[0]
+    for names in ("pytorch", "huggingface"):
+        p = tmp_path / f"{names}.safetensors"
+        m.save(p, names=names)
+        back = mha.MultiheadAttention.load(p).eval()
+        assert back.config == m.config
+        np.testing.assert_array_equal(back(q, q, q)[0], ref)
+        t, meta = mha.load_safetensors(p)
+        assert ("o_proj.weight" in t) == (names == "huggingface")
+    with pytest.raises(ValueError, match="names"):
+        m.save(tmp_path / "x.safetensors", names="jax")
+    with pytest.raises(ValueError):
+        mha.MultiheadAttention.load(tmp_path / "missing.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(ValueError):
+        mha.load_safetensors(tmp_path / "bad.safetensors")
+
+
+def test_kv_cache_decoding_equals_causal_forward(rng):
+    m = mha.MultiheadAttention(32, 8, num_kv_heads=2, batch_first=True, rope=mha.Rope(), seed=1).eval()
+    xs = x(rng, 2, 9, 32)
+    full = m(xs, xs, xs, is_causal=True, need_weights=False)[0]
+    cache = m.new_cache(batch=2, capacity=16)
+    rows = [m.forward_incremental(xs[:, :4], xs[:, :4], xs[:, :4], cache)]
+    for t in range(4, 9):
+        rows.append(m.forward_incremental(xs[:, t:t + 1], xs[:, t:t + 1], xs[:, t:t + 1], cache))
+    np.testing.assert_allclose(np.concatenate(rows, axis=1), full, atol=1e-5)
+    assert cache.lengths() == [9, 9]
+    small = m.new_cache(batch=2, capacity=16, dtype="bf16")
+    assert small.nbytes * 2 == cache.nbytes
+    gqa_saving = mha.MultiheadAttention(32, 8).new_cache(2, 16).nbytes / cache.nbytes
+    assert gqa_saving == 4
+    with pytest.raises(ValueError):
+        m.forward_incremental(xs, xs, xs, m.new_cache(batch=2, capacity=4))
+    with pytest.raises(TypeError):
+        m.forward_incremental(xs, xs, xs, None)
+    with pytest.raises(ValueError, match="dtype"):
+        m.new_cache(2, 4, dtype="f16")
+    cache.reset()
+    assert cache.lengths() == [0, 0]
+
+
+def test_gradients_finite_differences(rng):
+    m = mha.MultiheadAttention(8, 2, batch_first=True, seed=2).eval()
+    q = x(rng, 1, 3, 8)
+    d = x(rng, 1, 3, 8)
+    _, g = m.gradients(q, q, q, d, is_causal=True)
+    eps = 1e-3
+    base = q.copy()
+    num = np.zeros_like(q)
+    for i in np.ndindex(q.shape):
+        a = base.copy(); a[i] += eps  # noqa: E702
+        b = base.copy(); b[i] -= eps  # noqa: E702
+        num[i] = ((m(a, a, a, is_causal=True)[0] - m(b, b, b, is_causal=True)[0]) * d).sum() / (2 * eps)
+    np.testing.assert_allclose(g["query"] + g["key"] + g["value"], num, atol=5e-3)
+
+
+def test_analyze_and_prune(rng, tmp_path):
+    m = mha.MultiheadAttention(16, 4, batch_first=True, seed=5).eval()
+    q = x(rng, 1, 6, 16)
+    out, w = m(q, q, q, average_attn_weights=False)
+    png = tmp_path / "heads.png"
+    res = mha.analyze(w, png=png)
+    assert [r["head"] for r in res] == [0, 1, 2, 3]
+    assert set(res[0]) == {"head", "rows", "entropy", "sink", "prev_token", "self", "focus", "class"}
+    assert all(isinstance(r["class"], str) for r in res)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError):
+        mha.analyze(-w)
+    p = mha.prune_heads(m, [1, 3])
+    assert p.num_heads == 2 and p.parameter_count() < m.parameter_count()
+    sd = m.state_dict()
+    sd["out_proj.weight"] = sd["out_proj.weight"].copy()
+    sd["out_proj.weight"][:, 4:8] = 0
+    sd["out_proj.weight"][:, 12:16] = 0
+    ablated = mha.MultiheadAttention(16, 4, batch_first=True).eval()
+    ablated.load_state_dict(sd)
+    np.testing.assert_allclose(p(q, q, q)[0], ablated(q, q, q)[0], atol=1e-5)
+    imp = mha.head_importance(m, q, q, q)
+    assert imp.shape == (4,) and np.all(imp >= 0)
+    with pytest.raises(ValueError):
+        mha.prune_heads(m, [0, 1, 2, 3])
+    with pytest.raises(ValueError):
+        mha.prune_heads(m, [7])
+    with pytest.raises(TypeError):
+        mha.prune_heads("m", [0])
+
+
+def test_threads_setting():
+    n = mha.num_threads()
+    mha.set_num_threads(1)
+    assert mha.num_threads() == 1
+    mha.set_num_threads(0)
+    assert mha.num_threads() >= 1 and n >= 1
