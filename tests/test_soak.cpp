@@ -2,7 +2,7 @@
 // resident set. RSS is sampled from /proc/self/statm after a warm-up (allocator pools, OpenMP
 // threads and oneDNN's kernel caches settle there) and at intervals after it; the bound is that
 // it grows by at most kRssBoundBytes over the rest of the run. A leak of even one small tensor per
-// call (≥ 1 KiB × thousands of calls) would cross it. Runs in about 20 s in Release.
+// call (≥ 1 KiB × thousands of calls) would cross it. About 15 s of CPU in Release.
 #include <unistd.h>
 
 #include <algorithm>
