@@ -64,7 +64,9 @@ TEST(Soak, RandomShapeCallsKeepRssFlat) {
   peak = std::max(peak, rss_bytes());
   std::fprintf(stderr, "soak: %d calls, RSS after warm-up %.1f MiB, peak after %.1f MiB\n", calls,
                static_cast<double>(base) / 1048576.0, static_cast<double>(peak) / 1048576.0);
-  if (!kSanitized) EXPECT_LE(peak - base, kRssBoundBytes) << "RSS grew over random-shape calls";
+  if (!kSanitized) {
+    EXPECT_LE(peak - base, kRssBoundBytes) << "RSS grew over random-shape calls";
+  }
 }
 
 TEST(Soak, LongDecodeWithResetsKeepsRssFlat) {
@@ -95,7 +97,9 @@ TEST(Soak, LongDecodeWithResetsKeepsRssFlat) {
   std::fprintf(stderr, "soak: %d decode steps, %ld resets, RSS after warm-up %.1f MiB, peak after %.1f MiB\n", steps,
                static_cast<long>(resets), static_cast<double>(base) / 1048576.0, static_cast<double>(peak) / 1048576.0);
   EXPECT_GT(resets, 0);
-  if (!kSanitized) EXPECT_LE(peak - base, kRssBoundBytes) << "RSS grew over a long decode";
+  if (!kSanitized) {
+    EXPECT_LE(peak - base, kRssBoundBytes) << "RSS grew over a long decode";
+  }
 }
 
 }  // namespace
