@@ -8,9 +8,11 @@ cd "$(dirname "$0")/.."
 # the DejaVu fonts it draws text in, found through fontconfig), GoogleTest and Google Benchmark, and
 # python3 for the conformance checker. PyTorch is not needed to build or test (the
 # golden data is committed); regenerating goldens and bench/compare.py need
-# `apt-get install python3-torch python3-numpy`.
+# `apt-get install python3-torch python3-numpy`. clang-14 with its sanitizer/libFuzzer runtime
+# (libclang-rt-14-dev) and OpenMP (libomp-14-dev) builds the fuzzer of scripts/fuzz.sh.
 packages=(g++ cmake ninja-build pkg-config git libdnnl-dev libhwy-dev libcairo2-dev fonts-dejavu-core
-          fontconfig libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3)
+          fontconfig libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3
+          clang-14 libclang-rt-14-dev libomp-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
