@@ -1,4 +1,7 @@
 // `mha forward`: the conformance contract of shared/conformance/README.md.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <string>
 
 #include "load_inputs.h"
@@ -10,6 +13,9 @@
 namespace mha::cli {
 
 namespace {
+
+/// Outputs at least this large get progress lines on stderr while they are written.
+constexpr int64_t kProgressBytes = int64_t{256} << 20;
 
 struct ForwardArgs {
   std::string weights, inputs, output;
@@ -25,11 +31,28 @@ void run_forward(const ForwardArgs& a) {
   const bool need_weights = in.need_weights;
   opt.need_weights = !need_weights ? NeedWeights::None : in.average ? NeedWeights::Averaged : NeedWeights::PerHead;
 
+  // forward() checks up front that its outputs fit in memory (naming the shape and the bytes).
+  const auto start = std::chrono::steady_clock::now();
   const MhaOutput out = module.forward(in.query, in.key, in.value, opt);
+  // The outputs are written from where they are, not copied into the writer (they can be most of
+  // the machine's memory); large files report progress on stderr.
   io::SafetensorsWriter writer;
-  writer.add("output", out.output);
-  if (need_weights) writer.add("attn_weights", out.attn_weights);
-  writer.write(a.output);
+  writer.add_ref("output", out.output);
+  if (need_weights) writer.add_ref("attn_weights", out.attn_weights);
+  const int64_t out_bytes = 4 * (out.output.numel() + out.attn_weights.numel());
+  io::SafetensorsWriter::Progress progress;
+  if (out_bytes >= kProgressBytes) {
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "mha forward: computed in %.1f s; writing %s to %s\n", secs,
+                 bytes_str(static_cast<double>(out_bytes)).c_str(), a.output.c_str());
+    progress = [last = -1](uint64_t done, uint64_t total) mutable {
+      const int pct = static_cast<int>(100 * done / std::max<uint64_t>(total, 1));
+      if (pct / 10 == last / 10 && pct != 100) return;
+      last = pct;
+      std::fprintf(stderr, "mha forward: written %d%%\n", pct);
+    };
+  }
+  writer.write(a.output, progress);
 }
 
 }  // namespace

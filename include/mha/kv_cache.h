@@ -84,6 +84,8 @@ class KvCache {
 
  private:
   void check_batch_index(int64_t b, const char* who) const;
+  /// b, g and x in range for K (dim = head_dim) or V (dim = v_dim), p held by sequence b.
+  void check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, int64_t dim, const char* who) const;
   void store_sequence(View4<const float> k, View4<const float> v, int64_t b_src, int64_t b, int64_t n);
   template <class T>
   void store_rows(std::vector<T>& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count, int64_t dim);

@@ -125,6 +125,9 @@ class MultiheadAttention {
   /// Validates the config and initialises the parameters as PyTorch does (Xavier-uniform input
   /// projections, zero biases), from a deterministic generator seeded with init_seed.
   explicit MultiheadAttention(const MhaConfig& config, uint64_t init_seed = 0);
+  /// A module with the given parameters (checked against the config with check_params); nothing
+  /// is initialised or allocated beyond them.
+  MultiheadAttention(const MhaConfig& config, MhaParameters params);
 
   const MhaConfig& config() const { return config_; }
   MhaParameters& params() { return params_; }

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -65,23 +66,39 @@ class SafetensorsFile {
 };
 
 /// Collects tensors and writes them in one go. write() goes to a temporary file beside the
-/// target and renames it, so a failure never leaves a partial output file.
+/// target and renames it, so a failure never leaves a partial output file. It streams the header
+/// and then each tensor's bytes to the file: no image of the whole file is built in memory.
 class SafetensorsWriter {
  public:
+  /// Called while writing with (bytes written, total bytes), about every 1% of a large file.
+  using Progress = std::function<void(uint64_t done, uint64_t total)>;
+
   void set_metadata(const std::string& key, const std::string& value);
-  void add(const std::string& name, const Tensor& t);           ///< F32
-  void add(const std::string& name, const BF16Tensor& t);       ///< BF16
-  void add_bool(const std::string& name, const BoolTensor& t);  ///< BOOL
+  void add(const std::string& name, const Tensor& t);           ///< F32 (copied)
+  void add(const std::string& name, const BF16Tensor& t);       ///< BF16 (copied)
+  void add_bool(const std::string& name, const BoolTensor& t);  ///< BOOL (copied)
   void add_raw(const std::string& name, DType dtype, const Shape& shape, std::span<const std::byte> bytes);
-  void write(const std::string& path) const;
+  /// F32 without a copy: `t` must stay alive and unchanged until write() / to_bytes() return.
+  /// For large outputs, which would otherwise be held twice.
+  void add_ref(const std::string& name, const Tensor& t);
+  void write(const std::string& path, const Progress& progress = {}) const;
   std::vector<std::byte> to_bytes() const;
 
  private:
   struct Entry {
     DType dtype;
     Shape shape;
-    std::vector<std::byte> bytes;
+    std::vector<std::byte> owned;     ///< the copied bytes (add, add_raw)
+    std::span<const std::byte> view;  ///< the caller's bytes (add_ref), when owned is empty
+    std::span<const std::byte> bytes() const { return owned.empty() ? view : std::span<const std::byte>(owned); }
   };
+  struct Layout {
+    std::string header;  ///< padded JSON text
+    std::vector<const std::pair<const std::string, Entry>*> order;
+    uint64_t data_size = 0;
+  };
+  Layout layout() const;
+  void add_entry(const std::string& name, DType dtype, const Shape& shape, std::span<const std::byte> bytes, bool copy);
   std::map<std::string, std::string> metadata_;
   std::map<std::string, Entry> tensors_;
 };

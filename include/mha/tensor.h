@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <new>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -40,10 +42,23 @@ inline float to_float(bf16 b) {
   return f;
 }
 
+/// The element count of `shape`. Shapes come from files and callers, so this is checked: a
+/// negative extent, or extents whose non-zero product leaves int64, throws mha::Error naming the
+/// shape. Requiring the product of the non-zero extents to fit (not just the total, which a zero
+/// extent makes 0) keeps every stride computed from such a shape in range too.
 inline int64_t shape_numel(const Shape& shape) {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  return n;
+  int64_t nonzero = 1;
+  bool empty = false;
+  for (int64_t s : shape) {
+    if (s < 0) fail("shape ", shape_str(shape), " has a negative extent");
+    if (s == 0) {
+      empty = true;
+      continue;
+    }
+    if (__builtin_mul_overflow(nonzero, s, &nonzero))
+      fail("shape ", shape_str(shape), " has more elements than fit in 64 bits");
+  }
+  return empty ? 0 : nonzero;
 }
 
 /// Non-owning strided view over four dimensions. Strides are in elements and may be 0
@@ -85,7 +100,17 @@ class BasicTensor {
   explicit BasicTensor(Shape shape, T fill = T{}) : shape_(std::move(shape)) {
     for (int64_t s : shape_)
       if (s < 0) fail("Tensor: negative extent in shape ", shape_str(shape_));
-    data_.assign(static_cast<size_t>(shape_numel(shape_)), fill);
+    const int64_t n = shape_numel(shape_);
+    const int64_t bytes = checked_mul(n, static_cast<int64_t>(sizeof(T)), "Tensor " + shape_str(shape_));
+    try {
+      data_.assign(static_cast<size_t>(n), fill);
+    } catch (const std::bad_alloc&) {
+      fail("Tensor: cannot allocate ", shape_str(shape_), ": ", bytes_str(static_cast<double>(bytes)), " (", bytes,
+           " bytes)");
+    } catch (const std::length_error&) {
+      fail("Tensor: cannot allocate ", shape_str(shape_), ": ", bytes_str(static_cast<double>(bytes)), " (", bytes,
+           " bytes)");
+    }
   }
   BasicTensor(Shape shape, std::vector<T> values) : shape_(std::move(shape)), data_(std::move(values)) {
     if (static_cast<int64_t>(data_.size()) != shape_numel(shape_))

@@ -256,8 +256,16 @@ void SafetensorsFile::Impl::parse(const std::byte* base, uint64_t size) {
     info.end = *end;
 
     const std::string desc = tensor + " " + dtype_name(info.dtype) + " shape " + shape_str(info.shape);
+    // The element count must fit even where a zero extent makes the byte size 0: readers build
+    // tensors (and strides) of this shape, e.g. [2^63 - 1, 2, 0].
+    try {
+      (void)shape_numel(info.shape);
+    } catch (const Error&) {
+      fail(where, desc, " has an element count that overflows 64 bits");
+    }
     const auto nbytes = checked_nbytes(info.shape, info.dtype);
-    if (!nbytes) fail(where, desc, " has a byte size that overflows 64 bits");
+    if (!nbytes || *nbytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      fail(where, desc, " has a byte size that overflows 64 bits");
     if (*nbytes != info.end - info.begin)
       fail(where, desc, " needs ", *nbytes, " bytes but data_offsets span ", info.end - info.begin);
     if (info.end > data_size)
@@ -457,6 +465,15 @@ void SafetensorsWriter::add_bool(const std::string& name, const BoolTensor& t) {
 
 void SafetensorsWriter::add_raw(const std::string& name, DType dtype, const Shape& shape,
                                 std::span<const std::byte> bytes) {
+  add_entry(name, dtype, shape, bytes, true);
+}
+
+void SafetensorsWriter::add_ref(const std::string& name, const Tensor& t) {
+  add_entry(name, DType::F32, t.shape(), std::as_bytes(t.values()), false);
+}
+
+void SafetensorsWriter::add_entry(const std::string& name, DType dtype, const Shape& shape,
+                                  std::span<const std::byte> bytes, bool copy) {
   if (name == "__metadata__") fail("SafetensorsWriter::add: '__metadata__' is reserved and cannot name a tensor");
   if (tensors_.count(name)) fail("SafetensorsWriter::add: tensor '", name, "' was already added");
   if (dtype_size(dtype) == 0) fail("SafetensorsWriter::add: tensor '", name, "' has an invalid dtype");
@@ -466,23 +483,28 @@ void SafetensorsWriter::add_raw(const std::string& name, DType dtype, const Shap
   if (!nbytes || *nbytes != bytes.size())
     fail("SafetensorsWriter::add: tensor '", name, "' ", dtype_name(dtype), " shape ", shape_str(shape), " needs ",
          nbytes ? std::to_string(*nbytes) : std::string("more than 2^64"), " bytes but ", bytes.size(), " were given");
-  tensors_.emplace(name, Entry{dtype, shape, std::vector<std::byte>(bytes.begin(), bytes.end())});
+  Entry e{dtype, shape, {}, {}};
+  if (copy)
+    e.owned.assign(bytes.begin(), bytes.end());
+  else
+    e.view = bytes;
+  tensors_.emplace(name, std::move(e));
 }
 
-std::vector<std::byte> SafetensorsWriter::to_bytes() const {
+SafetensorsWriter::Layout SafetensorsWriter::layout() const {
   // The data section is gap-free, as the reference safetensors reader requires. Laying tensors out
   // by element size, largest first, keeps every tensor aligned to its element size once the
   // header is padded so that the data section starts on an 8-byte boundary.
-  std::vector<const std::pair<const std::string, Entry>*> order;
-  for (const auto& item : tensors_) order.push_back(&item);
-  std::stable_sort(order.begin(), order.end(), [](const auto* a, const auto* b) {
+  Layout out;
+  for (const auto& item : tensors_) out.order.push_back(&item);
+  std::stable_sort(out.order.begin(), out.order.end(), [](const auto* a, const auto* b) {
     return dtype_size(a->second.dtype) > dtype_size(b->second.dtype);
   });
   std::map<std::string, std::pair<uint64_t, uint64_t>> offsets;
-  uint64_t data_size = 0;
-  for (const auto* item : order) {
-    offsets[item->first] = {data_size, data_size + item->second.bytes.size()};
-    data_size += item->second.bytes.size();
+  for (const auto* item : out.order) {
+    const uint64_t n = item->second.bytes().size();
+    offsets[item->first] = {out.data_size, out.data_size + n};
+    out.data_size += n;
   }
 
   // ordered_json keeps insertion order: __metadata__ first, then the names sorted.
@@ -499,27 +521,32 @@ std::vector<std::byte> SafetensorsWriter::to_bytes() const {
     info["data_offsets"] = nlohmann::ordered_json::array({begin, end});
     header[name] = std::move(info);
   }
-  std::string text;
   try {
-    text = header.dump();
+    out.header = header.dump();
   } catch (const nlohmann::json::exception& e) {
     fail("SafetensorsWriter: a tensor name or metadata string is not valid UTF-8: ", e.what());
   }
-  text.append((8 - text.size() % 8) % 8, ' ');
-
-  std::vector<std::byte> out(8 + text.size() + data_size);
-  const uint64_t n = text.size();
-  std::memcpy(out.data(), &n, 8);
-  std::memcpy(out.data() + 8, text.data(), text.size());
-  std::byte* data = out.data() + 8 + text.size();
-  for (const auto* item : order)
-    if (!item->second.bytes.empty())
-      std::memcpy(data + offsets.at(item->first).first, item->second.bytes.data(), item->second.bytes.size());
+  out.header.append((8 - out.header.size() % 8) % 8, ' ');
   return out;
 }
 
-void SafetensorsWriter::write(const std::string& path) const {
-  const std::vector<std::byte> bytes = to_bytes();
+std::vector<std::byte> SafetensorsWriter::to_bytes() const {
+  const Layout l = layout();
+  std::vector<std::byte> out(8 + l.header.size() + l.data_size);
+  const uint64_t n = l.header.size();
+  std::memcpy(out.data(), &n, 8);
+  std::memcpy(out.data() + 8, l.header.data(), l.header.size());
+  std::byte* data = out.data() + 8 + l.header.size();
+  for (const auto* item : l.order) {
+    const auto bytes = item->second.bytes();
+    if (!bytes.empty()) std::memcpy(data, bytes.data(), bytes.size());
+    data += bytes.size();
+  }
+  return out;
+}
+
+void SafetensorsWriter::write(const std::string& path, const Progress& progress) const {
+  const Layout l = layout();
   // Write beside the target and rename: readers see either the old file or the complete new one.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -530,14 +557,32 @@ void SafetensorsWriter::write(const std::string& path) const {
     ::unlink(tmp.c_str());
     fail("SafetensorsWriter::write: ", path, ": ", what, " ", tmp, " failed: ", err);
   };
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      give_up("writing");
+  const uint64_t total = 8 + l.header.size() + l.data_size;
+  uint64_t written = 0, reported = 0;
+  // Pieces go out in chunks of at most 64 MiB so that progress can be reported as they do.
+  const auto put = [&](const std::byte* p, size_t n) {
+    constexpr size_t kChunk = size_t{64} << 20;
+    while (n > 0) {
+      const ssize_t w = ::write(fd, p, std::min(n, kChunk));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        give_up("writing");
+      }
+      p += w, n -= static_cast<size_t>(w), written += static_cast<uint64_t>(w);
+      if (progress && (written - reported >= total / 100 || written == total)) {
+        reported = written;
+        progress(written, total);
+      }
     }
-    done += static_cast<size_t>(w);
+  };
+  const uint64_t n = l.header.size();
+  std::byte length[8];
+  std::memcpy(length, &n, 8);
+  put(length, 8);
+  put(reinterpret_cast<const std::byte*>(l.header.data()), l.header.size());
+  for (const auto* item : l.order) {
+    const auto bytes = item->second.bytes();
+    put(bytes.data(), bytes.size());
   }
   if (::fsync(fd) != 0) give_up("syncing");
   if (::close(fd) != 0) {

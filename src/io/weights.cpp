@@ -223,8 +223,12 @@ WeightNames detect_weight_names(const SafetensorsFile& file) {
        "(q_proj.weight / o_proj.weight) projection weights");
 }
 
-void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
-  const MhaConfig& c = module.config();
+namespace {
+
+/// Reads every parameter `c` needs from `file`. Each tensor's name, dtype and shape are checked
+/// against the file's header before it is read, so what this allocates is bounded by the file's
+/// own size (times 4 / element size): a hostile header cannot make it allocate more.
+MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
   const int64_t E = c.embed_dim, d = c.head_dim(), h = c.num_heads, kv = c.kv_heads();
   const Reader r(file, c);
   const WeightNames names = detect_weight_names(file);
@@ -278,13 +282,20 @@ void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
   } else {
     for (const char* n : {Names::bias_k, Names::bias_v}) r.reject(n, "the configuration has add_bias_kv=false");
   }
-  module.params() = std::move(p);
+  return p;
+}
+
+}  // namespace
+
+void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
+  module.params() = read_parameters(module.config(), file);
 }
 
 MultiheadAttention load_module(const SafetensorsFile& file) {
-  MultiheadAttention module(config_from_metadata(file.metadata(), file.path()));
-  load_weights(module, file);
-  return module;
+  // The file's tensors first, then the module: building the module from the metadata alone would
+  // allocate (and initialise) whatever sizes the metadata claims before anything checks them.
+  const MhaConfig config = config_from_metadata(file.metadata(), file.path());
+  return MultiheadAttention(config, read_parameters(config, file));
 }
 
 // ---- saving ------------------------------------------------------------------------------------

@@ -31,8 +31,15 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   if (c.batch <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.value_dim < 0 || c.capacity <= 0)
     fail("KvCache: batch, kv_heads, head_dim and capacity must be ≥ 1 (value_dim ≥ 0), got batch ", c.batch,
          ", kv_heads ", c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", capacity ", c.capacity);
-  const size_t nk = static_cast<size_t>(c.batch * c.kv_heads * c.capacity * c.head_dim);
-  const size_t nv = static_cast<size_t>(c.batch * c.kv_heads * c.capacity * c.v_dim());
+  // Sizes from the caller (or a file's metadata): every product is checked, bytes included.
+  const auto numel = [&](int64_t dim) {
+    const std::string what =
+        "KvCache: (batch, kv_heads, capacity, d) = " + shape_str({c.batch, c.kv_heads, c.capacity, dim});
+    const int64_t n = checked_mul(checked_mul(checked_mul(c.batch, c.kv_heads, what), c.capacity, what), dim, what);
+    (void)checked_mul(n, 4, what);
+    return static_cast<size_t>(n);
+  };
+  const size_t nk = numel(c.head_dim), nv = numel(c.v_dim());
   if (c.dtype == CacheDtype::BF16) {
     k16_.resize(nk);
     v16_.resize(nv);
@@ -82,14 +89,24 @@ const void* KvCache::v_data() const {
   return config_.dtype == CacheDtype::BF16 ? static_cast<const void*>(v16_.data()) : v32_.data();
 }
 
+void KvCache::check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, int64_t dim, const char* who) const {
+  check_batch_index(b, who);
+  if (g < 0 || g >= config_.kv_heads)
+    fail("KvCache::", who, ": head ", g, " is out of range [0, ", config_.kv_heads, ")");
+  if (x < 0 || x >= dim) fail("KvCache::", who, ": feature ", x, " is out of range [0, ", dim, ")");
+  if (p < first(b) || p >= length(b))
+    fail("KvCache::", who, ": position ", p, " is not held by sequence ", b, " (it holds [", first(b), ", ", length(b),
+         "))");
+}
+
 float KvCache::k_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
-  if (p < first(b) || p >= length(b)) fail("KvCache::k_at: position ", p, " is not held by sequence ", b);
+  check_element_index(b, g, p, x, config_.head_dim, "k_at");
   const size_t i =
       static_cast<size_t>(((b * config_.kv_heads + g) * config_.capacity + slot(p)) * config_.head_dim + x);
   return config_.dtype == CacheDtype::BF16 ? to_float(k16_[i]) : k32_[i];
 }
 float KvCache::v_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
-  if (p < first(b) || p >= length(b)) fail("KvCache::v_at: position ", p, " is not held by sequence ", b);
+  check_element_index(b, g, p, x, config_.v_dim(), "v_at");
   const size_t i = static_cast<size_t>(((b * config_.kv_heads + g) * config_.capacity + slot(p)) * config_.v_dim() + x);
   return config_.dtype == CacheDtype::BF16 ? to_float(v16_[i]) : v32_[i];
 }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <sstream>
 
 #include "layers/module_core.h"
 #include "mha/random.h"
@@ -24,6 +25,25 @@ void check_shape(const Tensor& t, const Shape& want, const char* name) {
     fail("MultiheadAttention: parameter ", name, " has shape ", shape_str(t.shape()), ", expected ", shape_str(want));
 }
 
+/// Every parameter size of `c` with overflow checks (the dimensions are ≥ 1 when this runs).
+int64_t checked_parameter_count(const MhaConfig& c) {
+  std::ostringstream os;
+  os << "MhaConfig (embed_dim=" << c.embed_dim << ", num_heads=" << c.num_heads << ", num_kv_heads=" << c.kv_heads()
+     << ", head_dim=" << c.head_dim() << ", kdim=" << c.key_dim() << ", vdim=" << c.value_dim() << ")";
+  const std::string what = os.str();
+  const int64_t E = c.embed_dim, d = c.head_dim(), h = c.num_heads, kv = c.kv_heads();
+  const int64_t hd = checked_mul(h, d, what), kvd = checked_mul(kv, d, what);
+  const int64_t rows = checked_add(hd, checked_mul(2, kvd, what), what);  // in_proj_rows()
+  int64_t n = checked_mul(hd, E, what);
+  n = checked_add(n, checked_mul(kvd, c.key_dim(), what), what);
+  n = checked_add(n, checked_mul(kvd, c.value_dim(), what), what);
+  n = checked_add(n, checked_mul(E, hd, what), what);
+  (void)checked_mul(rows, E, what);  // the packed in_proj_weight
+  if (c.bias) n = checked_add(n, checked_add(rows, E, what), what);
+  if (c.add_bias_kv) n = checked_add(n, checked_mul(2, kvd, what), what);
+  return n;
+}
+
 }  // namespace
 
 void MhaConfig::validate() const {
@@ -41,15 +61,14 @@ void MhaConfig::validate() const {
   if (vdim < 0) fail("MhaConfig: vdim must be ≥ 1 (or 0 for embed_dim), got ", vdim);
   if (!(dropout >= 0.0f && dropout < 1.0f)) fail("MhaConfig: dropout must be in [0, 1), got ", dropout);
   if (rope.enabled) rope.validate(head_dim());
+  // Configurations come from files' metadata too: every size the module derives from one must fit
+  // in int64, so that in_proj_rows(), the parameter shapes and parameter_count() need no checks.
+  (void)checked_parameter_count(*this);
 }
 
 int64_t parameter_count(const MhaConfig& c) {
   c.validate();
-  const int64_t E = c.embed_dim, d = c.head_dim(), h = c.num_heads, kv = c.kv_heads();
-  int64_t n = h * d * E + kv * d * c.key_dim() + kv * d * c.value_dim() + E * h * d;
-  if (c.bias) n += c.in_proj_rows() + E;
-  if (c.add_bias_kv) n += 2 * kv * d;
-  return n;
+  return checked_parameter_count(c);
 }
 
 AttnMask AttnMask::allow(BoolTensor allowed_positions) {
@@ -102,6 +121,12 @@ MultiheadAttention::MultiheadAttention(const MhaConfig& config, uint64_t init_se
   }
 }
 
+MultiheadAttention::MultiheadAttention(const MhaConfig& config, MhaParameters params)
+    : config_(config), params_(std::move(params)) {
+  config_.validate();
+  check_params();
+}
+
 void MultiheadAttention::check_params() const {
   const MhaConfig& c = config_;
   const int64_t E = c.embed_dim, d = c.head_dim(), h = c.num_heads, kv = c.kv_heads();
@@ -129,6 +154,7 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
                                       const MhaForwardOptions& options) const {
   detail::PassOutputs keep;
   keep.weights = options.need_weights != NeedWeights::None;
+  keep.averaged_weights = options.need_weights == NeedWeights::Averaged;
   detail::ModulePass pass = detail::run_module(kFwd, *this, query, key, value, options, keep);
   MhaOutput result;
   result.output = std::move(pass.output);

@@ -12,6 +12,12 @@
 
 #include "kernels/gemm.h"
 
+#include <unistd.h>
+
+#include <limits>
+#include <string>
+#include <vector>
+
 namespace mha::detail {
 
 namespace {
@@ -200,6 +206,50 @@ Tensor project_output(const MhaConfig& c, const MhaParameters& params, const flo
   return output;
 }
 
+int64_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(static_cast<int64_t>(pages), static_cast<int64_t>(page), &bytes))
+    return std::numeric_limits<int64_t>::max();
+  return bytes;
+}
+
+void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& call, PassOutputs keep) {
+  const int64_t B = call.batch(), Tq = call.t_q(), Tk = call.t_k(), H = c.num_heads, d = c.head_dim();
+  const int64_t S = checked_add(Tk, extra_positions(c), fn);
+  struct Need {
+    const char* what;
+    Shape shape;
+  };
+  std::vector<Need> needs{{"projected queries", {call.q_rows.rows(), H * d}},
+                          {"projected keys and values", {2, call.k_rows.rows(), c.kv_heads() * d}},
+                          {"attention heads", {call.q_rows.rows(), H * d}},
+                          {"output", {call.q_rows.rows(), c.embed_dim}}};
+  if (keep.weights) needs.push_back({"attention weights", {B, H, Tq, S}});
+  if (keep.averaged_weights) needs.push_back({"averaged attention weights", {B, Tq, S}});
+  if (keep.lse) needs.push_back({"log-sum-exp", {B, H, Tq}});
+  int64_t total = 0;
+  const Need* largest = nullptr;
+  int64_t largest_bytes = -1;
+  for (const Need& n : needs) {
+    std::string what = std::string(fn) + ": " + n.what + " " + shape_str(n.shape);
+    int64_t bytes = 0;
+    try {
+      bytes = checked_mul(shape_numel(n.shape), int64_t{4}, what);
+    } catch (const Error&) {
+      fail(what, " need more bytes than fit in 64 bits");
+    }
+    total = checked_add(total, bytes, what);
+    if (bytes > largest_bytes) largest = &n, largest_bytes = bytes;
+  }
+  const int64_t memory = physical_memory_bytes();
+  if (memory > 0 && total > memory)
+    fail(fn, ": ", largest->what, " ", shape_str(largest->shape), " need ",
+         bytes_str(static_cast<double>(largest_bytes)), " (", bytes_str(static_cast<double>(total)),
+         " for the whole call); this machine has ", bytes_str(static_cast<double>(memory)), " of memory");
+}
+
 ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
                       const Tensor& value, const MhaForwardOptions& options, PassOutputs keep) {
   module.check_params();
@@ -209,6 +259,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   pass.call = check_inputs(fn, c, query, key, value);
   check_masks(fn, c, pass.call, options);
   const ModuleCall& call = pass.call;
+  check_pass_memory(fn, c, call, keep);
   const int64_t B = call.batch(), Tq = call.t_q(), Tk = call.t_k(), H = c.num_heads, d = c.head_dim();
   const int64_t extra = extra_positions(c), S = Tk + extra;
 

@@ -125,7 +125,16 @@ struct ModulePass {
 struct PassOutputs {
   bool lse = false;
   bool weights = false;
+  bool averaged_weights = false;  ///< forward() will also build (B, T_q, S) averaged weights
 };
+
+/// Bytes of physical memory on this machine (0 if unknown).
+int64_t physical_memory_bytes();
+
+/// Throws mha::Error when the tensors a pass would allocate (float32) cannot fit in this machine's
+/// memory, naming the largest one and what it would take: "attention weights (1, 8, 200000, 200000)
+/// need 1.16 TiB …". Checked before anything is computed, instead of a bare std::bad_alloc later.
+void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& call, PassOutputs keep);
 
 /// The whole module forward: checks, projections, RoPE at positions 0 … T − 1, extra positions,
 /// masks widened to S keys, attention, output projection.

@@ -1,0 +1,220 @@
+// Hostile sizes (issue 16, items 5, 6, 7 and 9): every reproduction fails fast with an mha::Error
+// that names the argument and the shape, without allocating what the input claims.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "layers/module_core.h"
+#include "mha/kv_cache.h"
+#include "mha/module.h"
+#include "mha/safetensors.h"
+#include "mha/weights.h"
+#include "support/test_support.h"
+
+namespace mha {
+namespace {
+
+using mha::testing::error_of;
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+
+#define EXPECT_MENTIONS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << (msg)
+
+/// Peak resident set of this process so far, in bytes.
+int64_t peak_rss() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+
+/// A weights file with only metadata (embed_dim, num_heads and `extra`) and `tensors`.
+io::SafetensorsFile weights_file(const std::string& embed_dim, const std::string& num_heads,
+                                 const std::map<std::string, std::string>& extra = {},
+                                 const std::vector<std::pair<std::string, Shape>>& tensors = {}) {
+  io::SafetensorsWriter w;
+  w.set_metadata("embed_dim", embed_dim);
+  w.set_metadata("num_heads", num_heads);
+  for (const auto& [k, v] : extra) w.set_metadata(k, v);
+  for (const auto& [name, shape] : tensors) w.add(name, Tensor(shape));
+  const auto bytes = w.to_bytes();
+  return io::SafetensorsFile::from_bytes(bytes, "hostile.safetensors");
+}
+
+// ---- item 6: load_module validates against the file before allocating ---------------------------
+
+TEST(HostileWeights, HugeEmbedDimWithoutTensorsFailsFastAndSmall) {
+  const int64_t rss0 = peak_rss();
+  const auto t0 = std::chrono::steady_clock::now();
+  // Used to zero-fill and initialise 6.3 GB for 34 s before noticing the file has no weights.
+  const auto file = weights_file("20000", "1");
+  const std::string msg = error_of([&] { (void)io::load_module(file); });
+  EXPECT_MENTIONS(msg, "neither PyTorch");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
+  EXPECT_LT(peak_rss() - rss0, int64_t{64} << 20) << "bytes allocated for a file of a few hundred bytes";
+}
+
+TEST(HostileWeights, HugeEmbedDimWithAWrongSizedTensorNamesTheShape) {
+  const int64_t rss0 = peak_rss();
+  const auto file = weights_file("20000", "1", {}, {{"in_proj_weight", {1}}});
+  const std::string msg = error_of([&] { (void)io::load_module(file); });
+  EXPECT_MENTIONS(msg, "in_proj_weight");
+  EXPECT_MENTIONS(msg, "(60000, 20000)");
+  EXPECT_LT(peak_rss() - rss0, int64_t{64} << 20);
+}
+
+TEST(HostileWeights, EmbedDimTwoToTheFortyIsAnErrorNotBadAlloc) {
+  const auto file = weights_file("1099511627776", "1");
+  const std::string msg = error_of([&] { (void)io::load_module(file); });
+  EXPECT_MENTIONS(msg, "hostile.safetensors");
+  EXPECT_MENTIONS(msg, "does not fit in 64 bits");
+}
+
+TEST(HostileWeights, ValidFileStillLoadsBitwise) {
+  MhaConfig c;
+  c.embed_dim = 8, c.num_heads = 2, c.add_bias_kv = true;
+  MultiheadAttention m(c, 3);
+  io::SafetensorsWriter w;
+  io::add_weights(w, m, io::WeightNames::HuggingFace);
+  const auto bytes = w.to_bytes();
+  const auto loaded = io::load_module(io::SafetensorsFile::from_bytes(bytes));
+  EXPECT_EQ(loaded.params().in_proj_weight.storage(), m.params().in_proj_weight.storage());
+  EXPECT_EQ(loaded.params().bias_v.storage(), m.params().bias_v.storage());
+}
+
+// ---- item 7: sizes from untrusted input are checked ---------------------------------------------
+
+TEST(HostileSizes, ShapeNumelChecksOverflowEvenNextToAZeroExtent) {
+  EXPECT_EQ(shape_numel({3, 0, 5}), 0);
+  EXPECT_EQ(shape_numel({}), 1);
+  const std::string msg = error_of([] { (void)shape_numel({kMax, 2, 0}); });
+  EXPECT_MENTIONS(msg, "(9223372036854775807, 2, 0)");
+  EXPECT_MENTIONS(msg, "64 bits");
+  EXPECT_MENTIONS(error_of([] { (void)shape_numel({2, -1}); }), "negative");
+  EXPECT_MENTIONS(error_of([] { BoolTensor t({kMax, 2, 0}); }), "(9223372036854775807, 2, 0)");
+  EXPECT_MENTIONS(error_of([] { Tensor t({int64_t{1} << 62}); }), "(4611686018427387904)");
+}
+
+TEST(HostileSizes, CheckedMulAndAdd) {
+  EXPECT_EQ(checked_mul(3, 4, "x"), 12);
+  EXPECT_MENTIONS(error_of([] { (void)checked_mul(kMax, 2, "thing (a, b)"); }), "thing (a, b)");
+  EXPECT_MENTIONS(error_of([] { (void)checked_add(kMax, 1, "sum"); }), "sum");
+  EXPECT_MENTIONS(error_of([] { (void)checked_mul(-1, 2, "neg"); }), "negative");
+}
+
+TEST(HostileSizes, SafetensorsRejectsAnElementCountThatOverflowsBehindAZero) {
+  // [2^63 − 1, 2, 0] BOOL: 0 bytes, so the byte check passed, and reading it overflowed.
+  io::SafetensorsWriter w;
+  w.add_raw("query", io::DType::BOOL, {kMax, 2, 0}, {});
+  const auto bytes = w.to_bytes();
+  const std::string msg = error_of([&] { (void)io::SafetensorsFile::from_bytes(bytes, "zero.safetensors"); });
+  EXPECT_MENTIONS(msg, "zero.safetensors");
+  EXPECT_MENTIONS(msg, "query");
+  EXPECT_MENTIONS(msg, "(9223372036854775807, 2, 0)");
+}
+
+TEST(HostileSizes, ConfigDimensionsNearInt64MaxAreErrors) {
+  for (const char* key : {"kdim", "vdim", "head_dim"}) {
+    const auto file = weights_file("8", "2", {{key, "9223372036854775807"}});
+    const std::string load = error_of([&] { (void)io::load_module(file); });
+    EXPECT_MENTIONS(load, "64 bits");
+  }
+  MhaConfig c;
+  c.embed_dim = 8, c.num_heads = 2, c.kdim = kMax;
+  EXPECT_MENTIONS(error_of([&] { c.validate(); }), "kdim=9223372036854775807");
+  EXPECT_MENTIONS(error_of([&] { (void)parameter_count(c); }), "64 bits");
+  c.kdim = 0, c.head_dim_override = kMax / 2;
+  EXPECT_MENTIONS(error_of([&] { MultiheadAttention m(c); }), "64 bits");
+}
+
+TEST(HostileSizes, KvCacheSizesAreChecked) {
+  KvCacheConfig k;
+  k.batch = kMax / 2, k.kv_heads = 4, k.head_dim = 8, k.capacity = 16;
+  EXPECT_MENTIONS(error_of([&] { KvCache c(k); }), "KvCache");
+}
+
+TEST(HostileSizes, CliForwardOnAnOverflowingInputFailsWithOneLine) {
+  const std::string dir = testing::temp_dir();
+  MhaConfig c;
+  c.embed_dim = 4, c.num_heads = 2;
+  io::save_module(dir + "/w.safetensors", MultiheadAttention(c), io::WeightNames::PyTorch);
+  io::SafetensorsWriter in;
+  in.add_raw("query", io::DType::BOOL, {kMax, 2, 0}, {});
+  in.add_raw("key", io::DType::BOOL, {kMax, 2, 0}, {});
+  in.add_raw("value", io::DType::BOOL, {kMax, 2, 0}, {});
+  in.write(dir + "/in.safetensors");
+  const auto r =
+      testing::run_command(std::string(MHA_CLI_PATH) + " forward --weights " + dir + "/w.safetensors --inputs " + dir +
+                           "/in.safetensors --output " + dir + "/out.safetensors");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_MENTIONS(r.err, "9223372036854775807");
+}
+
+// ---- item 5: KvCache element access checks every index ------------------------------------------
+
+TEST(HostileIndices, KvCacheElementAccessChecksHeadAndFeature) {
+  KvCacheConfig k;
+  k.batch = 2, k.kv_heads = 2, k.head_dim = 3, k.value_dim = 5, k.capacity = 4;
+  KvCache cache(k);
+  const Tensor kk = testing::random_tensor({2, 2, 1, 3}, 1), vv = testing::random_tensor({2, 2, 1, 5}, 2);
+  cache.append(View4<const float>(kk.view4()), View4<const float>(vv.view4()));
+  EXPECT_EQ(cache.k_at(1, 1, 0, 2), kk.at({1, 1, 0, 2}));
+  EXPECT_EQ(cache.v_at(1, 1, 0, 4), vv.at({1, 1, 0, 4}));
+  EXPECT_MENTIONS(error_of([&] { (void)cache.k_at(0, 2, 0, 0); }), "head 2");
+  EXPECT_MENTIONS(error_of([&] { (void)cache.k_at(0, -1, 0, 0); }), "head -1");
+  EXPECT_MENTIONS(error_of([&] { (void)cache.k_at(0, 0, 0, 3); }), "feature 3");
+  EXPECT_MENTIONS(error_of([&] { (void)cache.v_at(0, 0, 0, 5); }), "feature 5");
+  EXPECT_MENTIONS(error_of([&] { (void)cache.v_at(0, 0, 0, -1); }), "feature -1");
+  EXPECT_MENTIONS(error_of([&] { (void)cache.v_at(2, 0, 0, 0); }), "sequence 2");
+  EXPECT_MENTIONS(error_of([&] { (void)cache.k_at(0, 0, 1, 0); }), "position 1");
+}
+
+// ---- item 9: outputs too large are refused up front ---------------------------------------------
+
+TEST(HostileOutputs, AttentionWeightsTooLargeNameShapeAndBytes) {
+  const double need = 8.0 * 200000.0 * 200000.0 * 4.0;
+  if (static_cast<double>(detail::physical_memory_bytes()) > need) GTEST_SKIP() << "machine holds 1.16 TiB";
+  MhaConfig c;
+  c.embed_dim = 8, c.num_heads = 8;
+  const MultiheadAttention m(c);
+  const Tensor x({200000, 1, 8});
+  MhaForwardOptions o;
+  o.need_weights = NeedWeights::PerHead;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = error_of([&] { (void)m.forward(x, x, x, o); });
+  EXPECT_MENTIONS(msg, "attention weights (1, 8, 200000, 200000) need 1.16 TiB");
+  EXPECT_MENTIONS(msg, "MultiheadAttention.forward");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
+  // Averaged weights are checked too, and without weights the same call is small.
+  o.need_weights = NeedWeights::Averaged;
+  EXPECT_MENTIONS(error_of([&] { (void)m.forward(x, x, x, o); }), "TiB");
+}
+
+TEST(HostileOutputs, WriterStreamsReferencedTensorsWithProgress) {
+  const Tensor big = testing::random_tensor({1000, 300}, 7);
+  io::SafetensorsWriter w;
+  w.add_ref("big", big);
+  w.add("small", Tensor({2}, 1.0f));
+  const std::string path = testing::temp_dir() + "/streamed.safetensors";
+  uint64_t last = 0, calls = 0, total = 0;
+  w.write(path, [&](uint64_t done, uint64_t all) {
+    EXPECT_GE(done, last);
+    last = done, total = all, ++calls;
+  });
+  EXPECT_EQ(last, total);
+  EXPECT_GE(calls, 1u);
+  EXPECT_EQ(std::filesystem::file_size(path), total);
+  const auto f = io::SafetensorsFile::open(path);
+  EXPECT_EQ(f.read_f32("big").storage(), big.storage());
+  EXPECT_EQ(w.to_bytes().size(), total);
+}
+
+}  // namespace
+}  // namespace mha
