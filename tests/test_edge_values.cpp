@@ -1,7 +1,8 @@
 // Edge values on every path (issue 16, items 1–4 and 8): a key masked by a −inf key bias is never
 // read, like padding (docs/semantics.md, 'Padded keys are never read'); a visible NaN makes its
 // row NaN and is never turned into a fully masked row ('NaN is never hidden'); keys hidden only
-// from some queries may be read by the fused kernels, and what that means is pinned down here.
+// from some queries may be read by the fused kernels, and what that means is pinned down here;
+// views without data are errors, not crashes.
 // Every kernel path: the reference and fused forward (float32 and bf16, every SIMD target), the
 // reference with weights, both backward kernels, decoding against a cache, and the module
 // (need_weights None / PerHead / Averaged, forward_train + backward, forward_incremental).
@@ -387,6 +388,26 @@ TEST(HiddenPerPosition, ReferenceNeverReadsTheFusedKernelsMay) {
       }
     });
   }
+}
+
+// ---- 4. views with a shape but no data ----------------------------------------------------------
+
+TEST(NoData, KeyOrValueWithoutDataIsAnError) {
+  Case c(1, 1, 3, 3, 4, 41);
+  Tensor out({1, 1, 3, 4}), lse({1, 1, 3, 1});
+  View4<const float> k = c.k.view4(), v = c.v.view4();
+  View4<const float> k0 = k, v0 = v;
+  k0.data = nullptr, v0.data = nullptr;
+  EXPECT_THROW(sdpa(c.q.view4(), k0, v, {}, {out.view4(), {}, lse.view4()}), Error);
+  EXPECT_THROW(sdpa(c.q.view4(), k, v0, {}, {out.view4(), {}, lse.view4()}), Error);
+  EXPECT_NE(testing::error_of([&] {
+              sdpa(c.q.view4(), k0, v, {}, {out.view4(), {}, {}});
+            }).find("key"),
+            std::string::npos);
+  SdpaGradTensors g{Tensor(c.q.shape()), Tensor(c.k.shape()), Tensor(c.v.shape())};
+  const SdpaGrads gv{g.dq.view4(), g.dk.view4(), g.dv.view4()};
+  EXPECT_THROW(sdpa_backward(c.q.view4(), k0, v, out.view4(), out.view4(), lse.view4(), {}, gv), Error);
+  EXPECT_THROW(sdpa_backward(c.q.view4(), k, v0, out.view4(), out.view4(), lse.view4(), {}, gv), Error);
 }
 
 }  // namespace
