@@ -2,7 +2,7 @@
 // read, like padding (docs/semantics.md, 'Padded keys are never read'); a visible NaN makes its
 // row NaN and is never turned into a fully masked row ('NaN is never hidden'); keys hidden only
 // from some queries may be read by the fused kernels, and what that means is pinned down here;
-// views without data are errors, not crashes.
+// views without data are errors, not crashes; empty inputs give empty outputs ('Empty inputs').
 // Every kernel path: the reference and fused forward (float32 and bf16, every SIMD target), the
 // reference with weights, both backward kernels, decoding against a cache, and the module
 // (need_weights None / PerHead / Averaged, forward_train + backward, forward_incremental).
@@ -408,6 +408,85 @@ TEST(NoData, KeyOrValueWithoutDataIsAnError) {
   const SdpaGrads gv{g.dq.view4(), g.dk.view4(), g.dv.view4()};
   EXPECT_THROW(sdpa_backward(c.q.view4(), k0, v, out.view4(), out.view4(), lse.view4(), {}, gv), Error);
   EXPECT_THROW(sdpa_backward(c.q.view4(), k, v0, out.view4(), out.view4(), lse.view4(), {}, gv), Error);
+}
+
+// ---- 8. empty inputs ----------------------------------------------------------------------------
+
+struct EmptyShape {
+  int64_t B, H, Tq, Tk;
+};
+
+/// T = 0, T_k = 0, B = 0: empty outputs of the right shape; with T_q > 0 and T_k = 0 every row is
+/// fully masked (zeros, lse −inf, weights of width 0); gradients of the right shape, zero.
+TEST(Empty, SdpaEveryPath) {
+  for (const EmptyShape s : {EmptyShape{2, 2, 0, 0}, EmptyShape{0, 2, 3, 3}, EmptyShape{2, 2, 3, 0},
+                             EmptyShape{2, 2, 0, 3}, EmptyShape{1, 2, 70, 0}}) {
+    SCOPED_TRACE("B " + std::to_string(s.B) + " T_q " + std::to_string(s.Tq) + " T_k " + std::to_string(s.Tk));
+    Case c(s.B, s.H, s.Tq, s.Tk, 4, 51);
+    for (bool causal : {false, true}) {
+      c.opt.masks.causal = causal ? Causal::bottom_right() : Causal{};
+      for_each_forward(c, [&](const Fwd& f, Path) {
+        for (float x : f.out.values()) EXPECT_EQ(x, 0.0f);
+        for (float x : f.lse.values()) EXPECT_EQ(x, -kInf);
+      });
+      for (Backend be : {Backend::Reference, Backend::Fused}) {
+        const SdpaGradTensors g = backward(c, be);
+        EXPECT_EQ(g.dq.shape(), c.q.shape());
+        for (float x : g.dq.values()) EXPECT_EQ(x, 0.0f);
+        EXPECT_EQ(g.dk.shape(), c.k.shape());
+      }
+    }
+    const SdpaResult r = sdpa(c.q, c.k, c.v, {}, Want::Weights);
+    EXPECT_EQ(r.weights.shape(), (Shape{s.B, s.H, s.Tq, s.Tk}));
+  }
+}
+
+/// The module with T = 0 (queries, keys or both) and B = 0: every need_weights, training forward
+/// and backward, and incremental decoding with no new token.
+TEST(Empty, ModuleEveryPath) {
+  const MultiheadAttention m = small_module();
+  const int64_t E = 8;
+  struct S {
+    int64_t B, Tq, Tk;
+  };
+  for (const S s : {S{2, 0, 0}, S{2, 3, 0}, S{2, 0, 3}, S{0, 3, 3}}) {
+    SCOPED_TRACE("B " + std::to_string(s.B) + " T_q " + std::to_string(s.Tq) + " T_k " + std::to_string(s.Tk));
+    const Tensor q = random_tensor({s.Tq, s.B, E}, 61), kv = random_tensor({s.Tk, s.B, E}, 62);
+    for (NeedWeights nw : {NeedWeights::None, NeedWeights::PerHead, NeedWeights::Averaged}) {
+      MhaForwardOptions o;
+      o.need_weights = nw;
+      const MhaOutput y = m.forward(q, kv, kv, o);
+      EXPECT_EQ(y.output.shape(), (Shape{s.Tq, s.B, E}));
+      // No key: attention gives zeros, the output is out_proj's bias (zero at initialisation).
+      for (float x : y.output.values()) EXPECT_EQ(x, 0.0f);
+      if (nw == NeedWeights::PerHead) {
+        EXPECT_EQ(y.attn_weights.shape(), (Shape{s.B, 2, s.Tq, s.Tk}));
+      } else if (nw == NeedWeights::Averaged) {
+        EXPECT_EQ(y.attn_weights.shape(), (Shape{s.B, s.Tq, s.Tk}));
+      }
+    }
+    for (Backend be : {Backend::Reference, Backend::Fused}) {
+      MhaForwardOptions o;
+      o.backend = be;
+      const MhaTrainOutput t = forward_train(m, q, kv, kv, o);
+      EXPECT_EQ(t.output.shape(), (Shape{s.Tq, s.B, E}));
+      const MhaGradients g = backward(m, t.context, Tensor(t.output.shape(), 1.0f));
+      EXPECT_EQ(g.query.shape(), q.shape());
+      EXPECT_EQ(g.key.shape(), kv.shape());
+      EXPECT_TRUE(all_finite(g.params.in_proj_weight) && all_finite(g.params.out_proj_weight));
+    }
+  }
+  // Incremental: no new token, then a step after it.
+  KvCacheConfig cc;
+  cc.batch = 2, cc.kv_heads = 2, cc.head_dim = 4, cc.capacity = 8;
+  KvCache cache(cc);
+  const Tensor none({0, 2, E});
+  const MhaOutput y0 = m.forward_incremental(none, none, none, cache);
+  EXPECT_EQ(y0.output.shape(), (Shape{0, 2, E}));
+  EXPECT_EQ(cache.length(0), 0);
+  const Tensor one = random_tensor({1, 2, E}, 63);
+  EXPECT_TRUE(all_finite(m.forward_incremental(one, one, one, cache).output));
+  EXPECT_EQ(cache.length(1), 1);
 }
 
 }  // namespace
