@@ -476,6 +476,25 @@ TEST(Empty, ModuleEveryPath) {
       EXPECT_TRUE(all_finite(g.params.in_proj_weight) && all_finite(g.params.out_proj_weight));
     }
   }
+  // T_k = 0 with the module's extra positions: they are then the only keys, and the weights have
+  // width 1 (zero_attn) or 2 (bias_kv and zero_attn).
+  for (const bool bias_kv : {false, true}) {
+    MhaConfig cfg = m.config();
+    cfg.add_zero_attn = true;
+    cfg.add_bias_kv = bias_kv;
+    const MultiheadAttention mx(cfg, 4);
+    const Tensor q = random_tensor({3, 2, E}, 64), kv({0, 2, E});
+    MhaForwardOptions o;
+    o.need_weights = NeedWeights::PerHead;
+    const MhaOutput y = mx.forward(q, kv, kv, o);
+    EXPECT_EQ(y.output.shape(), (Shape{3, 2, E}));
+    EXPECT_TRUE(all_finite(y.output));
+    EXPECT_EQ(y.attn_weights.shape(), (Shape{2, 2, 3, bias_kv ? 2 : 1}));
+    const MhaTrainOutput t = forward_train(mx, q, kv, kv, {});
+    const MhaGradients g = backward(mx, t.context, Tensor(t.output.shape(), 1.0f));
+    EXPECT_EQ(g.key.shape(), kv.shape());
+    EXPECT_TRUE(all_finite(g.query));
+  }
   // Incremental: no new token, then a step after it.
   KvCacheConfig cc;
   cc.batch = 2, cc.kv_heads = 2, cc.head_dim = 4, cc.capacity = 8;
