@@ -50,6 +50,10 @@ struct Causal {
 
 /// Positions that MAY be attended: nonzero = allowed. Broadcastable to (B, h, T_q, T_k):
 /// each extent is either the full size or 1 (stride 0 is fine too).
+/// A key hidden by this mask (or by Causal, or by −inf in AdditiveMask) from some queries only is
+/// not promised to be unread: the fused kernels load every key of a tile that one of its queries
+/// sees, so NaN or ±inf in its K/V rows may reach other rows of that tile (docs/semantics.md,
+/// 'Padded keys are never read'). Use KeyPadding or a −inf KeyBias for keys that must not be read.
 struct AllowedMask {
   View4<const uint8_t> view;
 };
@@ -67,7 +71,8 @@ struct KeyPadding {
 };
 
 /// A float bias per key, (B, T_k) as a view (B, 1, 1, T_k), added to every query's scores
-/// (PyTorch's float key_padding_mask). −inf entries mask the key out.
+/// (PyTorch's float key_padding_mask). A −inf entry masks the key out exactly like KeyPadding:
+/// its K and V rows are never read, on every path.
 struct KeyBias {
   View4<const float> view;
 };

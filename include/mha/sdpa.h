@@ -7,8 +7,15 @@
 // h must be a multiple of kv and query head i reads K/V head g(i) = i / (h / kv)
 // (grouped-query and multi-query attention; K/V are never copied per query head).
 // Every promise of docs/semantics.md holds on every backend: masks named by meaning, causal with an
-// explicit alignment, fully masked rows give zeros (lse = −inf), padded keys are never read,
-// dropout from a counter-based generator, bitwise-identical results for any thread count.
+// explicit alignment, fully masked rows give zeros (lse = −inf), padded keys (and keys whose
+// key_bias is −inf) are never read, a visible NaN makes its row NaN (lse NaN), dropout from a
+// counter-based generator, bitwise-identical results for any thread count. Empty inputs (B, h,
+// T_q or T_k = 0) give empty outputs; T_k = 0 with T_q > 0 gives fully masked rows.
+// One documented limit (docs/semantics.md, 'Padded keys are never read'): a key hidden only from
+// some queries (causal, window, AllowedMask, −inf in AdditiveMask) may still be loaded by the fused
+// kernels, so a NaN or ±inf in its V row (fused forward and decode) or K row (fused backward's dQ)
+// can make other rows of the same tile NaN; the reference kernels never read it for a query
+// that cannot see it. With finite K and V every path gives the same answer.
 #pragma once
 
 #include <cstdint>

@@ -57,11 +57,20 @@ struct SdpaParams {
   int64_t group() const { return heads() / kv_heads(); }  // query heads per K/V head
 };
 
+/// True when key j of batch b is hidden from every query: padded, or its key_bias is −inf
+/// (PyTorch's float key_padding_mask). Such a key is never read — its K and V rows are not touched —
+/// on any path (docs/semantics.md, 'Padded keys are never read').
+inline bool key_dropped(const Masks& m, int64_t b, int64_t j) {
+  if (m.key_padding.view.defined() && m.key_padding.view(b, 0, 0, j)) return true;
+  return m.key_bias.view.defined() && m.key_bias.view(b, 0, 0, j) == kNegInf;
+}
+
 /// True when key j is hidden from query i of batch b, head h by any mask other than an additive
-/// −inf (those are found when the score is formed). Shared by every kernel so they agree exactly.
+/// −inf in the per-position bias (those are found when the score is formed). Shared by every
+/// kernel so they agree exactly.
 inline bool key_hidden(const SdpaParams& p, int64_t b, int64_t h, int64_t i, int64_t j, int64_t causal_offset) {
   const Masks& m = p.masks;
-  if (m.key_padding.view.defined() && m.key_padding.view(b, 0, 0, j)) return true;
+  if (key_dropped(m, b, j)) return true;
   if (!CausalRule{m.causal.enabled(), causal_offset, m.causal.window}.sees(i, j)) return true;
   if (m.allowed.view.defined() && !m.allowed.view(b, h, i, j)) return true;
   return false;

@@ -27,14 +27,17 @@
 //
 // Masks: causal blocks that no (query, key) pair can see are skipped; blocks that straddle the
 // diagonal or the window edge, or any block when a per-element mask exists, are masked with
-// key_hidden(), the rule every kernel shares. Padded keys are never read: a block with padding
-// copies its K/V rows with zeros in place of padded rows, and their dK/dV rows come out 0.
-// Rows whose lse is −inf (fully masked) get P = 0, hence zero gradient.
+// key_hidden(), the rule every kernel shares. Padded keys (and keys whose key_bias is −inf) are
+// never read: a block with such keys copies its K/V rows with zeros in their place, and their
+// dK/dV rows come out 0. Rows whose lse is −inf (fully masked) get P = 0, hence zero gradient;
+// rows whose lse is NaN (a visible NaN in the forward) get P = NaN on their visible keys, so the
+// NaN reaches dQ, dK and dV as it would by differentiating the forward (docs/semantics.md, 'NaN').
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "kernels/attention_backward.h"
 #include "kernels/backward_fused.h"
@@ -112,11 +115,12 @@ inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
   }
 }
 
-/// True when block [j0, j1) of batch b contains a padded key.
+/// True when block [j0, j1) of batch b contains a key that is never read: padded, or with
+/// key_bias −inf (key_dropped()).
 inline bool has_padding(const SdpaParams& f, int64_t b, int64_t j0, int64_t j1) {
-  if (!f.masks.key_padding.view.defined()) return false;
+  if (!f.masks.key_padding.view.defined() && !f.masks.key_bias.view.defined()) return false;
   for (int64_t j = j0; j < j1; ++j)
-    if (f.masks.key_padding.view(b, 0, 0, j)) return true;
+    if (key_dropped(f.masks, b, j)) return true;
   return false;
 }
 
@@ -125,7 +129,7 @@ inline bool has_padding(const SdpaParams& f, int64_t b, int64_t j0, int64_t j1) 
 inline void copy_unpadded(const SdpaParams& f, int64_t b, int64_t g, int64_t j0, int64_t j1, float* k, float* v) {
   const int64_t D = f.d(), Dv = f.d_v();
   for (int64_t j = j0; j < j1; ++j) {
-    const bool pad = f.masks.key_padding.view(b, 0, 0, j) != 0;
+    const bool pad = key_dropped(f.masks, b, j);
     float* kr = k + (j - j0) * D;
     float* vr = v + (j - j0) * Dv;
     if (pad) {
@@ -170,13 +174,18 @@ HWY_INLINE void probabilities(const float* HWY_RESTRICT s, const float* lse, int
       std::fill(pr, pr + cols, 0.0f);
       continue;
     }
+    if (std::isnan(lse[r])) {  // the forward saw a visible NaN: so does every visible P of the row
+      for (int64_t c = 0; c < cols; ++c) pr[c] = sr[c] == kNegInf ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     const auto m = hn::Set(df, lse[r]);
     for (int64_t c = 0; c < cols; c += N)
       hn::StoreU(exp_nonpositive(df, hn::Sub(hn::LoadU(df, sr + c), m)), df, pr + c);
   }
 }
 
-/// dS = P ∘ (dP − D_r), selected to 0 where P = 0 (masked keys, whose dP is never needed).
+/// dS = P ∘ (dP − D_r), selected to 0 where P = 0 (masked keys, whose dP is never needed); a NaN P
+/// (ordered compares are false for it) is kept.
 HWY_INLINE void score_grads(const float* HWY_RESTRICT prob, const float* HWY_RESTRICT dp, const float* rowdot,
                             int64_t rows, int64_t cols, float* HWY_RESTRICT ds) {
   const hn::ScalableTag<float> df;
@@ -187,7 +196,7 @@ HWY_INLINE void score_grads(const float* HWY_RESTRICT prob, const float* HWY_RES
     for (int64_t c = 0; c < cols; c += N) {
       const auto pv = hn::LoadU(df, prob + r * kBc + c);
       const auto g = hn::Mul(pv, hn::Sub(hn::LoadU(df, dp + r * kBc + c), d));
-      hn::StoreU(hn::IfThenElseZero(hn::Gt(pv, zero), g), df, ds + r * kBc + c);
+      hn::StoreU(hn::IfThenZeroElse(hn::Eq(pv, zero), g), df, ds + r * kBc + c);
     }
   }
 }
@@ -300,6 +309,14 @@ HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb
       job.h = h, job.i0 = i0, job.i1 = i1;
       run_block(cx, job, vis, ws, dk_acc, dv_acc, want_dq);
     }
+  // A key that is never read has gradient 0 even where a NaN query meets its zero dS (0·NaN in
+  // the dK product): it takes part in no product of the forward.
+  if (job.padded)
+    for (int64_t j = j0; j < j1; ++j)
+      if (key_dropped(f.masks, b, j)) {
+        std::fill(dk_acc + (j - j0) * D, dk_acc + (j - j0 + 1) * D, 0.0f);
+        std::fill(dv_acc + (j - j0) * Dv, dv_acc + (j - j0 + 1) * Dv, 0.0f);
+      }
   for (int64_t j = j0; j < j1; ++j) {
     std::memcpy(p.dk.row(b, g, j), dk_acc + (j - j0) * D, static_cast<size_t>(D) * sizeof(float));
     std::memcpy(p.dv.row(b, g, j), dv_acc + (j - j0) * Dv, static_cast<size_t>(Dv) * sizeof(float));
@@ -387,13 +404,16 @@ bool fused_backward_supports(const SdpaBackwardParams& p, std::string* why) {
     return false;
   };
   const SdpaParams& f = p.fwd;
-  // BLAS takes rows with unit inner stride and a row stride of at least the row length.
-  auto rows_ok = [](const auto& v) { return v.stride[3] == 1 && v.stride[2] >= v.shape[3]; };
+  // BLAS takes rows with unit inner stride and a row stride of at least the row length (an empty
+  // view has no rows: its strides do not matter).
+  auto rows_ok = [](const auto& v) {
+    return (v.stride[3] == 1 && v.stride[2] >= v.shape[3]) || v.shape[0] * v.shape[1] * v.shape[2] * v.shape[3] == 0;
+  };
   if (!rows_ok(f.q) || !rows_ok(f.k) || !rows_ok(f.v) || !rows_ok(p.dout) || !rows_ok(p.out))
     return no("fused backward needs unit inner stride and row stride ≥ row length for q, k, v, out and d_out");
   if (!rows_ok(p.dq) || !rows_ok(p.dk) || !rows_ok(p.dv))
     return no("fused backward needs unit inner stride and row stride ≥ row length for dq, dk and dv");
-  if (!p.lse.defined() && f.t_q() > 0) return no("fused backward needs the forward's lse");
+  if (!p.lse.defined() && f.batch() * f.heads() * f.t_q() > 0) return no("fused backward needs the forward's lse");
   if (why) *why = "supported";
   return true;
 }

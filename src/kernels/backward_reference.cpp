@@ -10,6 +10,7 @@
 // path needs neither out nor lse and stays independent of the kernel it checks. Steps cite the
 // forward lines (reference.cpp) they differentiate.
 #include <cmath>
+#include <limits>
 
 #include "kernels/attention_backward.h"
 #include "kernels/common.h"
@@ -47,6 +48,7 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
           // Recompute forward step 1 (scores: scale · q·k + additive terms, hidden keys −inf)
           // and step 3 (softmax with the maximum subtracted), in double.
           double row_max = kNegInfDouble;
+          bool row_nan = false;
           for (int64_t j = 0; j < Tk; ++j) {
             prob[j] = kNegInfDouble;
             if (key_hidden(f, b, h, i, j, causal_offset)) continue;
@@ -54,7 +56,11 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
             prob[j] = static_cast<double>(f.scale) * dot + additive_terms(f, b, h, i, j);
             row_max = std::max(row_max, prob[j]);
+            row_nan = row_nan || std::isnan(prob[j]);
           }
+          // A visible NaN made the forward row NaN: a NaN maximum makes every visible p_j NaN, so
+          // it reaches dQ and the dK/dV rows of the visible keys, as differentiating the forward would.
+          if (row_nan) row_max = std::numeric_limits<double>::quiet_NaN();
           // Forward step 2: a row with no visible key gave out = 0, a constant: its gradient is 0.
           if (row_max == kNegInfDouble) {
             for (int64_t c = 0; c < D; ++c) p.dq(b, h, i, c) = 0.0f;

@@ -19,6 +19,7 @@ namespace mha::kernels {
 enum class DType : uint8_t { F32, BF16 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr double kNegInfDouble = -std::numeric_limits<double>::infinity();
 
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

@@ -311,9 +311,18 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
         }
       for (int64_t j = nb; j < kBlock; ++j) s[j] = kNegInf;
       auto vmax = neg_inf;
-      for (int64_t j = 0; j < kBlock; j += L) vmax = hn::Max(vmax, hn::LoadU(df, s + j));
+      auto any_nan = hn::MaskFromVec(hn::Zero(df));  // Max may drop a NaN score: note it here
+      for (int64_t j = 0; j < kBlock; j += L) {
+        const auto x = hn::LoadU(df, s + j);
+        vmax = hn::Max(vmax, x);
+        any_nan = hn::Or(any_nan, hn::IsNaN(x));
+      }
       const float bmax = hn::GetLane(hn::MaxOfLanes(df, vmax));
-      const float m_new = std::max(m[rr], bmax);
+      float m_new = std::max(m[rr], bmax);
+      // A visible NaN score makes the row NaN (docs/semantics.md, 'NaN is never hidden'): l = NaN
+      // stays NaN through later blocks and the merge; a finite m keeps the split from looking empty.
+      const bool saw_nan = HWY_UNLIKELY(!hn::AllFalse(df, any_nan));
+      if (saw_nan && m_new == kNegInf) m_new = 0.0f;
       if (m_new == kNegInf) {  // nothing visible yet: probabilities 0, state unchanged
         corr[rr] = 1.0f;
         std::fill(s, s + kBlock, 0.0f);
@@ -328,7 +337,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
         hn::StoreU(e, df, s + j);
         sum = hn::Add(sum, e);
       }
-      l[rr] = l[rr] * corr[rr] + hn::GetLane(hn::SumOfLanes(df, sum));
+      l[rr] = saw_nan ? kNaN : l[rr] * corr[rr] + hn::GetLane(hn::SumOfLanes(df, sum));
       m[rr] = m_new;
     }
     r = 0;

@@ -334,19 +334,23 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
   const DF df;
   const int64_t N = lanes(), nvec = (nk + N - 1) / N;
   const VF vscale = hn::Set(df, p.scale);
+  const VF vneg_inf = hn::Set(df, kNegInf);
   for (int64_t r = 0; r < nq; ++r) {
     float* row = s + r * kBk;
     const int64_t i = i0 + r;
-    VF vmax = hn::Set(df, kNegInf);
+    VF vmax = vneg_inf;
     for (int64_t v = 0; v < nvec; ++v) {
-      const VF x = hn::MulAdd(hn::LoadU(df, row + v * N), vscale, hn::LoadU(df, kb + v * N));
+      // A key never read (kb = −inf: padding, key_bias −inf, or past the block) scores exactly −inf,
+      // even when Q holds NaN or ±inf (their product with its zero-packed K row would be NaN).
+      const VF kbv = hn::LoadU(df, kb + v * N);
+      const VF x = hn::IfThenElse(hn::Eq(kbv, vneg_inf), kbv, hn::MulAdd(hn::LoadU(df, row + v * N), vscale, kbv));
       vmax = hn::Max(vmax, x);
       hn::StoreU(x, df, row + v * N);
     }
     if (elementwise) {
       const bool has_bias = p.masks.bias.view.defined();
       for (int64_t jj = 0; jj < nk; ++jj) {
-        if (row[jj] == kNegInf) continue;  // padding or key_bias −inf: decided at packing
+        if (row[jj] == kNegInf) continue;  // padding, key_bias −inf or past the block: decided at packing
         if (key_hidden(p, b, h, i, j0 + jj, cx.causal.offset))
           row[jj] = kNegInf;
         else if (has_bias)
@@ -362,12 +366,18 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     alpha[r] = std::exp(m_old - m_use);
     const VF vm = hn::Set(df, m_use);
     VF vsum = hn::Zero(df);
+    auto any_nan = hn::MaskFromVec(hn::Zero(df));  // Max and exp_nonpositive may drop a NaN score: note it here
     for (int64_t v = 0; v < nvec; ++v) {
-      const VF e = exp_nonpositive(df, hn::Sub(hn::LoadU(df, row + v * N), vm));
+      const VF x = hn::LoadU(df, row + v * N);
+      any_nan = hn::Or(any_nan, hn::IsNaN(x));
+      const VF e = exp_nonpositive(df, hn::Sub(x, vm));
       vsum = hn::Add(vsum, e);
       hn::StoreU(e, df, row + v * N);
     }
     l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, vsum));
+    // A visible NaN score makes the row NaN (docs/semantics.md, 'NaN is never hidden'): a NaN l
+    // stays NaN through later blocks and turns out and lse into NaN; hidden scores are −inf here.
+    if (HWY_UNLIKELY(!hn::AllFalse(df, any_nan))) l[r] = kNaN;
     m[r] = m_new;
     // Dropout acts on the normalised probabilities; l (the normaliser) keeps every term.
     if (p.dropout.active())
@@ -515,7 +525,8 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
     }
   }
 
-  // Normalise and write out; a row that saw no key gives zeros and lse = −inf.
+  // Normalise and write out; a row that saw no key gives zeros and lse = −inf; a row that saw a
+  // NaN score has l = NaN, so out and lse are NaN.
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t h = g * group + hh;
     const float* oh = o + hh * kRowsPad * ldv;

@@ -33,6 +33,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
         const T* q_row = q.row(b, h, i);
         // 1. Scores: scale · q·k + additive terms; hidden keys get −inf and are never read.
         double row_max = kNegInfDouble;
+        bool row_nan = false;  // a visible NaN score (from Q, K or an additive term)
         for (int64_t j = 0; j < Tk; ++j) {
           if (key_hidden(p, b, h, i, j, causal_offset)) {
             scores[j] = kNegInf;
@@ -45,8 +46,18 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           const double s = static_cast<double>(p.scale) * dot + additive_terms(p, b, h, i, j);
           scores[j] = static_cast<float>(s);
           if (scores[j] > row_max) row_max = scores[j];
+          row_nan = row_nan || std::isnan(scores[j]);
         }
         float* out_row = p.out.row(b, h, i);
+        // A visible NaN makes the whole row NaN — out, weights and lse — as PyTorch's softmax does
+        // (docs/semantics.md, 'NaN').
+        if (row_nan) {
+          for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = kNaN;
+          if (p.weights.defined())
+            for (int64_t j = 0; j < Tk; ++j) p.weights(b, h, i, j) = kNaN;
+          if (p.lse.defined()) p.lse(b, h, i, 0) = kNaN;
+          continue;
+        }
         // 2. A row with no visible key gives zeros and lse = −inf (docs/semantics.md, 'Fully masked rows').
         if (row_max == kNegInfDouble) {
           for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = 0.0f;

@@ -30,11 +30,15 @@ View4<T> broadcast_to(const char* fn, View4<T> view, const std::array<int64_t, 4
 template <class T>
 void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const T> v, const SdpaOptions& opt,
                 const SdpaOutputs& outputs) {
-  if (!q.defined() && q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3] != 0) fail(fn, ": query has no data");
   for (size_t a = 0; a < 4; ++a) {
     if (q.shape[a] < 0 || k.shape[a] < 0 || v.shape[a] < 0)
       fail(fn, ": negative extent in query ", shape_str(q), ", key ", shape_str(k), " or value ", shape_str(v));
   }
+  // A view with elements must have data (an empty one may have none: docs/semantics.md, 'Empty inputs').
+  const auto no_data = [](const auto& x) { return !x.defined() && shape_numel(x.shape_vec()) != 0; };
+  if (no_data(q)) fail(fn, ": query ", shape_str(q), " has no data");
+  if (no_data(k)) fail(fn, ": key ", shape_str(k), " has no data");
+  if (no_data(v)) fail(fn, ": value ", shape_str(v), " has no data");
   if (q.shape[3] <= 0) fail(fn, ": head dim d must be ≥ 1, query is ", shape_str(q));
   if (v.shape[3] <= 0) fail(fn, ": value head dim d_v must be ≥ 1, value is ", shape_str(v));
   if (k.shape[0] != q.shape[0] || v.shape[0] != q.shape[0])
