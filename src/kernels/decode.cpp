@@ -139,6 +139,7 @@ HWY_INLINE hn::Vec<DF> load_row(DF df, const bf16* p) {
 constexpr int kLanes = static_cast<int>(HWY_LANES(float));
 constexpr int kTileRows = kLanes >= 4 ? 4 : 1;
 constexpr int kTileKeys = kLanes / kTileRows;
+static_assert(kTileRows * kTileKeys == kLanes, "a score tile's dot products fill exactly one vector per lane");
 
 /// v[i] for i < n = L: returns the vector whose lane i is the sum of v[i]'s lanes (v is clobbered).
 HWY_INLINE hn::Vec<DF> sum_each(DF df, hn::Vec<DF>* v) {
