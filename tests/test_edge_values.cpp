@@ -25,24 +25,11 @@ namespace mha {
 namespace {
 
 using testing::all_close;
+using testing::for_each_fused_target;
 using testing::random_tensor;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-/// Runs `body` once per compiled SIMD target this CPU supports, with dispatch forced to it.
-void for_each_target(const std::function<void()>& body) {
-  hwy::SetSupportedTargetsForTest(0);
-  const int64_t supported = hwy::SupportedTargets();
-  for (int64_t target : kernels::fused_compiled_targets()) {
-    if (!(supported & target)) continue;
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
-    body();
-    if (::testing::Test::HasFatalFailure()) break;
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
 
 BF16Tensor to_bf16_tensor(const Tensor& t) {
   BF16Tensor b(t.shape());
@@ -128,7 +115,7 @@ void for_each_forward(const Case& c, const std::function<void(const Fwd&, Path)>
     SCOPED_TRACE(path_name(p));
     check(forward(c, p), p);
   }
-  for_each_target([&] {
+  for_each_fused_target([&] {
     for (Path p : {Path::Fused, Path::Bf16Fused}) {
       SCOPED_TRACE(path_name(p));
       check(forward(c, p), p);
@@ -372,7 +359,7 @@ TEST(HiddenPerPosition, ReferenceNeverReadsTheFusedKernelsMay) {
     for (int64_t i = 0; i < 5; ++i) EXPECT_TRUE(row_finite(refw.out, 0, 0, i) && row_finite(refw.weights, 0, 0, i));
     const SdpaGradTensors g = backward(c, Backend::Reference);
     for (int64_t i = 0; i < 5; ++i) EXPECT_TRUE(row_finite(g.dq, 0, 0, i)) << i;
-    for_each_target([&] {
+    for_each_fused_target([&] {
       const Fwd f = forward(c, Path::Fused);
       for (int64_t i = 0; i < 8; ++i) {
         if (i >= 5) {

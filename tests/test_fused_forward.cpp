@@ -18,6 +18,7 @@ namespace {
 
 using testing::all_close;
 using testing::bitwise_equal;
+using testing::for_each_fused_target;
 using testing::random_tensor;
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
@@ -36,21 +37,6 @@ double max_abs(const Tensor& t) {
   for (float x : t.values())
     if (std::isfinite(x)) m = std::max(m, static_cast<double>(std::fabs(x)));
   return m;
-}
-
-/// Runs `body` once per compiled SIMD target this CPU supports, with dispatch forced to it.
-void for_each_target(const std::function<void()>& body) {
-  hwy::SetSupportedTargetsForTest(0);
-  const int64_t supported = hwy::SupportedTargets();
-  for (int64_t target : kernels::fused_compiled_targets()) {
-    if (!(supported & target)) continue;
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
-    ASSERT_EQ(kernels::fused_dispatch_target(), target);
-    body();
-    if (::testing::Test::HasFatalFailure()) break;
-  }
-  hwy::SetSupportedTargetsForTest(0);
 }
 
 /// One request: inputs, masks (owned here so the views in opt stay valid) and options.
@@ -100,7 +86,7 @@ void expect_close(const Case& c, const Result& got, const Result& want, double e
 /// Fused on every target against one reference run.
 void check_all_targets(const Case& c) {
   const Result want = run(c, Backend::Reference);
-  for_each_target([&] { expect_close(c, run(c, Backend::Fused), want); });
+  for_each_fused_target([&] { expect_close(c, run(c, Backend::Fused), want); });
 }
 
 std::vector<int64_t> lengths(int64_t block) {
@@ -254,7 +240,7 @@ TEST(FusedForward, DropoutMatchesTheReference) {
     c.make_inputs(3);
     // Kept weights are scaled by 1/(1 − p), and so is the rounding error.
     const Result want = run(c, Backend::Reference);
-    for_each_target([&] { expect_close(c, run(c, Backend::Fused), want, c.out_tol() / (1.0 - p)); });
+    for_each_fused_target([&] { expect_close(c, run(c, Backend::Fused), want, c.out_tol() / (1.0 - p)); });
   }
 }
 
@@ -291,7 +277,7 @@ TEST(FusedForward, StridedAndMisalignedViews) {
   c.make_inputs(5);
   set_key_padding(c);
   const Result want = run(c, Backend::Reference);
-  for_each_target([&] {
+  for_each_fused_target([&] {
     const Result contiguous = run(c, Backend::Fused);
     expect_close(c, contiguous, want);
     for (int64_t step : {1, 2}) {
@@ -313,7 +299,7 @@ TEST(FusedForward, ThreadCountDoesNotChangeABit) {
   c.opt.masks.causal = Causal::bottom_right();
   c.opt.dropout = {0.2f, 5};
   c.make_inputs(9);
-  for_each_target([&] {
+  for_each_fused_target([&] {
     const Result one = run(c, Backend::Fused, 1);
     for (int threads : {2, 3}) {
       const Result many = run(c, Backend::Fused, threads);
@@ -344,7 +330,7 @@ void check_bf16(Case& c) {
   c.q = widened(qb), c.k = widened(kb), c.v = widened(vb);
   const Result want = run(c, Backend::Reference);
   const double bf16_tol = 2.0 * std::ldexp(1.0, -9) * max_abs(c.v);
-  for_each_target([&] {
+  for_each_fused_target([&] {
     Result got{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
     SdpaOptions opt = c.opt;
     opt.backend = Backend::Fused;

@@ -1,5 +1,9 @@
 #include "support/test_support.h"
 
+#include <hwy/targets.h>
+
+#include "kernels/fused_forward.h"
+
 #include <sys/wait.h>
 #include <unistd.h>
 #include <array>
@@ -106,6 +110,20 @@ CommandResult run_command(const std::string& command_line) {
   r.err = slurp(err);
   std::filesystem::remove_all(dir);
   return r;
+}
+
+void for_each_fused_target(const std::function<void()>& body) {
+  hwy::SetSupportedTargetsForTest(0);
+  const int64_t supported = hwy::SupportedTargets();
+  for (int64_t target : kernels::fused_compiled_targets()) {
+    if (!(supported & target)) continue;
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
+    ASSERT_EQ(kernels::fused_dispatch_target(), target);
+    body();
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 }  // namespace mha::testing

@@ -42,4 +42,8 @@ CommandResult run_command(const std::string& command_line);
 /// guaranteed; names are unique per test.
 std::string temp_dir();
 
+/// Runs `body` once per compiled SIMD target of the fused forward kernel that this CPU supports,
+/// with dispatch forced to it (and checked), then restores the normal dispatch.
+void for_each_fused_target(const std::function<void()>& body);
+
 }  // namespace mha::testing
