@@ -1,31 +1,35 @@
 #!/usr/bin/python3
-"""Python-call overhead: mha.MultiheadAttention.forward from Python vs `mha bench` (C++), same module.
+"""Python-call overhead: mha.MultiheadAttention.forward from Python vs the same C++ call.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/python_overhead.py [--cli build/mha] [--repeat 15]
+    PYTHONPATH=build/python /usr/bin/python3 bench/python_overhead.py [--threads 1] [--rounds 9]
 
 Module forward, self-attention, B=1, E=512, h=8, no weights, no mask, eval mode, at T = 128, 512
-and 4096; inputs (T, B, E) as in `mha bench`. Prints the median of each side and the overhead
-(Python median / C++ median − 1). Targets (issue 11): ≤ 5 % at T=512, ≤ 20 % at T=128.
-Each side runs every T in a fresh process (--same-process times all T in one Python process:
-there, on this machine, T=4096 after the smaller sizes ran markedly slower, an allocator effect
-that a long-lived C++ process would see too). A benchmark, not a test: it asserts nothing.
+and 4096; inputs (T, B, E) as in `mha bench`. The baseline is the C++ call `mha bench` times
+(MultiheadAttention::forward on the same module and input), timed in this process by
+mha._core._time_cpp_forward; the Python side is `module(x, x, x, need_weights=False)` with
+everything it does (argument checks, the copy of the input into the library's tensor, the
+output handed to numpy). The two sides alternate in rounds, so a neighbour's load drifting over
+the run hits both alike; each prints its median over all rounds, and the overhead is the median
+of the per-round ratios − 1. Targets (issue 11): ≤ 5 % at T=512, ≤ 20 % at T=128.
+With --cli, `mha bench` itself is also run (a separate process per point) as a cross-check.
+A benchmark, not a test: it asserts nothing.
 """
 import argparse
 import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 import numpy as np
 
 import mha
+from mha import _core
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def cpp_median_ms(cli: str, T: int, repeat: int, threads: int) -> float:
+def cli_median_ms(cli: str, T: int, repeat: int, threads: int) -> float:
     cmd = [cli, "bench", "-B", "1", "-T", str(T), "-E", "512", "-H", "8", "--repeat", str(repeat), "--json"]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -33,46 +37,58 @@ def cpp_median_ms(cli: str, T: int, repeat: int, threads: int) -> float:
     return float(json.loads(r.stdout)["median_ms"])
 
 
-def py_median_ms(T: int, repeat: int, threads: int) -> float:
-    mha.set_num_threads(threads)  # as `mha bench --threads` does (the GEMMs follow the library default)
-    m = mha.MultiheadAttention(512, 8).eval()
-    x = np.random.default_rng(0).standard_normal((T, 1, 512)).astype(np.float32)
-    m(x, x, x, need_weights=False, threads=threads)  # warm-up
+def python_ms(m: mha.MultiheadAttention, x: np.ndarray, repeat: int, threads: int) -> list:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         m(x, x, x, need_weights=False, threads=threads)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cli", default=os.path.join(HERE, "..", "build", "mha"), help="the mha CLI binary")
-    ap.add_argument("--repeat", type=int, default=15, help="timed runs per point (median)")
+    ap.add_argument("--rounds", type=int, default=9, help="alternating rounds per T (default 9)")
+    ap.add_argument("--per-round", type=int, default=5, help="calls per side per round (T ≥ 4096: 1)")
     ap.add_argument("--threads", type=int, default=0, help="threads (0 = library default)")
     ap.add_argument("--seq", type=int, nargs="*", default=[128, 512, 4096])
-    ap.add_argument("--same-process", action="store_true",
-                    help="time every T in this process (default: a fresh process per T, as `mha bench` runs)")
-    ap.add_argument("--py-only", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--cli", help="also run this `mha` binary's bench per T as a cross-check")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per T")
     a = ap.parse_args()
-    if a.py_only:
-        print(py_median_ms(a.py_only, a.repeat, a.threads))
-        return
-    print(f"{'T':>6} {'C++ ms':>10} {'Python ms':>10} {'overhead':>9}")
+    mha.set_num_threads(a.threads)  # as `mha bench --threads` does
+    if not a.json:
+        print(f"{'T':>6} {'C++ ms':>10} {'Python ms':>10} {'overhead':>9} {'min..max/round':>16}"
+              + (f" {'mha bench ms':>13}" if a.cli else ""))
     for T in a.seq:
-        reps = max(3, a.repeat // 3) if T >= 4096 else a.repeat
-        # interleave so that machine-load drift hits both sides alike
-        c1 = cpp_median_ms(a.cli, T, reps, a.threads)
-        if a.same_process:
-            p = py_median_ms(T, reps, a.threads)
+        k = 1 if T >= 4096 else a.per_round
+        m = mha.MultiheadAttention(512, 8).eval()
+        x = np.random.default_rng(0).standard_normal((T, 1, 512)).astype(np.float32)
+        _core._time_cpp_forward(m._m, x, 1, a.threads)  # warm-up both sides
+        python_ms(m, x, 1, a.threads)
+        cpp, py, ratios = [], [], []
+        for r in range(a.rounds):
+            # alternate which side goes first, so neither always runs on a just-warmed cache
+            if r % 2 == 0:
+                c = _core._time_cpp_forward(m._m, x, k, a.threads)
+                p = python_ms(m, x, k, a.threads)
+            else:
+                p = python_ms(m, x, k, a.threads)
+                c = _core._time_cpp_forward(m._m, x, k, a.threads)
+            cpp += c
+            py += p
+            ratios.append(statistics.median(p) / statistics.median(c))
+        oh = 100 * (statistics.median(ratios) - 1)
+        row = {"T": T, "cpp_median_ms": statistics.median(cpp), "python_median_ms": statistics.median(py),
+               "overhead_pct": oh, "round_overhead_pct": [100 * (q - 1) for q in ratios], "threads": a.threads}
+        if a.cli:
+            row["mha_bench_median_ms"] = cli_median_ms(a.cli, T, max(3, a.rounds * k // 2), a.threads)
+        if a.json:
+            print(json.dumps(row))
         else:
-            cmd = [sys.executable, os.path.abspath(__file__), "--py-only", str(T), "--repeat", str(reps),
-                   "--threads", str(a.threads)]
-            p = float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        c2 = cpp_median_ms(a.cli, T, reps, a.threads)
-        c = min(c1, c2)
-        print(f"{T:>6} {c:>10.3f} {p:>10.3f} {100 * (p / c - 1):>8.1f}%")
+            lo, hi = min(row["round_overhead_pct"]), max(row["round_overhead_pct"])
+            print(f"{T:>6} {row['cpp_median_ms']:>10.3f} {row['python_median_ms']:>10.3f} {oh:>8.1f}% "
+                  f"{lo:>+7.1f}..{hi:>+6.1f}%" + (f" {row['mha_bench_median_ms']:>13.3f}" if a.cli else ""),
+                  flush=True)
 
 
 if __name__ == "__main__":

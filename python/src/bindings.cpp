@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -518,6 +519,24 @@ PYBIND11_MODULE(_core, m) {
                                  const ForwardArgs& args) {
         return mha::head_importance(self, tensor_from(q), tensor_from(k), tensor_from(v), forward_options(args));
       });
+
+  // For bench/python_overhead.py: the baseline of the Python call's overhead. Times the same C++
+  // call `mha bench` times (self-attention module forward, no weights, eval) on this process's
+  // module and input, so both sides run interleaved in one process under the same machine load.
+  // Returns each call's milliseconds; the input is copied into a Tensor once, outside the timing.
+  m.def("_time_cpp_forward", [](const mha::MultiheadAttention& self, const F32In& x, int repeat, int threads) {
+    const mha::Tensor t = tensor_from(x);
+    mha::MhaForwardOptions opt;
+    opt.threads = threads;
+    std::vector<double> ms;
+    py::gil_scoped_release release;
+    for (int i = 0; i < repeat; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const mha::MhaOutput r = self.forward(t, t, t, opt);
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return ms;
+  });
 
   m.def("load_module",
         [](const std::string& path) { return mha::io::load_module(mha::io::SafetensorsFile::open(path)); });
