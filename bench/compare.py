@@ -12,6 +12,13 @@ Modes (default forward; `all` runs every mode but gemm):
   backward the attention core's backward (vs sgemm and PyTorch's autograd of softmax(QKᵀ)V) and the
            module's forward + backward vs nn.MultiheadAttention under autograd, default T=4096
   gemm     bench/gemm_compare (OpenBLAS vs BLIS vs oneDNN), when it is built
+  anchors  issue 15's table: mha against two PyTorch anchors — nn.MultiheadAttention and the module a
+           PyTorch user writes for speed (nn.Linear + scaled_dot_product_attention) — under PyTorch
+           2.x (../shared/tools/torch2, Debian 13) and Debian 12's 1.13 (OpenBLAS for OpenMP), at 1
+           and 2 threads, for the module forward (B=1, T=4096), the forward with attention weights
+           (T=2048), batches (B=64, T=128), training (module forward + backward, T=4096) and the
+           attention core's forward + backward (T=4096); --rounds interleaved rounds, medians;
+           results/anchors.json
 
 Defaults are the issue's: B=1, E=512, h=8, 2 threads, float32. The ratio column is torch ms /
 mha ms (above 1: mha is faster). PyTorch runs with OMP_WAIT_POLICY=passive (see pytorch_mha.py).
@@ -28,7 +35,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-MODES = ["forward", "core", "causal", "bf16", "threads", "memory", "backward", "gemm"]
+MODES = ["forward", "core", "causal", "bf16", "threads", "memory", "backward", "gemm", "anchors"]
 DEFAULT_SEQS = {"forward": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],
                 "core": [128, 256, 512, 1024, 2048, 4096, 8192, 16384],
                 "causal": [4096], "bf16": [4096], "threads": [4096], "memory": [16384], "backward": [4096]}
@@ -229,6 +236,102 @@ def gemm(a):
     print("wrote bench/results/gemm.txt")
 
 
+# anchors: (label, mha bench arguments, PyTorch arguments per anchor, anchors)
+ANCHOR_ROWS = [
+    ("module B=1 T=4096", ["--batch", "1", "--seq", "4096"], [], ["nn", "sdpa"]),
+    ("module + weights T=2048", ["--batch", "1", "--seq", "2048", "--need-weights", "averaged"],
+     ["--need-weights", "averaged"], ["nn"]),
+    ("module B=64 T=128", ["--batch", "64", "--seq", "128"], [], ["nn", "sdpa"]),
+    ("training: module fwd+bwd T=4096", ["--batch", "1", "--seq", "4096", "--backward"], ["--backward"], ["nn", "sdpa"]),
+    ("training: core fwd+bwd T=4096", ["--batch", "1", "--seq", "4096", "--core"],
+     ["--core", "--backward", "--core-impl", "sdpa"], ["core"]),
+]
+
+
+def torch_runners(a):
+    """{version label: command prefix and environment} for the PyTorch builds available."""
+    script = os.path.join(HERE, "pytorch_mha.py")
+    env13 = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}  # the CPU's own kernels
+    env13["OMP_WAIT_POLICY"] = "passive"
+    runners = {}
+    if os.access(a.torch2, os.X_OK):
+        runners["torch 2.x"] = ([a.torch2, os.path.relpath(script, ROOT)], dict(os.environ, OMP_WAIT_POLICY="passive"))
+    else:
+        print(f"compare.py: {a.torch2} not found: no PyTorch 2.x column", file=sys.stderr)
+    runners["torch 1.13"] = (["/usr/bin/python3", script], env13)
+    blas = subprocess.run(["update-alternatives", "--query", "libblas.so.3-x86_64-linux-gnu"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout
+    if "openblas-openmp" not in blas:
+        print("compare.py: warning: Debian 12's torch 1.13 is not on OpenBLAS for OpenMP "
+              "(apt-get install libopenblas0-openmp); its figures will be far from its best", file=sys.stderr)
+    return runners
+
+
+def anchors(a):
+    import statistics
+    runners = {} if a.no_torch else torch_runners(a)
+    rows = [r for r in ANCHOR_ROWS if not a.rows or any(k in r[0] for k in a.rows)]
+    cells = {}  # (row, threads, who) -> [median per round]
+    extra = {}  # (row, threads) -> mha's last JSON (fractions of the same-run peak)
+
+    def add(key, r):
+        if "median_ms" in r:
+            cells.setdefault(key, []).append(r["median_ms"])
+        elif "error" in r:
+            cells.setdefault(key, [])
+            extra.setdefault(("error",) + key, r["error"])
+
+    common = ["--embed-dim", str(a.embed_dim), "--heads", str(a.heads), "--repeat", str(a.repeat), "--json"]
+    for rnd in range(a.rounds):
+        for threads in a.thread_counts:
+            for label, mha_args, torch_args, kinds in rows:
+                t = ["--threads", str(threads)]
+                m = run_json([a.mha, "bench"] + mha_args + common + t)
+                if label.startswith("training: core"):  # mha: core forward + core backward, summed
+                    mb = run_json([a.mha, "bench"] + mha_args + ["--backward"] + common + t)
+                    if "median_ms" in m and "median_ms" in mb:
+                        m = dict(m, median_ms=m["median_ms"] + mb["median_ms"], backward=mb)
+                    else:
+                        m = {"error": m.get("error") or mb.get("error")}
+                add((label, threads, "mha"), m)
+                extra[(label, threads)] = m
+                for version, (prefix, env) in runners.items():
+                    for kind in kinds:
+                        anchor = [] if kind == "core" else ["--anchor", kind]
+                        shape = [x for x in mha_args if x not in ("--core", "--backward", "--need-weights", "averaged")]
+                        r = run_json(prefix + shape + torch_args + anchor + common + t, env=env)
+                        add((label, threads, f"{version} {kind}"), r)
+        print(f"anchors: round {rnd + 1}/{a.rounds} done", file=sys.stderr)
+
+    who = ["mha"] + [f"{v} {k}" for v in runners for k in ("nn", "sdpa", "core")]
+    who = [w for w in who if any(key[2] == w for key in cells)]
+    med = {k: statistics.median(v) for k, v in cells.items() if v}
+    table, out = [], []
+    for label, _, _, _ in rows:
+        for threads in a.thread_counts:
+            m = med.get((label, threads, "mha"))
+            line = [label, threads, f"{m:.1f}" if m else "n/a"]
+            frac = extra.get((label, threads), {}).get("fraction_of_peak")
+            line.append(f"{frac:.2f}" if isinstance(frac, (int, float)) else "n/a")
+            entry = {"row": label, "threads": threads, "mha_ms": m, "fraction_of_peak": frac, "anchors": {}}
+            for w in who[1:]:
+                t_ms = med.get((label, threads, w))
+                r = ratio(t_ms, m)
+                line.append(f"{t_ms:.1f} ({fmt_ratio(r)})" if t_ms else "—")
+                if t_ms:
+                    entry["anchors"][w] = {"ms": t_ms, "ratio": r}
+            entry["rounds"] = {w: cells.get((label, threads, w), []) for w in who}
+            table.append(line)
+            out.append(entry)
+    print(f"\nanchors: E={a.embed_dim} h={a.heads} float32; medians of {a.rounds} interleaved rounds of "
+          f"{a.repeat} runs; in brackets: anchor ms / mha ms (above 1: mha is faster)")
+    print_table(["path", "thr", "mha ms", "mha frac. of peak"] + [f"{w} ms" for w in who[1:]], table)
+    errors = {" / ".join(map(str, k[1:])): v for k, v in extra.items() if k[0] == "error"}
+    for k, v in errors.items():
+        print(f"  error: {k}: {v}")
+    save("anchors", {"config": config(a, "anchors", "mixed"), "rows": out, "errors": errors})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", default="forward", choices=MODES + ["all"])
@@ -244,6 +347,12 @@ def main():
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick-gemm", action="store_true")
+    p.add_argument("--rounds", type=int, default=3, help="anchors: interleaved rounds (medians over them)")
+    p.add_argument("--thread-counts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                   help="anchors: thread counts (default 1,2)")
+    p.add_argument("--rows", type=lambda s: s.split(","), help="anchors: only rows whose label contains one of these")
+    p.add_argument("--torch2", default=os.path.join(ROOT, "..", "shared", "tools", "torch2"),
+                   help="anchors: the PyTorch 2.x runner (default ../shared/tools/torch2)")
     a = p.parse_args()
     a.mha = os.path.abspath(a.mha) if a.mha else find_mha()
     if a.max_seq:
@@ -251,7 +360,7 @@ def main():
             DEFAULT_SEQS[k] = [t for t in DEFAULT_SEQS[k] if t <= a.max_seq] or [a.max_seq]
         if a.seqs:
             a.seqs = [t for t in a.seqs if t <= a.max_seq]
-    modes = [m for m in MODES if m != "gemm"] if a.mode == "all" else [a.mode]
+    modes = [m for m in MODES if m not in ("gemm", "anchors")] if a.mode == "all" else [a.mode]
     for mode in modes:
         if mode in ("forward", "core"):
             sweep(a, mode)
@@ -266,6 +375,8 @@ def main():
         elif mode == "backward":  # the core's backward vs sgemm, and the module's training step vs autograd
             for target in ([a.target] if a.target else ["core", "module"]):
                 sweep(a, mode, target=target, backward=True)
+        elif mode == "anchors":
+            anchors(a)
         else:
             gemm(a)
 

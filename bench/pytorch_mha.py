@@ -1,6 +1,12 @@
 #!/usr/bin/python3
 """PyTorch's nn.MultiheadAttention (or its attention core) on the shapes `mha bench` times.
 
+Two module anchors (--anchor): `nn` is torch.nn.MultiheadAttention (what the lessons teach);
+`sdpa` is the module a PyTorch user writes for speed: one nn.Linear for Q/K/V, the functional
+scaled_dot_product_attention (torch 2.x: its CPU flash kernel; 1.13: the private
+_scaled_dot_product_attention) and nn.Linear for the output. --need-weights averaged|per-head
+times nn.MultiheadAttention returning its attention weights (PyTorch's default).
+
 Eval mode, need_weights=False, batch_first=True, self-attention (query = key = value, PyTorch's
 fast path) unless --kv-seq differs, the same thread count, the same FLOP convention (attention
 core 4·B·h·T_q·T_k·d, halved when causal; projections 2·rows·in·out per GEMM). Causal is an
@@ -44,6 +50,10 @@ def parse_args():
     p.add_argument("--backward", action="store_true",
                    help="module: forward + backward through autograd (loss = sum(output * fixed random)); "
                         "core: the backward of softmax(QKᵀ)V alone (FLOPs 2.5x the forward core)")
+    p.add_argument("--anchor", choices=["nn", "sdpa"], default="nn",
+                   help="module: nn.MultiheadAttention (default) or nn.Linear + scaled_dot_product_attention")
+    p.add_argument("--need-weights", choices=["none", "averaged", "per-head"], default="none",
+                   help="module (nn anchor): return attention weights, averaged over heads or per head")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     a.kv_seq = a.kv_seq or a.seq
@@ -55,7 +65,41 @@ def parse_args():
         p.error("--heads must divide --embed-dim and --kv-heads must divide --heads")
     if a.kv_heads != a.heads and not a.core:
         p.error("nn.MultiheadAttention has no grouped-query attention: --kv-heads needs --core")
+    if a.need_weights != "none" and (a.core or a.anchor != "nn" or a.backward):
+        p.error("--need-weights is for the nn anchor's module forward")
+    if a.anchor == "sdpa" and a.kv_seq != a.seq:
+        p.error("--anchor sdpa is self-attention only (no --kv-seq)")
     return a
+
+
+def functional_sdpa():
+    """(q, k, v, is_causal) -> out: torch 2.x's public SDPA, 1.13's private one, else None."""
+    f = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
+    if f is not None:
+        return lambda q, k, v, causal: f(q, k, v, is_causal=causal)
+    f = getattr(torch.nn.functional, "_scaled_dot_product_attention", None)
+    if f is not None:  # 1.13: (out, weights)
+        return lambda q, k, v, causal: f(q, k, v, None, 0.0, False, causal)[0]
+    return None
+
+
+class SdpaModule(torch.nn.Module):
+    """The fast module a PyTorch user writes: packed Q/K/V Linear, functional SDPA, output Linear."""
+
+    def __init__(self, embed_dim, heads, causal):
+        super().__init__()
+        self.h, self.causal = heads, causal
+        self.in_proj = torch.nn.Linear(embed_dim, 3 * embed_dim)
+        self.out_proj = torch.nn.Linear(embed_dim, embed_dim)
+        self.sdpa = functional_sdpa()
+        if self.sdpa is None:
+            sys.exit(f"pytorch_mha.py: torch {torch.__version__} has no scaled_dot_product_attention")
+
+    def forward(self, x):
+        B, T, E = x.shape
+        q, k, v = self.in_proj(x).view(B, T, 3, self.h, E // self.h).permute(2, 0, 3, 1, 4)
+        o = self.sdpa(q, k, v, self.causal)
+        return self.out_proj(o.transpose(1, 2).reshape(B, T, E))
 
 
 def flops(a):
@@ -63,7 +107,9 @@ def flops(a):
     d = a.embed_dim // a.heads
     core = 4.0 * a.batch * a.heads * a.seq * a.kv_seq * d * (0.5 if a.causal else 1.0)
     if a.core:
-        return 2.5 * core if a.backward else core
+        if a.backward:  # the sdpa impl times forward + backward together
+            return 3.5 * core if a.core_impl == "sdpa" else 2.5 * core
+        return core
     E, kvd = a.embed_dim, a.kv_heads * d
     nq, nk = a.batch * a.seq, a.batch * a.kv_seq
     proj = 2.0 * nq * E * E + 2.0 * 2.0 * nk * E * kvd + 2.0 * nq * E * E
@@ -107,14 +153,19 @@ def make_core(a, dtype):
 
 def make_module(a, dtype):
     torch.manual_seed(0)
-    m = torch.nn.MultiheadAttention(a.embed_dim, a.heads, batch_first=True).eval().to(dtype)
+    if a.anchor == "sdpa":
+        m = SdpaModule(a.embed_dim, a.heads, a.causal).eval().to(dtype)
+    else:
+        m = torch.nn.MultiheadAttention(a.embed_dim, a.heads, batch_first=True).eval().to(dtype)
     x = torch.rand(a.batch, a.seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
     if a.kv_seq == a.seq:
         key = value = x  # the same object: PyTorch's self-attention fast path
     else:
         key = torch.rand(a.batch, a.kv_seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
         value = torch.rand(a.batch, a.kv_seq, a.embed_dim).mul_(2).sub_(1).to(dtype)
-    mask = causal_mask(a) if a.causal else None
+    mask = causal_mask(a) if a.causal and a.anchor == "nn" else None
+    name = "nn.MultiheadAttention" if a.anchor == "nn" else "Linear+SDPA module"
+    call = (lambda: m(x)) if a.anchor == "sdpa" else (lambda: m(x, key, value, need_weights=False, attn_mask=mask)[0])
     if a.backward:
         # Training mode off (no dropout configured anyway), autograd on: the parameters and the
         # input require grad, so every gradient mha's backward returns is computed here too.
@@ -125,10 +176,13 @@ def make_module(a, dtype):
         def step():
             m.zero_grad(set_to_none=True)
             x.grad = None
-            out = m(x, key, value, need_weights=False, attn_mask=mask)[0]
-            (out * d_out).sum().backward()
-        return {"nn.MultiheadAttention fwd+bwd": step}
-    return {"nn.MultiheadAttention": lambda: m(x, key, value, need_weights=False, attn_mask=mask)[0]}
+            (call() * d_out).sum().backward()
+        return {f"{name} fwd+bwd": step}
+    if a.need_weights != "none":
+        avg = a.need_weights == "averaged"
+        return {f"{name} need_weights={a.need_weights}":
+                lambda: m(x, key, value, need_weights=True, attn_mask=mask, average_attn_weights=avg)}
+    return {name: call}
 
 
 def make_core_backward(a, dtype):
@@ -143,7 +197,16 @@ def make_core_backward(a, dtype):
     out = torch.softmax(s, dim=-1) @ v
     d_out = torch.rand(out.shape, generator=g).mul_(2).sub_(1).to(dtype)
     # The graph is kept so only the backward is timed, as `mha bench --core --backward` does.
-    return {"math backward": lambda: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)}
+    impls = {"math backward": lambda: torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)}
+    sdpa = functional_sdpa()
+    if a.core_impl == "sdpa" and sdpa is not None:
+        # Forward and backward of the functional SDPA (torch 2.x: the CPU flash kernel and its
+        # backward), timed together: compare with mha's core forward + core backward.
+        def fwd_bwd():
+            o = sdpa(q, k, v, a.causal)
+            return torch.autograd.grad(o, (q, k, v), d_out)
+        return {"sdpa fwd+bwd": fwd_bwd}
+    return impls
 
 
 def time_runs(name, fn, repeat):
@@ -162,7 +225,8 @@ def main():
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    what = "attention core (SDPA)" if a.core else "nn.MultiheadAttention"
+    what = "attention core (SDPA)" if a.core else (
+        "nn.MultiheadAttention" if a.anchor == "nn" else "nn.Linear + scaled_dot_product_attention module")
     print(f"torch {torch.__version__}: {what}, B={a.batch} T={a.seq} S={a.kv_seq} E={a.embed_dim} h={a.heads} "
           f"causal={a.causal} dtype={a.dtype} threads={torch.get_num_threads()} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, warm-up + {a.repeat} runs", file=sys.stderr)
