@@ -290,6 +290,10 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
     pass.weights = Tensor({B, H, Tq, S});
     souts.weights = pass.weights.view4();
   }
+  if (keep.averaged_weights) {  // averaged over heads by the attention itself, no per-head intermediate
+    pass.averaged_weights = Tensor({B, 1, Tq, S});
+    souts.averaged_weights = pass.averaged_weights.view4();
+  }
   sdpa(View4<const float>(pass.proj.q), View4<const float>(pass.proj.k), View4<const float>(pass.proj.v), sopt, souts);
 
   pass.output = project_output(c, params, pass.heads.data(), query.shape(), call.q_rows.rows());

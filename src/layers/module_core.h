@@ -115,17 +115,18 @@ struct ModulePass {
   Tensor k_ext, v_ext;  ///< (B, kv, S, d) when extra positions exist
   ModuleMasks masks;    ///< owners of the widened masks sdpa_options points into
   SdpaOptions sdpa_options;
-  Tensor heads;    ///< (N_q, h·d): attention output before W_O, in the query's row layout
-  Tensor lse;      ///< (B, h, T_q) when asked for
-  Tensor weights;  ///< (B, h, T_q, S) when asked for
-  Tensor output;   ///< the query's shape
+  Tensor heads;             ///< (N_q, h·d): attention output before W_O, in the query's row layout
+  Tensor lse;               ///< (B, h, T_q) when asked for
+  Tensor weights;           ///< (B, h, T_q, S) when asked for
+  Tensor averaged_weights;  ///< (B, 1, T_q, S) when asked for
+  Tensor output;            ///< the query's shape
 };
 
 /// What run_module keeps besides the output.
 struct PassOutputs {
   bool lse = false;
-  bool weights = false;
-  bool averaged_weights = false;  ///< forward() will also build (B, T_q, S) averaged weights
+  bool weights = false;           ///< per-head weights (B, h, T_q, S)
+  bool averaged_weights = false;  ///< weights averaged over heads (B, 1, T_q, S)
 };
 
 /// Bytes of physical memory on this machine (0 if unknown).
