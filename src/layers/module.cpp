@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "layers/module_core.h"
+#include "layers/scratch_pool.h"
 #include "mha/random.h"
 
 namespace mha {
@@ -155,7 +156,7 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
   detail::PassOutputs keep;
   keep.weights = options.need_weights == NeedWeights::PerHead;
   keep.averaged_weights = options.need_weights == NeedWeights::Averaged;
-  detail::ModulePass pass = detail::run_module(kFwd, *this, query, key, value, options, keep);
+  detail::ModulePass pass = detail::run_module(kFwd, *this, query, key, value, options, keep, scratch_.pool.get());
   MhaOutput result;
   result.output = std::move(pass.output);
 
@@ -171,5 +172,7 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
   }
   return result;
 }
+
+void MultiheadAttention::release_workspace() const { scratch_.pool->release(); }
 
 }  // namespace mha
