@@ -132,10 +132,20 @@ double best_steps_per_second(Chain chain, int threads, double ms, int rounds) {
     for (float x : out) sink = sink + x;
     return s;
   };
-  int64_t iters = 1 << 14;  // calibrate: grow until one round takes ≥ 1 ms, then scale to `ms`
-  double s = timed(iters);
-  while (s < 1e-3 && iters < (int64_t{1} << 40)) s = timed(iters *= 4);
-  iters = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(iters) * (ms * 1e-3) / s));
+  // Calibrate on the calling thread alone (a parallel region's wake-up, milliseconds on a loaded
+  // machine, must not enter it): double the steps until one run takes a quarter of `ms`, then
+  // scale to `ms`. The rounds below then run on every thread.
+  int64_t iters = 1 << 10;
+  const auto alone = [&](int64_t n) {
+    const auto t0 = clock_type::now();
+    sink = sink + chain(n);
+    return seconds_since(t0);
+  };
+  double s = alone(iters);
+  while (s < 0.25e-3 * ms && iters < (int64_t{1} << 40)) s = alone(iters *= 2);
+  for (int r = 0; r < 2; ++r) s = std::min(s, alone(iters));  // a preempted run must not shrink the rounds
+  iters = std::max(iters, static_cast<int64_t>(static_cast<double>(iters) * (ms * 1e-3) / s));
+  timed(iters / 8 + 1);  // wake the thread team
   double best = 1e30;
   for (int r = 0; r < std::max(1, rounds); ++r) best = std::min(best, timed(iters));
   return static_cast<double>(iters) * threads / best;

@@ -5,7 +5,7 @@
 // The FMA peaks run on the SIMD target the attention kernels dispatch to (the same Highway
 // dynamic dispatch, the same compiled target list), on every thread given, each thread running
 // independent multiply-add chains (more chains than FMA latency × FMA ports, so the units never
-// wait on a result), for a few milliseconds per round; the best round counts.
+// wait on a result), for 20 ms per round (calibrated on one thread); the best of 5 rounds counts.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +17,7 @@ namespace mha::internal {
 std::string simd_target_name();
 
 /// float32 FMA peak in GFLOP/s (one FMA = 2 FLOPs per lane) on `threads` threads.
-double f32_fma_peak_gflops(int threads, double ms_per_round = 5.0, int rounds = 5);
+double f32_fma_peak_gflops(int threads, double ms_per_round = 20.0, int rounds = 5);
 
 /// Whether the dispatched target multiplies bf16 pairs into float32 (vdpbf16ps), as the fused
 /// forward does for bf16 inputs.
@@ -26,7 +26,7 @@ bool has_bf16_dot();
 /// bf16 dot-product peak in GFLOP/s (vdpbf16ps: 2 products and 2 additions per lane) on
 /// `threads` threads; 0 when has_bf16_dot() is false (bf16 is then widened to float32 and the
 /// float32 peak applies).
-double bf16_dot_peak_gflops(int threads, double ms_per_round = 5.0, int rounds = 5);
+double bf16_dot_peak_gflops(int threads, double ms_per_round = 20.0, int rounds = 5);
 
 /// Read-only memory bandwidth in GB/s: `threads` threads summing `bytes` of float32 (first-touched
 /// by the threads that read them), best of `rounds`. Choose `bytes` well beyond the last-level cache.
