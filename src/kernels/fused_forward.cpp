@@ -398,6 +398,17 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
 // s holds exp(score − m) after dropout for rows < nq; scaled by keep_scale / l it is the row of
 // final probabilities: written to the per-head weights and/or added to the head-sum of the
 // averaged weights (divided by h when the item ends).
+/// Elements [j0, j1) of row (b, h, i) of a weights view set to `value`.
+inline void fill_row(const View4<float>& w, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, float value) {
+  if (j1 <= j0) return;
+  float* row = &w(b, h, i, 0);
+  const int64_t ws = w.stride[3];
+  if (ws == 1)
+    std::fill(row + j0, row + j1, value);
+  else
+    for (int64_t j = j0; j < j1; ++j) row[j * ws] = value;
+}
+
 template <class T>
 void write_weights(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk,
                    const float* l, float* s) {
@@ -431,12 +442,15 @@ template <class T>
 void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRange keys, float l) {
   const SdpaParams& p = *cx.p;
   const int64_t Tk = p.t_k();
-  const bool nan_row = std::isnan(l);
-  if (p.weights.defined())
-    for (int64_t j = 0; j < Tk; ++j)
-      if (nan_row || j < keys.lo || j >= keys.hi) p.weights(b, h, i, j) = nan_row ? kNaN : 0.0f;
-  if (p.weights_avg.defined() && nan_row)
-    for (int64_t j = 0; j < Tk; ++j) p.weights_avg(b, 0, i, j) = kNaN;
+  if (std::isnan(l)) {
+    if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN);
+    if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN);
+    return;
+  }
+  if (p.weights.defined()) {
+    fill_row(p.weights, b, h, i, 0, keys.lo, 0.0f);
+    fill_row(p.weights, b, h, i, keys.hi, Tk, 0.0f);
+  }
 }
 
 // ---- (batch b, kv-head g, query block qb) for every query head of the group ----------------
@@ -645,12 +659,14 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
   }
   const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, p.t_q() - i0), Tk = p.t_k();
   const View4<float>& avg = p.weights_avg;
-  for (int64_t r = 0; r < nq; ++r)
-    for (int64_t j = 0; j < Tk; ++j) avg(b, 0, i0 + r, j) = 0.0f;
+  for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f);
   for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
   const float heads = static_cast<float>(p.heads());
-  for (int64_t r = 0; r < nq; ++r)
-    for (int64_t j = 0; j < Tk; ++j) avg(b, 0, i0 + r, j) /= heads;
+  const int64_t as = avg.stride[3];
+  for (int64_t r = 0; r < nq && Tk > 0; ++r) {
+    float* row = &avg(b, 0, i0 + r, 0);
+    for (int64_t j = 0; j < Tk; ++j) row[j * as] /= heads;
+  }
 }
 
 template <class T>
