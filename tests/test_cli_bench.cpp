@@ -17,8 +17,8 @@ int count_lines(const std::string& s) {
   return n + (!s.empty() && s.back() != '\n');
 }
 
-/// `extra` defaults to a small sgemm reference to keep the test quick.
-nlohmann::json bench_json(const std::string& args, const std::string& extra = " --sgemm-size 128") {
+/// `extra` defaults to a small sgemm reference and bandwidth stream to keep the test quick.
+nlohmann::json bench_json(const std::string& args, const std::string& extra = " --sgemm-size 128 --bw-mib 8") {
   const auto r = run_command(kCli + " bench " + args + " --repeat 1 --json" + extra);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(count_lines(r.out), 1) << "stdout must be one JSON object: " << r.out;
@@ -35,6 +35,17 @@ void expect_measurement_keys(const nlohmann::json& j) {
   EXPECT_NEAR(j["fraction_of_sgemm"].get<double>(), j["gflops"].get<double>() / j["sgemm_gflops"].get<double>(),
               1e-9 * j["fraction_of_sgemm"].get<double>());
   EXPECT_TRUE(j["dispatch"].is_string());
+  // The same run's denominators: FMA peak on the dispatched SIMD target, read bandwidth, triad.
+  for (const char* key : {"peak_f32_gflops", "peak_f32_gflops_before", "peak_f32_gflops_after", "peak_gflops",
+                          "fraction_of_peak", "read_bw_gbs", "triad_gbs", "min_bytes", "fraction_of_read_bw"}) {
+    ASSERT_TRUE(j.contains(key)) << key << " missing in " << j.dump();
+    EXPECT_GT(j[key].get<double>(), 0.0) << key;
+  }
+  EXPECT_GE(j["peak_bf16_dot_gflops"].get<double>(), 0.0);
+  EXPECT_NEAR(j["fraction_of_peak"].get<double>(), j["gflops"].get<double>() / j["peak_gflops"].get<double>(),
+              1e-9 * j["fraction_of_peak"].get<double>());
+  EXPECT_FALSE(j["simd_target"].get<std::string>().empty());
+  EXPECT_TRUE(j["peak_kind"] == "f32_fma" || j["peak_kind"] == "bf16_dot") << j["peak_kind"];
 }
 
 TEST(CliBench, CoreJsonHasTheKeysAndTheFlopCount) {
@@ -66,6 +77,36 @@ TEST(CliBench, ModuleForwardCountsProjectionsToo) {
   const double core = 4 * B * h * T * S * d;
   const double proj = 2 * B * T * E * E + 2 * 2 * B * S * E * kv * d + 2 * B * T * E * E;
   EXPECT_EQ(j["flops"].get<double>(), core + proj);
+}
+
+TEST(CliBench, ModuleForwardWithWeights) {
+  for (const char* mode : {"per-head", "averaged"}) {
+    const auto j = bench_json(std::string("--batch 2 --seq 40 --embed-dim 32 --heads 4 --need-weights ") + mode);
+    expect_measurement_keys(j);
+    EXPECT_EQ(j["need_weights"], mode);
+    EXPECT_EQ(j["dispatch"], "fused: supported");
+    // The weights count among the tensors the call must hold: (B, h, T, S) or (B, T, S) floats.
+    const double without = bench_json("--batch 2 --seq 40 --embed-dim 32 --heads 4")["expected_tensor_mb"];
+    const double weights = 4.0 * 2 * (std::string(mode) == "per-head" ? 4 : 1) * 40 * 40 / (1024.0 * 1024.0);
+    EXPECT_NEAR(j["expected_tensor_mb"].get<double>() - without, weights, 1e-9);
+  }
+}
+
+TEST(CliBench, DecodeJsonHasTheBandwidthAndPeakFractions) {
+  const auto r = run_command(kCli +
+                             " bench-decode --heads 4 --kv-heads 2 --head-dim 16 --contexts 64,100 --dtype f32 "
+                             "--repeat 2 --footprint-mib 1 --bw-mib 8 --threads 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* key : {"triad_gbs", "read_bw_gbs", "peak_f32_gflops"}) EXPECT_GT(j[key].get<double>(), 0.0) << key;
+  EXPECT_FALSE(j["simd_target"].get<std::string>().empty());
+  ASSERT_EQ(j["decode"].size(), 2u);
+  for (const auto& d : j["decode"]) {
+    EXPECT_NEAR(d["fraction_of_read_bw"].get<double>(), d["gbs"].get<double>() / j["read_bw_gbs"].get<double>(),
+                1e-9 * d["fraction_of_read_bw"].get<double>());
+    EXPECT_NEAR(d["fraction_of_peak"].get<double>(), d["gflops"].get<double>() / j["peak_f32_gflops"].get<double>(),
+                1e-9 * d["fraction_of_peak"].get<double>());
+  }
 }
 
 TEST(CliBench, Bf16CoreRunsOrSaysItIsUnavailable) {
@@ -100,6 +141,9 @@ TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
       {"--seq 8 --embed-dim 64 --heads 4 --dtype bf16", "bf16"},  // the module has no bf16 forward
       {"--seq 8 --embed-dim 64", "--heads"},
       {"--seq 8 --embed-dim 64 --heads 4 --bogus", "--bogus"},
+      {"--seq 8 --embed-dim 64 --heads 4 --need-weights all", "--need-weights"},
+      {"--seq 8 --embed-dim 64 --heads 4 --need-weights averaged --core", "--need-weights"},
+      {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 0", "--bw-mib"},
   };
   for (const Case& c : cases) {
     const auto r = run_command(kCli + " bench " + c.args);

@@ -28,7 +28,7 @@ constexpr int kRounds = 3;
 struct Job {
   Tensor x;                  // (T, B, E) self-attention input
   bool causal = false;       // Causal::top_left()
-  NeedWeights need_weights;  // exercises the reference path too
+  NeedWeights need_weights;  // per head or averaged: the fused kernel's weights passes
   int threads = 0;           // 0 = OpenMP's default; 1 = serial inside the call
 };
 
@@ -70,7 +70,10 @@ TEST(Concurrency, OneModuleManyThreadsGiveBitwiseTheSerialResults) {
   std::vector<Job> jobs;
   for (int i = 0; i < 8; ++i)
     jobs.push_back(Job{testing::random_tensor({5 + 7 * i, 2, 32}, 100 + static_cast<uint64_t>(i)), i % 2 == 0,
-                       i % 3 == 0 ? NeedWeights::PerHead : NeedWeights::None, i % 4 == 1 ? 1 : 0});
+                       i % 3 == 0   ? NeedWeights::PerHead
+                       : i % 3 == 1 ? NeedWeights::Averaged
+                                    : NeedWeights::None,
+                       i % 4 == 1 ? 1 : 0});
   const Tensor decode_in = testing::random_tensor({2, 24, 32}, 7);
 
   std::vector<MhaOutput> want;

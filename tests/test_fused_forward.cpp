@@ -375,28 +375,236 @@ TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {
               hwy::TargetName(kernels::fused_dispatch_target()), avx3_dl ? "yes" : "no");
 }
 
-// ---- dispatch -------------------------------------------------------------------------------
+// ---- attention weights from the fused kernel ----------------------------------------------
 
-TEST(FusedForward, WeightsFallBackToTheReferenceWithAReason) {
+/// out, lse, per-head weights (B, h, T_q, T_k) and averaged weights (B, 1, T_q, T_k).
+struct WeightsResult {
+  Tensor out, lse, w, avg;
+};
+
+enum WantWeights : uint8_t { kPerHead = 1, kAveraged = 2, kBoth = 3 };
+
+template <class Q>
+WeightsResult run_weights(const Case& c, const Q& q, const Q& k, const Q& v, Backend backend, int threads = 2,
+                          WantWeights want = kBoth) {
+  WeightsResult r{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1}), {}, {}};
+  SdpaOutputs outs{r.out.view4(), {}, r.lse.view4(), {}};
+  if (want & kPerHead) {
+    r.w = Tensor({c.B, c.H, c.Tq, c.Tk}, 123.0f);  // anything left unwritten shows
+    outs.weights = r.w.view4();
+  }
+  if (want & kAveraged) {
+    r.avg = Tensor({c.B, 1, c.Tq, c.Tk}, 123.0f);
+    outs.averaged_weights = r.avg.view4();
+  }
+  SdpaOptions opt = c.opt;
+  opt.backend = backend;
+  opt.threads = threads;
+  sdpa(q.view4(), k.view4(), v.view4(), opt, outs);
+  return r;
+}
+WeightsResult run_weights(const Case& c, Backend backend, int threads = 2, WantWeights want = kBoth) {
+  return run_weights(c, c.q, c.k, c.v, backend, threads, want);
+}
+
+/// Probabilities: each moves relatively by the scores' rounding (a few ε·bound) and exp's error;
+/// kept ones are scaled by 1/(1 − p) under dropout.
+double weights_tol(const Case& c) {
+  const double keep = c.opt.dropout.active() ? 1.0 / (1.0 - c.opt.dropout.p) : 1.0;
+  return kEps * keep * (8.0 * c.score_bound() + 32.0);
+}
+
+void expect_weights_close(const Case& c, const WeightsResult& got, const WeightsResult& want,
+                          double extra_out_tol = 0) {
+  const double keep = c.opt.dropout.active() ? 1.0 / (1.0 - c.opt.dropout.p) : 1.0;
+  EXPECT_TRUE(all_close(got.out, want.out, keep * c.out_tol() + extra_out_tol, 0));
+  EXPECT_TRUE(all_close(got.lse, want.lse, c.lse_tol(), 4 * kEps));
+  if (want.w.defined()) {
+    EXPECT_TRUE(all_close(got.w, want.w, weights_tol(c), 0));
+  }
+  if (want.avg.defined()) {
+    EXPECT_TRUE(all_close(got.avg, want.avg, weights_tol(c), 0));
+  }
+}
+
+void check_weights_all_targets(const Case& c) {
+  const WeightsResult want = run_weights(c, Backend::Reference);
+  for_each_fused_target([&] { expect_weights_close(c, run_weights(c, Backend::Fused), want); });
+}
+
+TEST(FusedWeights, AutoPicksTheFusedKernel) {
   Case c;
   c.Tq = 9, c.Tk = 11;
   c.make_inputs(1);
-  Tensor out({c.B, c.H, c.Tq, c.Dv}), w({c.B, c.H, c.Tq, c.Tk});
-  SdpaOutputs outs{out.view4(), w.view4(), {}};
-  EXPECT_NE(sdpa_dispatch_reason(c.q.view4(), c.k.view4(), c.v.view4(), c.opt, outs).find("weights"),
-            std::string::npos);
-  SdpaOptions fused = c.opt;
-  fused.backend = Backend::Fused;
-  EXPECT_THROW(sdpa(c.q.view4(), c.k.view4(), c.v.view4(), fused, outs), Error);
-  EXPECT_EQ(sdpa_dispatch_reason(c.q.view4(), c.k.view4(), c.v.view4(), c.opt, {out.view4(), {}, {}}),
+  Tensor out({c.B, c.H, c.Tq, c.Dv}), w({c.B, c.H, c.Tq, c.Tk}), avg({c.B, 1, c.Tq, c.Tk});
+  EXPECT_EQ(sdpa_dispatch_reason(c.q.view4(), c.k.view4(), c.v.view4(), c.opt, {out.view4(), w.view4(), {}}),
             "fused: supported");
-  // bf16 with weights: the reference on widened values, same answer as float32 on those values.
-  const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
-  sdpa(qb.view4(), kb.view4(), vb.view4(), c.opt, outs);
-  Tensor out_f({c.B, c.H, c.Tq, c.Dv}), w_f({c.B, c.H, c.Tq, c.Tk});
-  sdpa(widened(qb).view4(), widened(kb).view4(), widened(vb).view4(), c.opt, {out_f.view4(), w_f.view4(), {}});
-  EXPECT_TRUE(bitwise_equal(out, out_f));
-  EXPECT_TRUE(bitwise_equal(w, w_f));
+  EXPECT_EQ(sdpa_dispatch_reason(c.q.view4(), c.k.view4(), c.v.view4(), c.opt, {out.view4(), {}, {}, avg.view4()}),
+            "fused: supported");
+  // A wrongly shaped averaged output is refused, naming both shapes.
+  Tensor bad({c.B, c.H, c.Tq, c.Tk});
+  const std::string e = testing::error_of([&] {
+    sdpa(c.q.view4(), c.k.view4(), c.v.view4(), c.opt, {out.view4(), {}, {}, bad.view4()});
+  });
+  EXPECT_NE(e.find("averaged weights have shape (1, 2, 9, 11), expected (1, 1, 9, 11)"), std::string::npos) << e;
+}
+
+TEST(FusedWeights, LengthsAroundTheBlockSizes) {
+  const std::vector<int64_t> tqs = kSanitized ? std::vector<int64_t>{0, 1, 7, kQBlock + 1}
+                                              : std::vector<int64_t>{0, 1, 7, kQBlock - 1, kQBlock, kQBlock + 1, 261};
+  const std::vector<int64_t> tks = kSanitized ? std::vector<int64_t>{0, 1, kKBlock + 1}
+                                              : std::vector<int64_t>{0, 1, 2, kKBlock - 1, kKBlock, kKBlock + 1, 197};
+  for (int64_t tq : tqs)
+    for (int64_t tk : tks)
+      for (Causal causal : {Causal::none(), Causal::bottom_right()}) {
+        SCOPED_TRACE(::testing::Message() << "T_q " << tq << " T_k " << tk << " causal " << causal.enabled());
+        Case c;
+        c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = 16, c.Dv = 24;
+        c.opt.masks.causal = causal;
+        c.make_inputs(static_cast<uint64_t>(tq * 1000 + tk));
+        check_weights_all_targets(c);
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST(FusedWeights, EveryMaskKindAndCombination) {
+  for (const MaskCase& mc : mask_cases())
+    for (int64_t tq : {int64_t{70}, int64_t{150}}) {
+      SCOPED_TRACE(::testing::Message() << mc.name << ", T_q " << tq);
+      Case c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = 150, c.D = 32, c.Dv = 16;
+      c.make_inputs(7);
+      mc.apply(c);
+      check_weights_all_targets(c);
+    }
+}
+
+TEST(FusedWeights, GroupedQueryRatiosAndHeadDims) {
+  for (int64_t kv : {8, 4, 2, 1})
+    for (int64_t d : {1, 8, 33, 64}) {
+      SCOPED_TRACE(::testing::Message() << "kv heads " << kv << ", d " << d);
+      Case c;
+      c.B = 1, c.H = 8, c.KV = kv, c.Tq = 67, c.Tk = 90, c.D = d, c.Dv = d + 2;
+      c.opt.masks.causal = Causal::top_left();
+      c.make_inputs(static_cast<uint64_t>(kv * 100 + d));
+      check_weights_all_targets(c);
+    }
+}
+
+TEST(FusedWeights, DropoutFollowsTheReference) {
+  // Weights are the probabilities actually used: kept ones scaled by 1/(1 − p), dropped ones 0,
+  // decided by the same counter-based generator as every other path.
+  for (float p : {0.1f, 0.5f}) {
+    Case c;
+    c.B = 2, c.H = 2, c.KV = 1, c.Tq = 80, c.Tk = 130, c.D = 24, c.Dv = 20;
+    c.opt.dropout = {p, 99};
+    c.make_inputs(3);
+    const WeightsResult want = run_weights(c, Backend::Reference);
+    for_each_fused_target([&] {
+      const WeightsResult got = run_weights(c, Backend::Fused);
+      expect_weights_close(c, got, want);
+      int64_t zeros_got = 0, zeros_want = 0;
+      for (int64_t i = 0; i < got.w.numel(); ++i)
+        zeros_got += got.w.data()[i] == 0.0f, zeros_want += want.w.data()[i] == 0.0f;
+      EXPECT_EQ(zeros_got, zeros_want);
+    });
+  }
+}
+
+TEST(FusedWeights, NaNRowsAreNaNThroughout) {
+  Case c;
+  c.B = 1, c.H = 4, c.KV = 2, c.Tq = 40, c.Tk = 90, c.D = 16, c.Dv = 16;
+  c.make_inputs(21);
+  c.q.at({0, 1, 5, 3}) = std::numeric_limits<float>::quiet_NaN();  // head 1, query 5
+  c.opt.masks.causal = Causal::bottom_right();
+  const WeightsResult want = run_weights(c, Backend::Reference);
+  for (int64_t j = 0; j < c.Tk; ++j) ASSERT_TRUE(std::isnan(want.w.at({0, 1, 5, j})));
+  for (int64_t j = 0; j < c.Tk; ++j) ASSERT_TRUE(std::isnan(want.avg.at({0, 0, 5, j})));
+  for_each_fused_target([&] { expect_weights_close(c, run_weights(c, Backend::Fused), want); });
+}
+
+TEST(FusedWeights, PerHeadAveragedOrBothGiveTheSameBits) {
+  Case c;
+  c.B = 2, c.H = 6, c.KV = 3, c.Tq = 150, c.Tk = 140, c.D = 32, c.Dv = 32;
+  c.make_inputs(31);
+  set_key_padding(c);
+  c.opt.masks.causal = Causal::bottom_right().with_window(90);
+  for_each_fused_target([&] {
+    const WeightsResult both = run_weights(c, Backend::Fused, 2, kBoth);
+    const WeightsResult per_head = run_weights(c, Backend::Fused, 2, kPerHead);
+    const WeightsResult averaged = run_weights(c, Backend::Fused, 2, kAveraged);
+    EXPECT_TRUE(bitwise_equal(per_head.w, both.w));
+    EXPECT_TRUE(bitwise_equal(averaged.avg, both.avg));
+    EXPECT_TRUE(bitwise_equal(per_head.out, both.out));
+    EXPECT_TRUE(bitwise_equal(averaged.out, both.out));
+    EXPECT_TRUE(bitwise_equal(averaged.lse, both.lse));
+  });
+}
+
+TEST(FusedWeights, ThreadCountDoesNotChangeABit) {
+  Case c;
+  c.B = 2, c.H = 4, c.KV = 2, c.Tq = kSanitized ? 140 : 300, c.Tk = kSanitized ? 100 : 260, c.D = 64, c.Dv = 64;
+  c.opt.masks.causal = Causal::bottom_right();
+  c.opt.dropout = {0.2f, 5};
+  c.make_inputs(9);
+  for_each_fused_target([&] {
+    for (WantWeights want : {kPerHead, kAveraged, kBoth}) {
+      const WeightsResult one = run_weights(c, Backend::Fused, 1, want);
+      for (int threads : {2, 3}) {
+        const WeightsResult many = run_weights(c, Backend::Fused, threads, want);
+        EXPECT_TRUE(bitwise_equal(many.out, one.out)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(many.lse, one.lse)) << threads << " threads";
+        if (want & kPerHead) {
+          EXPECT_TRUE(bitwise_equal(many.w, one.w)) << threads << " threads";
+        }
+        if (want & kAveraged) {
+          EXPECT_TRUE(bitwise_equal(many.avg, one.avg)) << threads << " threads";
+        }
+      }
+    }
+  });
+}
+
+TEST(FusedWeights, StridedWeightsViewGivesTheSameBits) {
+  Case c;
+  c.B = 2, c.H = 2, c.KV = 1, c.Tq = 70, c.Tk = 100, c.D = 16, c.Dv = 16;
+  c.opt.masks.causal = Causal::top_left();
+  c.make_inputs(41);
+  for_each_fused_target([&] {
+    const WeightsResult contiguous = run_weights(c, Backend::Fused);
+    Strided w(Shape{c.B, c.H, c.Tq, c.Tk}, 2), avg(Shape{c.B, 1, c.Tq, c.Tk}, 3);
+    Tensor out({c.B, c.H, c.Tq, c.Dv});
+    SdpaOptions opt = c.opt;
+    opt.backend = Backend::Fused;
+    sdpa(c.q.view4(), c.k.view4(), c.v.view4(), opt, {out.view4(), w.view, {}, avg.view});
+    EXPECT_TRUE(bitwise_equal(w.gather(), contiguous.w));
+    EXPECT_TRUE(bitwise_equal(avg.gather(), contiguous.avg));
+    EXPECT_TRUE(bitwise_equal(out, contiguous.out));
+  });
+}
+
+// ---- dispatch -------------------------------------------------------------------------------
+
+TEST(FusedWeights, Bf16MatchesTheReferenceOnWidenedValues) {
+  // Weights are float32 probabilities from exact bf16 products (P is rounded to bf16 only inside
+  // P·V), so they meet the float32 tolerance; out gets the bf16 P·V allowance of check_bf16.
+  for (const MaskCase& mc : mask_cases()) {
+    SCOPED_TRACE(mc.name);
+    Case c;
+    c.B = 2, c.H = 4, c.KV = 2, c.Tq = 70, c.Tk = kSanitized ? 80 : 150, c.D = 64, c.Dv = 65;
+    c.make_inputs(13);
+    mc.apply(c);
+    const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
+    c.q = widened(qb), c.k = widened(kb), c.v = widened(vb);
+    const WeightsResult want = run_weights(c, Backend::Reference);
+    const double keep = c.opt.dropout.active() ? 1.0 / (1.0 - c.opt.dropout.p) : 1.0;
+    const double bf16_tol = 2.0 * keep * std::ldexp(1.0, -9) * max_abs(c.v);
+    for_each_fused_target([&] { expect_weights_close(c, run_weights(c, qb, kb, vb, Backend::Fused), want, bf16_tol); });
+    // The reference on bf16 inputs: the same answer as on the widened values.
+    const WeightsResult ref16 = run_weights(c, qb, kb, vb, Backend::Reference);
+    EXPECT_TRUE(bitwise_equal(ref16.w, want.w));
+    EXPECT_TRUE(bitwise_equal(ref16.avg, want.avg));
+  }
 }
 
 }  // namespace

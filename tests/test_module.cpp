@@ -2,6 +2,7 @@
 #include <cmath>
 #include <string>
 
+#include "layers/scratch_pool.h"
 #include "mha/module.h"
 #include "support/test_support.h"
 
@@ -151,6 +152,132 @@ TEST(Module, GroupedQueryProjectionShapes) {
   const auto r = m.forward(x, x, x, opt);
   EXPECT_EQ(r.attn_weights.shape(), (mha::Shape{2, 8, 5, 5}));
   EXPECT_EQ(r.attn_weights.at({1, 7, 0, 1}), 0.0f);
+}
+
+/// The module's weights come from the fused kernel under Backend::Auto (per head, or averaged over
+/// heads inside the kernel); Backend::Reference gives the double-precision oracle's.
+TEST(Module, WeightsFromTheFusedKernelMatchTheReference) {
+  struct Variant {
+    const char* name;
+    int64_t kv_heads;
+    bool bias_kv, zero_attn, masks, unbatched, training;
+  };
+  const Variant variants[] = {
+      {"plain", 0, false, false, false, false, false},
+      {"GQA", 2, false, false, false, false, false},
+      {"bias_kv + zero_attn", 0, true, true, false, false, false},
+      {"masks", 2, false, false, true, false, false},
+      {"unbatched", 0, false, false, false, true, false},
+      {"dropout (training)", 0, false, false, true, false, true},
+  };
+  for (const Variant& v : variants)
+    for (mha::NeedWeights nw : {mha::NeedWeights::PerHead, mha::NeedWeights::Averaged}) {
+      SCOPED_TRACE(::testing::Message() << v.name << (nw == mha::NeedWeights::PerHead ? ", per head" : ", averaged"));
+      MhaConfig c = config(32, 8);
+      c.num_kv_heads = v.kv_heads;
+      c.add_bias_kv = v.bias_kv;
+      c.add_zero_attn = v.zero_attn;
+      c.dropout = v.training ? 0.25f : 0.0f;
+      const MultiheadAttention m(c, 21);
+      const int64_t B = 3, T = 70, S = 133;
+      const Tensor q = v.unbatched ? random_tensor({T, 32}, 22) : random_tensor({B, T, 32}, 22);
+      const Tensor kv = v.unbatched ? random_tensor({S, 32}, 23) : random_tensor({B, S, 32}, 23);
+      mha::MhaForwardOptions opt;
+      opt.need_weights = nw;
+      if (v.masks) {
+        Tensor bias = random_tensor({T, S}, 24);
+        for (int64_t j = 0; j < S; j += 7) bias.at({3, j}) = -INFINITY;
+        opt.attn_mask = mha::AttnMask::add(bias);
+        mha::BoolTensor pad({B, S}, 0);
+        for (int64_t j = S - 20; j < S; ++j) pad.at({1, j}) = 1;
+        opt.key_padding_mask.is_padding = pad;
+        opt.causal = mha::Causal::bottom_right();
+      }
+      if (v.training) opt.mode = mha::Mode::Training, opt.dropout_seed = 5;
+      opt.backend = mha::Backend::Reference;
+      const auto want = m.forward(q, kv, kv, opt);
+      for (int threads : {1, 2, 3}) {
+        opt.backend = mha::Backend::Auto;
+        opt.threads = threads;
+        const auto got = m.forward(q, kv, kv, opt);
+        EXPECT_EQ(got.attn_weights.shape(), want.attn_weights.shape());
+        EXPECT_TRUE(mha::testing::all_close(got.attn_weights, want.attn_weights, 2e-6, 1e-5));
+        EXPECT_TRUE(mha::testing::all_close(got.output, want.output, 2e-6, 1e-4));
+        opt.threads = 1;
+        EXPECT_TRUE(mha::testing::bitwise_equal(got.attn_weights, m.forward(q, kv, kv, opt).attn_weights));
+      }
+    }
+}
+
+/// forward() reuses its working buffers (projections, heads) across calls, never zero-filled: a
+/// call after calls of other shapes must give bitwise what a module with no history gives.
+TEST(Module, ReusedWorkspacesGiveTheResultsOfFreshOnes) {
+  MhaConfig c = config(32, 4);
+  c.num_kv_heads = 2;
+  const MultiheadAttention m(c, 31);
+  struct Call {
+    mha::Shape q, kv;
+    mha::NeedWeights weights;
+    bool causal;
+  };
+  const Call calls[] = {
+      {{4, 50, 32}, {4, 50, 32}, mha::NeedWeights::None, false},      // self-attention, packed GEMM
+      {{2, 9, 32}, {2, 9, 32}, mha::NeedWeights::PerHead, true},      // smaller: reuses
+      {{3, 20, 32}, {3, 61, 32}, mha::NeedWeights::Averaged, false},  // cross-attention, 3 GEMMs
+      {{6, 70, 32}, {6, 70, 32}, mha::NeedWeights::None, true},       // larger: grows
+      {{5, 32}, {7, 32}, mha::NeedWeights::None, false},              // unbatched
+      {{1, 0, 32}, {1, 5, 32}, mha::NeedWeights::PerHead, false},     // empty query
+      {{4, 50, 32}, {4, 50, 32}, mha::NeedWeights::None, false},      // the first again
+  };
+  uint64_t seed = 40;
+  for (int round = 0; round < 2; ++round)
+    for (const Call& call : calls) {
+      SCOPED_TRACE(::testing::Message() << "round " << round << ", query " << mha::shape_str(call.q));
+      const Tensor q = random_tensor(call.q, ++seed);
+      const bool self = call.q == call.kv;
+      const Tensor kv = self ? q : random_tensor(call.kv, ++seed);
+      mha::MhaForwardOptions opt;
+      opt.need_weights = call.weights;
+      if (call.causal) opt.causal = mha::Causal::top_left();
+      const MultiheadAttention fresh = m;  // a copy starts with no kept buffers
+      const auto got = m.forward(q, kv, kv, opt);
+      const auto want = fresh.forward(q, kv, kv, opt);
+      EXPECT_TRUE(mha::testing::bitwise_equal(got.output, want.output));
+      EXPECT_TRUE(mha::testing::bitwise_equal(got.attn_weights, want.attn_weights));
+      EXPECT_LE(m.workspace_pool()->free_buffers(), size_t{8});
+    }
+  EXPECT_GT(m.workspace_pool()->free_buffers(), size_t{0});
+  m.release_workspace();
+  EXPECT_EQ(m.workspace_pool()->free_buffers(), size_t{0});
+  const Tensor x = random_tensor({2, 11, 32}, 99);
+  EXPECT_TRUE(mha::testing::bitwise_equal(m.forward(x, x, x).output, MultiheadAttention(m).forward(x, x, x).output));
+}
+
+TEST(Module, ScratchPoolKeepsTheLargestBuffersAndHandsEachToOneCaller) {
+  const auto pool = mha::detail::ScratchPool::make();
+  {
+    auto a = pool->take(100), b = pool->take(100);
+    EXPECT_NE(a.data(), b.data());  // both checked out: never the same buffer
+    a.data()[99] = 1.0f, b.data()[99] = 2.0f;
+  }
+  EXPECT_EQ(pool->free_buffers(), size_t{2});
+  {
+    const auto big = pool->take(1000);  // nothing free fits: a new buffer
+    EXPECT_GE(big.capacity(), size_t{1000});
+    const auto small = pool->take(50);  // a kept one serves a smaller request
+    EXPECT_EQ(small.capacity(), size_t{100});
+  }
+  EXPECT_EQ(pool->free_buffers(), size_t{3});
+  std::vector<mha::detail::ScratchPool::Lease> many;
+  for (int i = 0; i < 12; ++i) many.push_back(pool->take(static_cast<size_t>(10 + i)));
+  many.clear();
+  EXPECT_EQ(pool->free_buffers(), size_t{8});  // at most eight kept, the largest
+  EXPECT_GE(pool->free_floats(), size_t{1000 + 100 + 100});
+  auto moved = pool->take(5);
+  moved = mha::detail::ScratchPool::fresh(7);  // the old lease goes back first
+  EXPECT_EQ(pool->free_buffers(), size_t{8});
+  pool->release();
+  EXPECT_EQ(pool->free_buffers(), size_t{0});
 }
 
 TEST(Module, ForwardErrorsNameArgumentsAndShapes) {

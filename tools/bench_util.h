@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gemm_reference.h"
+#include "machine_peak.h"
 #include "mha/module.h"
 #include "mha/random.h"
 #include "mha/sdpa.h"
@@ -37,7 +38,8 @@ struct BenchConfig {
   DType dtype = DType::F32;
   Target target = Target::Module;
   Pass pass = Pass::Forward;
-  int threads = 0;  ///< 0 = library default
+  NeedWeights need_weights = NeedWeights::None;  ///< module forward only
+  int threads = 0;                               ///< 0 = library default
 
   int64_t t_k() const { return kv_seq > 0 ? kv_seq : seq; }
   int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
@@ -97,7 +99,11 @@ inline double expected_tensor_bytes(const BenchConfig& c) {
   const double inputs = c.self_attention() ? nq * E : nq * E + 2.0 * nk * E;
   const double projected = nq * h * d + 2.0 * nk * kv * d;
   const double weights = (h + 2.0 * kv) * d * E + E * h * d + (h + 2.0 * kv) * d + E;
-  return 4.0 * (inputs + projected + nq * h * d + nq * E + weights);
+  const double t_k = static_cast<double>(c.t_k());
+  const double attn = c.need_weights == NeedWeights::PerHead    ? nq * h * t_k
+                      : c.need_weights == NeedWeights::Averaged ? nq * t_k
+                                                                : 0.0;
+  return 4.0 * (inputs + projected + nq * h * d + nq * E + weights + attn);
 }
 
 /// Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB).
@@ -169,7 +175,8 @@ class CoreCase {
   SdpaOptions opt_;
 };
 
-/// The whole module forward: MultiheadAttention::forward, batch-first, need_weights none, eval.
+/// The whole module forward: MultiheadAttention::forward, batch-first, eval, need_weights as asked
+/// (none by default).
 class ModuleCase {
  public:
   explicit ModuleCase(const BenchConfig& c) : c_(c), module_(make_config(c), /*init_seed=*/7) {
@@ -181,7 +188,7 @@ class ModuleCase {
       value_ = random_tensor({c.batch, c.t_k(), c.embed_dim}, 6);
     }
     opt_.causal = c.causal ? Causal::top_left() : Causal::none();
-    opt_.need_weights = NeedWeights::None;
+    opt_.need_weights = c.need_weights;
     opt_.threads = c.threads;
   }
 
@@ -205,6 +212,10 @@ class ModuleCase {
     sopt.threads = c_.threads;
     SdpaOutputs outs;
     outs.out = View4<float>{&dummy, {c_.batch, c_.heads, c_.seq, d}, {c_.seq * E, d, E, 1}};
+    if (c_.need_weights == NeedWeights::PerHead)
+      outs.weights = contiguous_view<float>(&dummy, c_.batch, c_.heads, c_.seq, c_.t_k());
+    if (c_.need_weights == NeedWeights::Averaged)
+      outs.averaged_weights = contiguous_view<float>(&dummy, c_.batch, 1, c_.seq, c_.t_k());
     return sdpa_dispatch_reason(q, kv, kv, sopt, outs);
   }
 
@@ -319,6 +330,25 @@ inline double sgemm_gflops(int64_t n, int repeat) {
   fill_uniform(b, 12);
   const auto ms = time_runs([&] { internal::square_linear(a.data(), b.data(), y.data(), n); }, repeat);
   return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / (median(ms) * 1e6);
+}
+
+/// This machine's arithmetic peak and memory bandwidth, measured in the same process as the case
+/// (internal/machine_peak.h): the FMA peaks on the SIMD target the kernels dispatch to, on
+/// `threads` threads; the read-only bandwidth and the STREAM triad over `bytes` beyond the cache.
+struct MachinePeak {
+  std::string simd_target;
+  double f32_gflops = 0, bf16_dot_gflops = 0;  ///< bf16: 0 without a bf16 dot-product instruction
+  double read_gbs = 0, triad_gbs = 0;
+};
+
+inline MachinePeak measure_machine(int threads, int64_t bytes) {
+  MachinePeak m;
+  m.simd_target = internal::simd_target_name();
+  m.f32_gflops = internal::f32_fma_peak_gflops(threads);
+  m.bf16_dot_gflops = internal::bf16_dot_peak_gflops(threads);
+  m.read_gbs = internal::read_bandwidth_gbs(bytes, threads);
+  m.triad_gbs = internal::triad_gbs(std::max<int64_t>(bytes / 24, 1024), threads);
+  return m;
 }
 
 }  // namespace mha::bench

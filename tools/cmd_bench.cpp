@@ -1,6 +1,8 @@
 // `mha bench`: times the module forward (or the attention core with --core) on random inputs and
-// reports median time, GFLOP/s, peak RSS and the fraction of this machine's sgemm throughput,
-// measured in the same run. The measurement itself lives in bench_util.h, shared with
+// reports median time, GFLOP/s, peak RSS and, measured in the same run, the fraction of this
+// machine's FMA peak on the dispatched SIMD target (fraction_of_peak), of its read-only memory
+// bandwidth for the bytes the call must touch at least once (fraction_of_read_bw), and of its sgemm
+// throughput (a secondary reference). The measurement itself lives in bench_util.h, shared with
 // bench/bench_attention.cpp.
 #include <cstdio>
 #include <memory>
@@ -18,8 +20,10 @@ namespace {
 struct BenchArgs {
   bench::BenchConfig config;
   std::string dtype = "f32";
+  std::string need_weights = "none";
   int repeat = 5;
   int64_t sgemm_size = 1536;
+  int64_t bw_mib = 256;
   bool core = false, json = false, backward = false, decode = false;
 };
 
@@ -40,6 +44,7 @@ void run_decode(const BenchArgs& a) {
   d.threads = c.threads > 0 ? c.threads : num_threads();
   d.repeat = a.repeat;
   d.json = a.json;
+  d.bw_mib = a.bw_mib;
   run_decode_bench(d);
 }
 
@@ -50,9 +55,18 @@ void run_bench(BenchArgs a) {
   c.pass = a.backward ? bench::Pass::Backward : bench::Pass::Forward;
   c.dtype = a.dtype == "bf16" ? bench::DType::BF16 : bench::DType::F32;
   c.target = a.core ? bench::Target::Core : bench::Target::Module;
+  if (a.need_weights == "per-head")
+    c.need_weights = NeedWeights::PerHead;
+  else if (a.need_weights == "averaged")
+    c.need_weights = NeedWeights::Averaged;
+  else if (a.need_weights != "none")
+    fail("bench: --need-weights must be none, per-head or averaged, got '", a.need_weights, "'");
+  if (c.need_weights != NeedWeights::None && (a.core || a.backward))
+    fail("bench: --need-weights is for the module forward (not with --core or --backward)");
   bench::validate(c);
   if (a.repeat <= 0) fail("bench: --repeat must be ≥ 1, got ", a.repeat);
   if (a.sgemm_size <= 0) fail("bench: --sgemm-size must be ≥ 1, got ", a.sgemm_size);
+  if (a.bw_mib <= 0) fail("bench: --bw-mib must be ≥ 1, got ", a.bw_mib);
   const int threads = bench::apply_threads(c.threads);
   c.threads = threads;
 
@@ -80,8 +94,11 @@ void run_bench(BenchArgs a) {
     dispatch = module->dispatch();
     run = [&] { module->run(); };
   }
-  const char* what = a.core ? (a.backward ? "attention core backward (sdpa_backward)" : "attention core (sdpa)")
-                            : (a.backward ? "module forward + backward" : "module forward");
+  const char* what = a.core       ? (a.backward ? "attention core backward (sdpa_backward)" : "attention core (sdpa)")
+                     : a.backward ? "module forward + backward"
+                     : c.need_weights == NeedWeights::PerHead  ? "module forward with per-head weights"
+                     : c.need_weights == NeedWeights::Averaged ? "module forward with averaged weights"
+                                                               : "module forward";
   std::fprintf(stderr,
                "bench: %s, B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s dtype=%s threads=%d, "
                "warm-up + %d runs\n",
@@ -89,21 +106,36 @@ void run_bench(BenchArgs a) {
                static_cast<long long>(c.embed_dim), static_cast<long long>(c.heads), static_cast<long long>(c.kv()),
                static_cast<long long>(c.head_dim()), yes_no(c.causal), a.dtype.c_str(), threads, a.repeat);
   std::fprintf(stderr, "bench: sdpa dispatch: %s\n", dispatch.c_str());
+  // The FMA peak before and after the timed runs: a neighbour's load that changes the machine
+  // in between shows as a drop (peak_ratio_after_before well below 1: discard the run).
+  const double peak_before = internal::f32_fma_peak_gflops(threads);
   const auto progress = [&](int i, double ms) { std::fprintf(stderr, "bench: run %d/%d: %.3f ms\n", i, a.repeat, ms); };
   const std::vector<double> ms = bench::time_runs(run, a.repeat, progress);
-  // Read the peak before the sgemm reference allocates its own matrices.
+  // Read the peak RSS before the machine measurements and the sgemm reference allocate their own.
   const double peak_mb = bench::peak_rss_mib();
   core.reset();
   module.reset();
   core_backward.reset();
   module_train.reset();
 
+  std::fprintf(stderr, "bench: FMA peak, read bandwidth and triad (%lld MiB) on %d threads\n",
+               static_cast<long long>(a.bw_mib), threads);
+  const bench::MachinePeak machine = bench::measure_machine(threads, a.bw_mib * 1048576);
   std::fprintf(stderr, "bench: sgemm reference %lld^3 on %d threads\n", static_cast<long long>(a.sgemm_size), threads);
   const double sgemm = bench::sgemm_gflops(a.sgemm_size, 5);
   const double med = bench::median(ms);
   const double flops = bench::total_flops(c);
   const double gflops = flops / (med * 1e6);
   const double expected_mb = bench::expected_tensor_bytes(c) / (1024.0 * 1024.0);
+  // The denominator: the bf16 dot-product peak when the kernel multiplies bf16 pairs (bf16 core on a
+  // CPU with vdpbf16ps), else the float32 FMA peak; the better of the two float32 measurements.
+  const bool bf16_dot = c.dtype == bench::DType::BF16 && machine.bf16_dot_gflops > 0;
+  const double f32_peak = std::max(peak_before, machine.f32_gflops);
+  const double peak = bf16_dot ? machine.bf16_dot_gflops : f32_peak;
+  const double peak_ratio = peak_before > 0 ? machine.f32_gflops / peak_before : 1.0;
+  // Bytes the call must touch at least once (inputs, outputs, weights, intermediates): a lower
+  // bound on its memory traffic, so the fraction of the read bandwidth is a lower bound too.
+  const double min_gbs = bench::expected_tensor_bytes(c) / (med * 1e-3) / 1e9;
 
   if (a.json) {
     nlohmann::json j;
@@ -112,6 +144,7 @@ void run_bench(BenchArgs a) {
     j["batch"] = c.batch, j["seq"] = c.seq, j["kv_seq"] = c.t_k(), j["embed_dim"] = c.embed_dim;
     j["heads"] = c.heads, j["kv_heads"] = c.kv(), j["head_dim"] = c.head_dim();
     j["causal"] = c.causal, j["dtype"] = a.dtype, j["threads"] = threads, j["repeat"] = a.repeat;
+    j["need_weights"] = a.need_weights;
     j["dispatch"] = dispatch;
     j["times_ms"] = ms;
     j["median_ms"] = med;
@@ -122,6 +155,20 @@ void run_bench(BenchArgs a) {
     j["sgemm_size"] = a.sgemm_size;
     j["sgemm_gflops"] = sgemm;
     j["fraction_of_sgemm"] = gflops / sgemm;
+    j["simd_target"] = machine.simd_target;
+    j["peak_f32_gflops"] = f32_peak;
+    j["peak_f32_gflops_before"] = peak_before;
+    j["peak_f32_gflops_after"] = machine.f32_gflops;
+    j["peak_ratio_after_before"] = peak_ratio;
+    j["peak_bf16_dot_gflops"] = machine.bf16_dot_gflops;
+    j["peak_gflops"] = peak;
+    j["peak_kind"] = bf16_dot ? "bf16_dot" : "f32_fma";
+    j["fraction_of_peak"] = gflops / peak;
+    j["read_bw_gbs"] = machine.read_gbs;
+    j["triad_gbs"] = machine.triad_gbs;
+    j["min_bytes"] = bench::expected_tensor_bytes(c);
+    j["min_bytes_gbs"] = min_gbs;
+    j["fraction_of_read_bw"] = min_gbs / machine.read_gbs;
     std::printf("%s\n", j.dump().c_str());
     return;
   }
@@ -133,6 +180,13 @@ void run_bench(BenchArgs a) {
   std::printf("  median            %.3f ms over %d runs\n", med, a.repeat);
   std::printf("  throughput        %.2f GFLOP/s (%.3g GFLOP per run)\n", gflops, flops * 1e-9);
   std::printf("  peak RSS          %.1f MiB (tensors it must hold: %.1f MiB)\n", peak_mb, expected_mb);
+  std::printf("  FMA peak          %.1f GFLOP/s %s on %s, %d threads; fraction of peak %.3f%s\n", peak,
+              bf16_dot ? "bf16 dot product" : "float32", machine.simd_target.c_str(), threads, gflops / peak,
+              peak_ratio < 0.9 ? " (the peak fell during the run: machine busy, discard)" : "");
+  std::printf(
+      "  memory            read %.1f GB/s, triad %.1f GB/s; the %.1f MiB it must touch at %.1f GB/s: "
+      "fraction of read bandwidth %.3f\n",
+      machine.read_gbs, machine.triad_gbs, expected_mb, min_gbs, min_gbs / machine.read_gbs);
   std::printf("  sgemm (%lld^3)   %.2f GFLOP/s on %d threads; fraction %.3f\n", static_cast<long long>(a.sgemm_size),
               sgemm, threads, gflops / sgemm);
 }
@@ -145,7 +199,7 @@ static void add_bench_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "bench",
       "Time the module forward (or the attention core) on random inputs: median, GFLOP/s, peak memory, "
-      "fraction of this machine's sgemm.");
+      "fractions of this machine's FMA peak, read bandwidth and sgemm, measured in the same run.");
   cmd->add_option("--batch,-B", c.batch, "batch size B (default 1)");
   cmd->add_option("--seq,-T", c.seq, "query length T")->required();
   cmd->add_option("--kv-seq,-S", c.kv_seq, "key/value length S (default T: self-attention)");
@@ -157,6 +211,9 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--threads", c.threads, "threads for attention and BLAS (default: library default)");
   cmd->add_option("--repeat,-r", a->repeat, "timed runs after one warm-up (default 5)");
   cmd->add_option("--sgemm-size", a->sgemm_size, "n of the n×n×n sgemm reference (default 1536)");
+  cmd->add_option("--need-weights", a->need_weights,
+                  "module forward returning attention weights: none (default), per-head or averaged");
+  cmd->add_option("--bw-mib", a->bw_mib, "MiB streamed by the read-bandwidth and triad measurements (default 256)");
   cmd->add_flag("--core", a->core, "time sdpa on (B, h, T, d) tensors instead of the module");
   cmd->add_flag("--backward", a->backward,
                 "time the backward pass: with --core sdpa_backward alone (FLOPs 2.5x the forward core), else the "

@@ -1,7 +1,8 @@
 // `mha bench-decode`: time per decoded token against context length, and the K/V bytes read per
-// token divided by that time, next to this machine's memory bandwidth (a STREAM triad) measured
-// in the same run; float32 and bf16 caches; optionally prefill through the incremental path vs
-// the full forward.
+// token divided by that time, next to this machine's memory bandwidth (a read-only stream —
+// fraction_of_read_bw, the denominator decode is bound by — and a STREAM triad) and its float32
+// FMA peak on the dispatched SIMD target (fraction_of_peak), all measured in the same run; float32 and bf16 caches;
+// optionally prefill through the incremental path vs the full forward.
 //
 // Decoding one token reads every cached K and V row once: 2·B·kv·context·d elements. Both the
 // triad and the decode loop stream through a working set larger than the last-level cache
@@ -32,29 +33,10 @@ double seconds_since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
-/// STREAM triad a[i] = b[i] + s·c[i] over three arrays of `n` doubles, first-touched by the threads
-/// that use them; best of `repeat`; bytes counted as STREAM does (3 · 8 · n, no write-allocate).
-double triad_gbs(int64_t n, int threads, int repeat) {
-  std::unique_ptr<double[]> a(new double[static_cast<size_t>(n)]), b(new double[static_cast<size_t>(n)]),
-      c(new double[static_cast<size_t>(n)]);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) a[i] = 0.0, b[i] = 1.0, c[i] = 2.0;
-  double best = 1e30;
-  for (int r = 0; r < repeat; ++r) {
-    const auto t0 = clock_type::now();
-    const double s = 3.0;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
-    best = std::min(best, seconds_since(t0));
-  }
-  if (a[n / 2] != 7.0) fail("bench-decode: triad check failed");
-  return 3.0 * 8.0 * static_cast<double>(n) / best / 1e9;
-}
-
 struct DecodeResult {
   std::string dtype;
   int64_t context = 0;
-  double ms_best = 0, ms_median = 0, kv_bytes = 0, gbs = 0;
+  double ms_best = 0, ms_median = 0, kv_bytes = 0, gbs = 0, gflops = 0;
 };
 
 DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t context) {
@@ -92,6 +74,8 @@ DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t con
   r.ms_median = bench::median(ms);
   r.kv_bytes = kv_bytes;
   r.gbs = kv_bytes / (r.ms_best * 1e-3) / 1e9;
+  // q·k and p·v for every cached position: 4·B·h·context·d FLOPs.
+  r.gflops = 4.0 * static_cast<double>(B * a.heads * context * d) / (r.ms_best * 1e-3) / 1e9;
   return r;
 }
 
@@ -139,8 +123,8 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads != 0 || a.head_dim <= 0 || a.batch <= 0)
     fail("bench-decode: need heads a multiple of kv-heads, head-dim ≥ 1 and batch ≥ 1; got heads ", a.heads,
          ", kv-heads ", a.kv_heads, ", head-dim ", a.head_dim, ", batch ", a.batch);
-  if (a.repeat < 1 || a.threads < 1 || a.footprint_mib < 0 || a.prefill < 0)
-    fail("bench-decode: --repeat and --threads must be ≥ 1, --footprint-mib and --prefill ≥ 0");
+  if (a.repeat < 1 || a.threads < 1 || a.footprint_mib < 0 || a.prefill < 0 || a.bw_mib < 1)
+    fail("bench-decode: --repeat, --threads and --bw-mib must be ≥ 1, --footprint-mib and --prefill ≥ 0");
   for (int64_t ctx : a.contexts)
     if (ctx < 1) fail("bench-decode: context lengths must be ≥ 1, got ", ctx);
   for (const std::string& t : a.dtypes)
@@ -149,7 +133,11 @@ void run_decode_bench(const DecodeBenchArgs& a) {
 
   // The triad streams max(footprint, 3 · 256 MiB) so it, too, comes from DRAM.
   const int64_t triad_n = std::max<int64_t>(a.footprint_mib * 1048576 / 24, int64_t{1} << 25);
-  const double triad = triad_gbs(triad_n, threads, 10);
+  const double triad = internal::triad_gbs(triad_n, threads, 10);
+  const double read_bw =
+      internal::read_bandwidth_gbs(std::max<int64_t>(a.footprint_mib, a.bw_mib) * 1048576, threads, 10);
+  const double peak = internal::f32_fma_peak_gflops(threads);
+  const std::string target = internal::simd_target_name();
 
   std::vector<DecodeResult> results;
   for (const std::string& t : a.dtypes)
@@ -170,6 +158,9 @@ void run_decode_bench(const DecodeBenchArgs& a) {
         {"heads", a.heads},   {"kv_heads", a.kv_heads}, {"head_dim", a.head_dim}, {"batch", a.batch},
         {"threads", threads}, {"splits", a.splits},     {"repeat", a.repeat},     {"footprint_mib", a.footprint_mib}};
     j["triad_gbs"] = triad;
+    j["read_bw_gbs"] = read_bw;
+    j["peak_f32_gflops"] = peak;
+    j["simd_target"] = target;
     for (const auto& r : results)
       j["decode"].push_back({{"dtype", r.dtype},
                              {"context", r.context},
@@ -178,6 +169,9 @@ void run_decode_bench(const DecodeBenchArgs& a) {
                              {"kv_bytes_per_token", r.kv_bytes},
                              {"gbs", r.gbs},
                              {"fraction_of_triad", r.gbs / triad},
+                             {"fraction_of_read_bw", r.gbs / read_bw},
+                             {"gflops", r.gflops},
+                             {"fraction_of_peak", r.gflops / peak},
                              {"bf16_speedup", speedup(r.context)}});
     if (a.prefill > 0)
       j["prefill"] = {{"tokens", a.prefill},
@@ -190,14 +184,16 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   std::printf("decode attention: h=%lld, kv_heads=%lld, d=%lld, batch %lld, %d threads, splits %s\n",
               static_cast<long long>(a.heads), static_cast<long long>(a.kv_heads), static_cast<long long>(a.head_dim),
               static_cast<long long>(a.batch), threads, a.splits > 0 ? std::to_string(a.splits).c_str() : "auto");
-  std::printf("STREAM triad (same run): %.1f GB/s\n\n", triad);
-  std::printf("  %-5s %8s %12s %12s %12s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s", "of triad",
-              "bf16 ×");
+  std::printf("same run: read-only stream %.1f GB/s, STREAM triad %.1f GB/s, float32 FMA peak %.1f GFLOP/s (%s)\n\n",
+              read_bw, triad, peak, target.c_str());
+  std::printf("  %-5s %8s %12s %12s %12s %9s %9s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s",
+              "of read", "of triad", "of peak", "bf16 ×");
   for (const auto& r : results) {
     char ratio[32] = "";
     if (r.dtype == "bf16" && speedup(r.context) > 0) std::snprintf(ratio, sizeof ratio, "%.2f", speedup(r.context));
-    std::printf("  %-5s %8lld %12.3f %12.1f %12.1f %8.0f%% %9s\n", r.dtype.c_str(), static_cast<long long>(r.context),
-                r.ms_best, r.kv_bytes / 1048576.0, r.gbs, 100.0 * r.gbs / triad, ratio);
+    std::printf("  %-5s %8lld %12.3f %12.1f %12.1f %8.0f%% %8.0f%% %8.1f%% %9s\n", r.dtype.c_str(),
+                static_cast<long long>(r.context), r.ms_best, r.kv_bytes / 1048576.0, r.gbs, 100.0 * r.gbs / read_bw,
+                100.0 * r.gbs / triad, 100.0 * r.gflops / peak, ratio);
   }
   std::printf("\n(ms/token: best of %d; the caches rotate through %lld MiB so K/V come from memory)\n",
               std::max(a.repeat, 1), static_cast<long long>(a.footprint_mib));
@@ -211,7 +207,8 @@ static void add_decode_bench_command(CLI::App& app) {
   auto a = std::make_shared<DecodeBenchArgs>();
   CLI::App* cmd = app.add_subcommand(
       "bench-decode",
-      "Time per decoded token vs context length, K/V GB/s next to a STREAM triad (f32 and bf16 caches).");
+      "Time per decoded token vs context length, K/V GB/s next to the read bandwidth and a STREAM triad, "
+      "GFLOP/s next to the FMA peak, all measured in the same run (f32 and bf16 caches).");
   cmd->add_option("--heads,-H", a->heads, "query heads h")->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "key/value heads")->capture_default_str();
   cmd->add_option("--head-dim,-d", a->head_dim, "head dim d")->capture_default_str();
@@ -223,6 +220,7 @@ static void add_decode_bench_command(CLI::App& app) {
   cmd->add_option("--repeat", a->repeat, "timed decode steps per point (best is reported)")->capture_default_str();
   cmd->add_option("--footprint-mib", a->footprint_mib, "bytes streamed per measurement (beyond the LLC)")
       ->capture_default_str();
+  cmd->add_option("--bw-mib", a->bw_mib, "least MiB streamed by the read-bandwidth measurement")->capture_default_str();
   cmd->add_option("--prefill", a->prefill, "also time a prefill of this many tokens: incremental vs full forward")
       ->capture_default_str();
   cmd->add_option("--prefill-repeat", a->prefill_repeat, "prefill rounds (median)")->capture_default_str();

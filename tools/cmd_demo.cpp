@@ -106,6 +106,7 @@ void worked_example() {
   print_matrix("  concat", concat.data(), n, E, E);
   MhaForwardOptions fopt;
   fopt.need_weights = NeedWeights::PerHead;
+  fopt.backend = Backend::Reference;  // the readable path, as in step 5
   const Tensor Xb = X.reshaped({1, n, E});
   const MhaOutput y = module.forward(Xb, Xb, Xb, fopt);
   std::printf("\nStep 7, output projection: output = concat · W_Oᵀ (+ b_O), (1, 3, 4)\n");

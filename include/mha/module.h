@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -120,6 +121,19 @@ struct MhaOutput {
                         ///< S = T_k (+1 with add_bias_kv, +1 with add_zero_attn). Empty unless asked.
 };
 
+namespace detail {
+class ScratchPool;
+/// The working buffers a module's forward calls reuse (layers/scratch_pool.h). Not part of the
+/// module's value: a copy starts with an empty pool of its own.
+struct ModuleScratch {
+  ModuleScratch();
+  ModuleScratch(const ModuleScratch&);
+  ModuleScratch& operator=(const ModuleScratch&);
+  ~ModuleScratch();
+  std::shared_ptr<ScratchPool> pool;
+};
+}  // namespace detail
+
 class MultiheadAttention {
  public:
   /// Validates the config and initialises the parameters as PyTorch does (Xavier-uniform input
@@ -149,9 +163,17 @@ class MultiheadAttention {
   MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new, KvCache& cache,
                                 const IncrementalOptions& options = {}) const;
 
+  /// forward() keeps its large working buffers (projected Q/K/V, attention heads) between calls and
+  /// reuses them when the next call is the same size or smaller, instead of allocating and
+  /// page-faulting them afresh; concurrent calls each get their own. This frees the kept ones.
+  void release_workspace() const;
+  /// Internal (layers/module_core.cpp): where those buffers are kept.
+  const std::shared_ptr<detail::ScratchPool>& workspace_pool() const { return scratch_.pool; }
+
  private:
   MhaConfig config_;
   MhaParameters params_;
+  detail::ModuleScratch scratch_;
 };
 
 /// Parameter count for a configuration, without building the module.

@@ -49,6 +49,9 @@ struct SdpaOutputs {
   View4<float> out;
   View4<float> weights;
   View4<float> lse;
+  /// (B, 1, T_q, T_k): the weights averaged over the h query heads (nn.MultiheadAttention's
+  /// average_attn_weights), written without a per-head intermediate on the fused path.
+  View4<float> averaged_weights{};  // (a default initializer: {out, weights, lse} stays complete)
 };
 
 /// Checks every shape and mask against the inputs; throws mha::Error naming what is wrong.

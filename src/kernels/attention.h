@@ -42,9 +42,10 @@ struct SdpaParams {
   float scale = 1.0f;
   Masks masks;  // broadcast to full extents (see above)
   Dropout dropout;
-  View4<float> out;      // (B, h, T_q, d_v), required
-  View4<float> weights;  // (B, h, T_q, T_k), optional
-  View4<float> lse;      // (B, h, T_q, 1), optional
+  View4<float> out;          // (B, h, T_q, d_v), required
+  View4<float> weights;      // (B, h, T_q, T_k), optional
+  View4<float> lse;          // (B, h, T_q, 1), optional
+  View4<float> weights_avg;  // (B, 1, T_q, T_k), optional: weights averaged over the h heads
   int threads = 1;
 
   int64_t batch() const { return q.shape[0]; }

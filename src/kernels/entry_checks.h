@@ -52,6 +52,7 @@ inline void assert_sdpa_params(const SdpaParams& p) {
   MHA_DASSERT(shaped(p.out, B, H, Tq, p.d_v()) && has_data(p.out));
   MHA_DASSERT(!p.lse.defined() || shaped(p.lse, B, H, Tq, 1));
   MHA_DASSERT(!p.weights.defined() || shaped(p.weights, B, H, Tq, Tk));
+  MHA_DASSERT(!p.weights_avg.defined() || shaped(p.weights_avg, B, 1, Tq, Tk));
 }
 
 /// The fused backward reads and writes whole rows (GEMMs on strided rows).

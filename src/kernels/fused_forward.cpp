@@ -52,7 +52,7 @@ constexpr int64_t kMaxPrefetchBytes = 32 * 64;  // per K/V row: a wider (strided
 
 /// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
 struct ScratchPlan {
-  int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, total = 0;
+  int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, l2 = 0, total = 0;
   int64_t ldq = 0;  // floats between Q rows (d rounded to even)
   int64_t ldv = 0;  // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
 };
@@ -73,6 +73,7 @@ inline ScratchPlan scratch_plan(const SdpaParams& p) {
   L.l = c.take(group * kRowsPad);
   L.alpha = c.take(kRowsPad);
   L.kb = c.take(kBk);
+  if (p.weights.defined() || p.weights_avg.defined()) L.l2 = c.take(kRowsPad);  // the weights' second pass
   L.total = c.total();
   return L;
 }
@@ -97,6 +98,7 @@ struct Ctx {
   CausalRule causal;
   int64_t q_blocks = 0;
   float keep_scale = 1.0f;
+  bool weights = false;  // weights (per head and/or averaged) are written: two passes per item
 };
 
 }  // namespace mha::kernels::fused
@@ -329,7 +331,8 @@ constexpr bool kHaveDot = false;
 // updates m, l and alpha (the factor O must be rescaled by) for the rows < nq.
 template <class T>
 void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t rows, int64_t j0, int64_t nk,
-                   bool elementwise, float* s, const float* kb, float* m, float* l, float* alpha) {
+                   bool elementwise, float* s, const float* kb, float* m, float* l, float* alpha,
+                   bool apply_dropout = true) {
   const SdpaParams& p = *cx.p;
   const DF df;
   const int64_t N = lanes(), nvec = (nk + N - 1) / N;
@@ -380,7 +383,7 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     if (HWY_UNLIKELY(!hn::AllFalse(df, any_nan))) l[r] = kNaN;
     m[r] = m_new;
     // Dropout acts on the normalised probabilities; l (the normaliser) keeps every term.
-    if (p.dropout.active())
+    if (apply_dropout && p.dropout.active())
       for (int64_t jj = 0; jj < nk; ++jj)
         if (row[jj] != 0.0f && !dropout_keep(p.dropout.seed, p.dropout.p, b, h, i, j0 + jj)) row[jj] = 0.0f;
   }
@@ -391,13 +394,75 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
   }
 }
 
-// ---- one work item: (batch b, kv-head g, query block) for every query head of the group ------
+// ---- attention weights (second pass) -------------------------------------------------------
+// s holds exp(score − m) after dropout for rows < nq; scaled by keep_scale / l it is the row of
+// final probabilities: written to the per-head weights and/or added to the head-sum of the
+// averaged weights (divided by h when the item ends).
+/// Elements [j0, j1) of row (b, h, i) of a weights view set to `value`.
+inline void fill_row(const View4<float>& w, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, float value) {
+  if (j1 <= j0) return;
+  float* row = &w(b, h, i, 0);
+  const int64_t ws = w.stride[3];
+  if (ws == 1)
+    std::fill(row + j0, row + j1, value);
+  else
+    for (int64_t j = j0; j < j1; ++j) row[j * ws] = value;
+}
+
+template <class T>
+void write_weights(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk,
+                   const float* l, float* s) {
+  const SdpaParams& p = *cx.p;
+  const DF df;
+  const int64_t N = lanes(), nvec = (nk + N - 1) / N;
+  for (int64_t r = 0; r < nq; ++r) {
+    float* row = s + r * kBk;
+    const float f = l[r] == 0.0f ? 0.0f : cx.keep_scale / l[r];
+    const VF vf = hn::Set(df, f);
+    for (int64_t v = 0; v < nvec; ++v) hn::StoreU(hn::Mul(hn::LoadU(df, row + v * N), vf), df, row + v * N);
+    if (p.weights.defined()) {
+      float* w = &p.weights(b, h, i0 + r, j0);
+      const int64_t ws = p.weights.stride[3];
+      if (ws == 1)
+        std::memcpy(w, row, sizeof(float) * static_cast<size_t>(nk));
+      else
+        for (int64_t jj = 0; jj < nk; ++jj) w[jj * ws] = row[jj];
+    }
+    if (p.weights_avg.defined()) {
+      float* a = &p.weights_avg(b, 0, i0 + r, j0);
+      const int64_t as = p.weights_avg.stride[3];
+      for (int64_t jj = 0; jj < nk; ++jj) a[jj * as] += row[jj];
+    }
+  }
+}
+
+/// The rest of query i's weights row for head h: zeros outside the keys the block visited; a NaN
+/// row (l = NaN) is NaN throughout, as the reference's.
+template <class T>
+void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRange keys, float l) {
+  const SdpaParams& p = *cx.p;
+  const int64_t Tk = p.t_k();
+  if (std::isnan(l)) {
+    if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN);
+    if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN);
+    return;
+  }
+  if (p.weights.defined()) {
+    fill_row(p.weights, b, h, i, 0, keys.lo, 0.0f);
+    fill_row(p.weights, b, h, i, keys.hi, Tk, 0.0f);
+  }
+}
+
+// ---- (batch b, kv-head g, query block qb) for every query head of the group ----------------
+// Without weights: one pass over the keys with the online softmax. With weights: a first pass
+// finds each row's max m and sum l (no P·V, no dropout); a second recomputes the scores block by
+// block, forms the final probabilities keep_scale·exp(s − m)/l (dropout applied), writes them
+// as weights and accumulates P·V with no rescaling.
 template <class T, bool kDot>
-HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
+HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, float* ws) {
   const SdpaParams& p = *cx.p;
   const ScratchPlan& L = cx.L;
-  const int64_t KV = p.kv_heads(), group = p.group(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
-  const int64_t qb = item % cx.q_blocks, g = (item / cx.q_blocks) % KV, b = item / (cx.q_blocks * KV);
+  const int64_t group = p.group(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
   const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kMR);
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
@@ -445,8 +510,8 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
   const KeyRange keys = cx.causal.visible_keys(i0, i0 + nq, 0, Tk);
   const int64_t j_begin = keys.lo, j_end = keys.hi;
   const int64_t ks = cx.k.stride[3], vs = cx.v.stride[3];
-  for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
-    const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
+  // Packs key block [j0, j0 + nk): the key-only masks into kb, K (transposed) and, with_v, V.
+  const auto pack_block = [&](int64_t j0, int64_t nk, bool with_v) {
     // Key-only masks first: a padded key (or one with key_bias −inf) is never read.
     for (int64_t jj = 0; jj < kBk; ++jj) {
       float add = kNegInf;
@@ -466,7 +531,7 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
           kt2[c * kBk + jj] =
               src ? bf16_pair(src[2 * c * ks], 2 * c + 1 < D ? src[(2 * c + 1) * ks] : bf16{}) : uint32_t{0};
       }
-      for (int64_t j2 = 0; j2 < n2; ++j2) {
+      for (int64_t j2 = 0; j2 < (with_v ? n2 : 0); ++j2) {
         const T* lo = kb[2 * j2] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2) : nullptr;
         const T* hi = 2 * j2 + 1 < nk && kb[2 * j2 + 1] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2 + 1) : nullptr;
         uint32_t* dst = v2 + j2 * ldv;
@@ -482,7 +547,7 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
         const T* src = live ? cx.k.row(b, g, j0 + jj) : nullptr;
         for (int64_t c = 0; c < D; ++c) kt[c * kBk + jj] = live ? to_f32(src[c * ks]) : 0.0f;
       }
-      for (int64_t jj = 0; jj < nk; ++jj) {
+      for (int64_t jj = 0; jj < (with_v ? nk : 0); ++jj) {
         float* dst = vp + jj * ldv;
         if (kb[jj] == kNegInf) {
           std::fill(dst, dst + ldv, 0.0f);
@@ -502,10 +567,33 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
       for (int64_t jj = 0; jj < std::min(kBk, j_end - j0 - kBk); ++jj) {
         prefetch_bytes(cx.k.row(b, g, j0 + kBk + jj), 0,
                        std::min(D * ks * static_cast<int64_t>(sizeof(T)), kMaxPrefetchBytes));
-        prefetch_bytes(cx.v.row(b, g, j0 + kBk + jj), 0,
-                       std::min(Dv * vs * static_cast<int64_t>(sizeof(T)), kMaxPrefetchBytes));
+        if (with_v)
+          prefetch_bytes(cx.v.row(b, g, j0 + kBk + jj), 0,
+                         std::min(Dv * vs * static_cast<int64_t>(sizeof(T)), kMaxPrefetchBytes));
       }
     }
+  };
+
+  // With weights, the first pass: each row's max m and sum l over every key block.
+  if (cx.weights) {
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
+      const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
+      pack_block(j0, nk, false);
+      const bool partial = cx.causal.tile(i0, i0 + nq, j0, j0 + nk) != TileVis::All;
+      for (int64_t hh = 0; hh < group; ++hh) {
+        const int64_t h = g * group + hh;
+        if constexpr (kDot)
+          score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, kt2, nvec, s);
+        else
+          score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt, nvec, s);
+        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
+                      ws + L.l + hh * kRowsPad, ws + L.alpha, /*apply_dropout=*/false);
+      }
+    }
+  }
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
+    const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
+    pack_block(j0, nk, true);
     // Blocks that straddle the causal diagonal or the window's lower edge are masked per element.
     const bool partial = cx.causal.tile(i0, i0 + nq, j0, j0 + nk) != TileVis::All;
     for (int64_t hh = 0; hh < group; ++hh) {
@@ -516,8 +604,16 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
         score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, kt2, nvec, s);
       else
         score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt, nvec, s);
-      softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
-                    ws + L.l + hh * kRowsPad, alpha);
+      if (cx.weights) {
+        // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
+        std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
+        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
+                      ws + L.l2, alpha);
+        write_weights(cx, b, h, i0, nq, j0, nk, ws + L.l + hh * kRowsPad, s);
+      } else {
+        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
+                      ws + L.l + hh * kRowsPad, alpha);
+      }
       if constexpr (kDot)
         out_block_dp(s, p2, alpha, rows, v2, ldv, nk, nvec_o, oh);
       else
@@ -536,10 +632,40 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
       float* dst = p.out.row(b, h, i0 + r);
       const int64_t os = p.out.stride[3];
       const bool empty_row = l[r] == 0.0f;
+      if (cx.weights) {  // P was normalised in the second pass
+        finish_weights_row(cx, b, h, i0 + r, keys, l[r]);
+        const float fill = std::isnan(l[r]) ? kNaN : 0.0f;
+        for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row || fill != 0.0f ? fill : oh[r * ldv + c];
+        if (p.lse.defined()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
+        continue;
+      }
       const float inv = empty_row ? 0.0f : cx.keep_scale / l[r];
       for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row ? 0.0f : oh[r * ldv + c] * inv;
       if (p.lse.defined()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
     }
+  }
+}
+
+// ---- one work item ---------------------------------------------------------------------------
+// (batch, kv-head, query block); with averaged weights (batch, query block) and every kv-head in
+// turn, so that one item owns each averaged row: zeroed, summed over heads in order, divided by h.
+template <class T, bool kDot>
+void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
+  const SdpaParams& p = *cx.p;
+  const int64_t KV = p.kv_heads(), qb = item % cx.q_blocks;
+  if (!p.weights_avg.defined()) {
+    run_group<T, kDot>(cx, item / (cx.q_blocks * KV), (item / cx.q_blocks) % KV, qb, ws);
+    return;
+  }
+  const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, p.t_q() - i0), Tk = p.t_k();
+  const View4<float>& avg = p.weights_avg;
+  for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f);
+  for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
+  const float heads = static_cast<float>(p.heads());
+  const int64_t as = avg.stride[3];
+  for (int64_t r = 0; r < nq && Tk > 0; ++r) {
+    float* row = &avg(b, 0, i0 + r, 0);
+    for (int64_t j = 0; j < Tk; ++j) row[j * as] /= heads;
   }
 }
 
@@ -554,7 +680,8 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.causal = CausalRule::of(p.masks.causal, p.t_q(), p.t_k());
   cx.q_blocks = (p.t_q() + kBq - 1) / kBq;
   cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
-  const int64_t items = p.batch() * p.kv_heads() * cx.q_blocks;
+  cx.weights = p.weights.defined() || p.weights_avg.defined();
+  const int64_t items = p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * cx.q_blocks;
   if (items == 0) return;
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
   const bool dot = kMayDot && cpu_has_bf16_dot();
@@ -594,19 +721,13 @@ HWY_EXPORT(dispatch_target);
 HWY_EXPORT(bf16_dot);
 }  // namespace fused
 
-bool fused_supports(const SdpaParams& p, std::string* why) {
-  if (p.weights.defined()) {
-    if (why) *why = "attention weights were requested (the fused kernel never forms T_q x T_k)";
-    return false;
-  }
-  return true;
-}
+bool fused_supports(const SdpaParams&, std::string*) { return true; }
 
 size_t fused_workspace_floats(const SdpaParams& p) { return fused::workspace_plan(p).floats(); }
 
 void sdpa_fused(const SdpaParams& p, float* workspace) {
   assert_sdpa_params(p);
-  MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && !p.weights.defined());
+  MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && has_data(p.weights) && has_data(p.weights_avg));
   MHA_DASSERT(workspace != nullptr);
   if (p.dtype == DType::BF16)
     HWY_DYNAMIC_DISPATCH(fused::fused_bf16)(p, workspace);

@@ -61,7 +61,8 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   }
 
   // ---- projections of the new tokens, rows in the input's layout ----
-  detail::Projections proj = detail::project_inputs(c, params_, query_new, key_new, value_new, call);
+  detail::Projections proj =
+      detail::project_inputs(c, params_, query_new, key_new, value_new, call, scratch_.pool.get());
   const View4<float> Q = proj.q, K = proj.k, V = proj.v;
   if (c.rope.enabled) {
     apply_rope(Q, c.rope, start.data());

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "layers/module_core.h"
+#include "layers/scratch_pool.h"
 #include "mha/random.h"
 
 namespace mha {
@@ -153,9 +154,9 @@ int64_t MultiheadAttention::parameter_count() const { return mha::parameter_coun
 MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
                                       const MhaForwardOptions& options) const {
   detail::PassOutputs keep;
-  keep.weights = options.need_weights != NeedWeights::None;
+  keep.weights = options.need_weights == NeedWeights::PerHead;
   keep.averaged_weights = options.need_weights == NeedWeights::Averaged;
-  detail::ModulePass pass = detail::run_module(kFwd, *this, query, key, value, options, keep);
+  detail::ModulePass pass = detail::run_module(kFwd, *this, query, key, value, options, keep, scratch_.pool.get());
   MhaOutput result;
   result.output = std::move(pass.output);
 
@@ -163,19 +164,15 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
   const int64_t B = pass.call.batch(), Tq = pass.call.t_q(), H = config_.num_heads;
   const int64_t S = pass.call.t_k() + detail::extra_positions(config_);
   if (options.need_weights == NeedWeights::PerHead) {
-    result.attn_weights = pass.call.unbatched ? pass.weights.reshaped({H, Tq, S}) : std::move(pass.weights);
+    result.attn_weights =
+        pass.call.unbatched ? Tensor({H, Tq, S}, std::move(pass.weights.storage())) : std::move(pass.weights);
   } else if (options.need_weights == NeedWeights::Averaged) {
-    Tensor avg({B, Tq, S});
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < Tq; ++i)
-        for (int64_t j = 0; j < S; ++j) {
-          double sum = 0.0;
-          for (int64_t h = 0; h < H; ++h) sum += pass.weights.at({b, h, i, j});
-          avg.at({b, i, j}) = static_cast<float>(sum / static_cast<double>(H));
-        }
-    result.attn_weights = pass.call.unbatched ? avg.reshaped({Tq, S}) : std::move(avg);
+    const Shape shape = pass.call.unbatched ? Shape{Tq, S} : Shape{B, Tq, S};
+    result.attn_weights = Tensor(shape, std::move(pass.averaged_weights.storage()));
   }
   return result;
 }
+
+void MultiheadAttention::release_workspace() const { scratch_.pool->release(); }
 
 }  // namespace mha

@@ -146,13 +146,20 @@ View4<float> ProjectionPlan::v_heads(float* buffer, const ModuleCall& call, cons
 }
 
 Projections project_inputs(const MhaConfig& c, const MhaParameters& params, const Tensor& query, const Tensor& key,
-                           const Tensor& value, const ModuleCall& call) {
+                           const Tensor& value, const ModuleCall& call, ScratchPool* pool) {
   const int64_t E = c.embed_dim, d = c.head_dim(), H = c.num_heads, KV = c.kv_heads();
   const int64_t Nq = call.q_rows.rows(), Nk = call.k_rows.rows();
   Projections p;
   p.plan = ProjectionPlan::make(c, call, packed_self_attention(c, query, key, value));
-  p.rows.resize(static_cast<size_t>(p.plan.floats));
-  float* buf = p.rows.data();
+  // Every element is written by the GEMMs below before anything reads it.
+  float* buf = nullptr;
+  if (pool) {
+    p.scratch = pool->take(static_cast<size_t>(p.plan.floats));
+    buf = p.scratch.data();
+  } else {
+    p.rows.resize(static_cast<size_t>(p.plan.floats));
+    buf = p.rows.data();
+  }
   const InProjWeights w = in_proj_weights(c, params);
   if (p.plan.packed) {
     const int64_t ld = p.plan.ld_q;
@@ -251,7 +258,7 @@ void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& cal
 }
 
 ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
-                      const Tensor& value, const MhaForwardOptions& options, PassOutputs keep) {
+                      const Tensor& value, const MhaForwardOptions& options, PassOutputs keep, ScratchPool* pool) {
   module.check_params();
   const MhaConfig& c = module.config();
   const MhaParameters& params = module.params();
@@ -263,7 +270,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   const int64_t B = call.batch(), Tq = call.t_q(), Tk = call.t_k(), H = c.num_heads, d = c.head_dim();
   const int64_t extra = extra_positions(c), S = Tk + extra;
 
-  pass.proj = project_inputs(c, params, query, key, value, call);
+  pass.proj = project_inputs(c, params, query, key, value, call, pool);
   // Rotary embeddings at positions 0 … T − 1, before bias_k is appended (it has no position).
   if (c.rope.enabled) {
     apply_rope(pass.proj.q, c.rope);
@@ -278,10 +285,17 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   if (options.mode == Mode::Training && c.dropout > 0.0f) sopt.dropout = {c.dropout, options.dropout_seed};
   widen_module_masks(options, B, H, Tq, Tk, extra, pass.masks, sopt);
 
-  // Attention: heads land directly in (N_q, h·d) rows, in the query's layout.
-  pass.heads = Tensor({call.q_rows.rows(), H * d});
+  // Attention: heads land directly in (N_q, h·d) rows, in the query's layout (sdpa writes every one).
+  float* heads = nullptr;
+  if (pool) {
+    pass.heads_scratch = pool->take(static_cast<size_t>(call.q_rows.rows() * H * d));
+    heads = pass.heads_scratch.data();
+  } else {
+    pass.heads = Tensor({call.q_rows.rows(), H * d});
+    heads = pass.heads.data();
+  }
   SdpaOutputs souts;
-  souts.out = call.q_rows.heads(pass.heads.data(), H * d, 0, H, d);
+  souts.out = call.q_rows.heads(heads, H * d, 0, H, d);
   if (keep.lse) {
     pass.lse = Tensor({B, H, Tq});
     souts.lse = contiguous_view(pass.lse.data(), B, H, Tq, int64_t{1});
@@ -290,9 +304,13 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
     pass.weights = Tensor({B, H, Tq, S});
     souts.weights = pass.weights.view4();
   }
+  if (keep.averaged_weights) {  // averaged over heads by the attention itself, no per-head intermediate
+    pass.averaged_weights = Tensor({B, 1, Tq, S});
+    souts.averaged_weights = pass.averaged_weights.view4();
+  }
   sdpa(View4<const float>(pass.proj.q), View4<const float>(pass.proj.k), View4<const float>(pass.proj.v), sopt, souts);
 
-  pass.output = project_output(c, params, pass.heads.data(), query.shape(), call.q_rows.rows());
+  pass.output = project_output(c, params, heads, query.shape(), call.q_rows.rows());
   return pass;
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "layers/module_masks.h"
+#include "layers/scratch_pool.h"
 #include "mha/module.h"
 
 namespace mha::detail {
@@ -88,13 +89,15 @@ struct Projections {
   Projections& operator=(const Projections&) = delete;
 
   ProjectionPlan plan;
-  std::vector<float> rows;
+  std::vector<float> rows;     ///< the buffer, when no pool was given (forward_train keeps it)
+  ScratchPool::Lease scratch;  ///< or the buffer checked out of a module's pool
   View4<float> q, k, v;
 };
 
-/// The projections of the inputs (one GEMM for packed self-attention, else three).
+/// The projections of the inputs (one GEMM for packed self-attention, else three), into a buffer
+/// of `pool` (reused, never zero-filled) when one is given, else into Projections::rows.
 Projections project_inputs(const MhaConfig& config, const MhaParameters& params, const Tensor& query, const Tensor& key,
-                           const Tensor& value, const ModuleCall& call);
+                           const Tensor& value, const ModuleCall& call, ScratchPool* pool = nullptr);
 
 /// Key positions appended after the real keys: bias_k/bias_v (1) and the zero position (1).
 int64_t extra_positions(const MhaConfig& config);
@@ -115,17 +118,19 @@ struct ModulePass {
   Tensor k_ext, v_ext;  ///< (B, kv, S, d) when extra positions exist
   ModuleMasks masks;    ///< owners of the widened masks sdpa_options points into
   SdpaOptions sdpa_options;
-  Tensor heads;    ///< (N_q, h·d): attention output before W_O, in the query's row layout
-  Tensor lse;      ///< (B, h, T_q) when asked for
-  Tensor weights;  ///< (B, h, T_q, S) when asked for
-  Tensor output;   ///< the query's shape
+  Tensor heads;                      ///< (N_q, h·d): attention output before W_O, in the query's row layout (no pool)
+  ScratchPool::Lease heads_scratch;  ///< or checked out of the module's pool
+  Tensor lse;                        ///< (B, h, T_q) when asked for
+  Tensor weights;                    ///< (B, h, T_q, S) when asked for
+  Tensor averaged_weights;           ///< (B, 1, T_q, S) when asked for
+  Tensor output;                     ///< the query's shape
 };
 
 /// What run_module keeps besides the output.
 struct PassOutputs {
   bool lse = false;
-  bool weights = false;
-  bool averaged_weights = false;  ///< forward() will also build (B, T_q, S) averaged weights
+  bool weights = false;           ///< per-head weights (B, h, T_q, S)
+  bool averaged_weights = false;  ///< weights averaged over heads (B, 1, T_q, S)
 };
 
 /// Bytes of physical memory on this machine (0 if unknown).
@@ -137,8 +142,10 @@ int64_t physical_memory_bytes();
 void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& call, PassOutputs keep);
 
 /// The whole module forward: checks, projections, RoPE at positions 0 … T − 1, extra positions,
-/// masks widened to S keys, attention, output projection.
+/// masks widened to S keys, attention, output projection. With a pool, the projections and heads
+/// live in buffers checked out of it (returned when the pass ends); without, the pass owns them.
 ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
-                      const Tensor& value, const MhaForwardOptions& options, PassOutputs keep);
+                      const Tensor& value, const MhaForwardOptions& options, PassOutputs keep,
+                      ScratchPool* pool = nullptr);
 
 }  // namespace mha::detail

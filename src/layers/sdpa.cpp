@@ -2,6 +2,7 @@
 // carve its workspace.
 #include "mha/sdpa.h"
 
+#include <memory>
 #include <vector>
 
 #include "kernels/attention.h"
@@ -19,14 +20,39 @@ bool use_fused(const kernels::SdpaParams& p, Backend backend, std::string* why) 
   return detail::choose_fused(kSdpa, backend, ok, reason, why);
 }
 
+/// Scratch the kernel fully overwrites before reading: allocated without zero-filling.
+std::unique_ptr<float[]> scratch(size_t floats) { return std::make_unique_for_overwrite<float[]>(floats); }
+
+/// The reference oracle writes per-head weights only: averaged weights are formed here from a
+/// per-head intermediate, summed over heads in double (as nn.MultiheadAttention's average).
+void run_reference(kernels::SdpaParams p) {
+  std::unique_ptr<float[]> workspace = scratch(kernels::reference_workspace_floats(p));
+  if (!p.weights_avg.defined()) return kernels::sdpa_reference(p, workspace.get());
+  const View4<float> avg = p.weights_avg;
+  const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k();
+  Tensor per_head;
+  if (!p.weights.defined()) {
+    per_head = Tensor({B, H, Tq, Tk});
+    p.weights = per_head.view4();
+  }
+  p.weights_avg = {};
+  kernels::sdpa_reference(p, workspace.get());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Tq; ++i)
+      for (int64_t j = 0; j < Tk; ++j) {
+        double sum = 0.0;
+        for (int64_t h = 0; h < H; ++h) sum += p.weights(b, h, i, j);
+        avg(b, 0, i, j) = static_cast<float>(sum / static_cast<double>(H));
+      }
+}
+
 void run(const kernels::SdpaParams& p, Backend backend) {
-  if (shape_numel(p.out.shape_vec()) == 0 && !p.weights.defined()) return;
+  if (shape_numel(p.out.shape_vec()) == 0 && !p.weights.defined() && !p.weights_avg.defined()) return;
   if (use_fused(p, backend, nullptr)) {
-    std::vector<float> workspace(kernels::fused_workspace_floats(p));
-    kernels::sdpa_fused(p, workspace.data());
+    std::unique_ptr<float[]> workspace = scratch(kernels::fused_workspace_floats(p));
+    kernels::sdpa_fused(p, workspace.get());
   } else {
-    std::vector<float> workspace(kernels::reference_workspace_floats(p));
-    kernels::sdpa_reference(p, workspace.data());
+    run_reference(p);
   }
 }
 

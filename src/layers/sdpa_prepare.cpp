@@ -60,6 +60,9 @@ void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const 
   const Shape want_w{q.shape[0], q.shape[1], q.shape[2], k.shape[2]};
   if (outputs.weights.defined() && outputs.weights.shape_vec() != want_w)
     fail(fn, ": weights have shape ", shape_str(outputs.weights), ", expected ", shape_str(want_w));
+  const Shape want_avg{q.shape[0], 1, q.shape[2], k.shape[2]};
+  if (outputs.averaged_weights.defined() && outputs.averaged_weights.shape_vec() != want_avg)
+    fail(fn, ": averaged weights have shape ", shape_str(outputs.averaged_weights), ", expected ", shape_str(want_avg));
   const Shape want_lse{q.shape[0], q.shape[1], q.shape[2], 1};
   if (outputs.lse.defined() && outputs.lse.shape_vec() != want_lse)
     fail(fn, ": lse has shape ", shape_str(outputs.lse), ", expected ", shape_str(want_lse));
@@ -90,6 +93,7 @@ kernels::SdpaParams prepare(const char* fn, View4<const T> q, View4<const T> k, 
   p.out = outputs.out;
   p.weights = outputs.weights;
   p.lse = outputs.lse;
+  p.weights_avg = outputs.averaged_weights;
   p.threads = resolve_threads(opt.threads);
   return p;
 }
