@@ -21,6 +21,16 @@ namespace mha {
 
 using Shape = std::vector<int64_t>;
 
+namespace detail {
+/// Large buffers are worth backing with transparent huge pages: on Linux with THP in "madvise"
+/// mode, a fresh 128 MiB buffer otherwise takes 32768 page faults on first touch (about a second
+/// on a loaded virtual machine, against tens of milliseconds with 2 MiB pages).
+inline constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
+/// Asks the kernel for huge pages over the 2 MiB-aligned interior of [p, p + bytes) before it is
+/// first touched (madvise MADV_HUGEPAGE). Advice only: does nothing where unsupported or refused.
+void advise_huge_pages(const void* p, size_t bytes) noexcept;
+}  // namespace detail
+
 /// bfloat16 storage: the top 16 bits of an IEEE float32.
 struct bf16 {
   uint16_t bits = 0;
@@ -103,6 +113,10 @@ class BasicTensor {
     const int64_t n = shape_numel(shape_);
     const int64_t bytes = checked_mul(n, static_cast<int64_t>(sizeof(T)), "Tensor " + shape_str(shape_));
     try {
+      if (static_cast<size_t>(bytes) >= detail::kHugePageAdviceBytes) {
+        data_.reserve(static_cast<size_t>(n));  // allocate, advise, then touch
+        detail::advise_huge_pages(data_.data(), static_cast<size_t>(bytes));
+      }
       data_.assign(static_cast<size_t>(n), fill);
     } catch (const std::bad_alloc&) {
       fail("Tensor: cannot allocate ", shape_str(shape_), ": ", bytes_str(static_cast<double>(bytes)), " (", bytes,

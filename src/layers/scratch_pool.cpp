@@ -6,6 +6,7 @@
 
 #include "mha/error.h"
 #include "mha/module.h"
+#include "mha/tensor.h"
 
 namespace mha::detail {
 
@@ -13,7 +14,9 @@ namespace {
 
 std::unique_ptr<float[]> allocate(size_t floats) {
   try {
-    return std::make_unique_for_overwrite<float[]>(std::max<size_t>(floats, 1));
+    auto buf = std::make_unique_for_overwrite<float[]>(std::max<size_t>(floats, 1));
+    if (floats * sizeof(float) >= kHugePageAdviceBytes) advise_huge_pages(buf.get(), floats * sizeof(float));
+    return buf;
   } catch (const std::bad_alloc&) {
     fail("MultiheadAttention: cannot allocate ", bytes_str(4.0 * static_cast<double>(floats)), " of working memory");
   }
