@@ -52,7 +52,8 @@ int ranks() {
 }
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<size_t>(a.numel())) == 0;
+  if (a.shape() != b.shape()) return false;
+  return a.numel() == 0 || std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<size_t>(a.numel())) == 0;
 }
 
 /// (B, h, T) lse as (B, h, T, 1) for gather_sequence.
