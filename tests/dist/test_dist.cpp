@@ -369,10 +369,12 @@ TEST(BadUse, MismatchedGlobalShapesAcrossRanks) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
   int me = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  if (me != 0) ::testing::GTEST_FLAG(brief) = true;  // rank 0 lists every test; the others only failures
+  // Rank 0 lists every test; the others print only failures (read when the printer is chosen, in
+  // InitGoogleTest, so set before it).
+  if (me != 0) ::testing::GTEST_FLAG(brief) = true;
+  ::testing::InitGoogleTest(&argc, argv);
   const int rc = RUN_ALL_TESTS();
   MPI_Finalize();
   return rc;

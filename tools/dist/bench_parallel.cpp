@@ -15,12 +15,15 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
 #include "mha/dist.h"
 #include "mha/error.h"
 #include "mha/module.h"
+#include "registry.h"
 
 namespace mha::cli {
 
@@ -106,7 +109,25 @@ void pingpong(MPI_Comm comm, const ParallelBenchArgs& a, int me, int P) {
 
 }  // namespace
 
+void run_parallel_bench_mpi(const ParallelBenchArgs& args);
+
 void run_parallel_bench(const ParallelBenchArgs& args) {
+  MpiSession session;
+  try {
+    run_parallel_bench_mpi(args);
+  } catch (const std::exception& e) {
+    // Print here, before MPI_Finalize: finalising synchronises the ranks, so every rank has printed
+    // its line before any exits (mpirun ends the job when the first rank exits with status 1).
+    std::string msg = e.what();
+    for (char& ch : msg)
+      if (ch == '\n') ch = ' ';
+    std::fprintf(stderr, "mha: %s\n", msg.c_str());
+    std::fflush(stderr);
+    throw AlreadyReported{};
+  }
+}
+
+void run_parallel_bench_mpi(const ParallelBenchArgs& args) {
   ParallelBenchArgs a = args;
   bench::BenchConfig& c = a.config;
   const std::string& s = a.scheme;
@@ -116,7 +137,6 @@ void run_parallel_bench(const ParallelBenchArgs& args) {
   if (a.backward && s != "ring") fail("bench: --backward with --parallel is implemented for ring only");
   if (s != "pingpong") bench::validate(c);
   if (s != "pingpong" && c.kv_seq > 0 && c.kv_seq != c.seq) fail("bench: --parallel runs self-attention (no --kv-seq)");
-  MpiSession session;
   MPI_Comm comm = MPI_COMM_WORLD;
   int me = 0, P = 1;
   MPI_Comm_rank(comm, &me);
@@ -255,7 +275,11 @@ void run_parallel_bench(const ParallelBenchArgs& args) {
   std::printf("  median            %.3f ms over %d runs\n", med, a.repeat);
   std::printf("  throughput        %.2f GFLOP/s per rank, %.2f in all\n", gflops_per_rank, gflops_per_rank * P);
   std::printf("  bytes sent        %.3g per rank (rank 0)\n", bytes_all[0]);
-  std::printf("  local kernels     %.3f ms alone; communication %.3f ms alone\n", local, comm_ms);
+  if (s == "ring")
+    std::printf("  local kernels     %.3f ms alone; communication %.3f ms alone\n", local, comm_ms);
+  else
+    std::printf("  local kernels     %.3f ms alone; communication %.3f ms (time − local: not overlapped)\n", local,
+                comm_ms);
   if (hidden >= 0) std::printf("  comm hidden       %.3f\n", hidden);
   if (s == "ring") {
     std::printf("  busy per rank    ");
