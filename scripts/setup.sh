@@ -11,10 +11,12 @@ cd "$(dirname "$0")/.."
 # (the golden data is committed; the mha.torch tests skip without it); regenerating goldens,
 # bench/compare.py and the mha.torch tests need `apt-get install python3-torch`. clang-14 with its
 # sanitizer/libFuzzer runtime (libclang-rt-14-dev) and OpenMP (libomp-14-dev) builds the fuzzer of
-# scripts/fuzz.sh.
+# scripts/fuzz.sh. OpenMPI (libopenmpi-dev, openmpi-bin: mpirun) builds and tests mha::dist, the
+# distributed attention of include/mha/dist.h.
 packages=(g++ cmake ninja-build pkg-config git libdnnl-dev libhwy-dev libcairo2-dev fonts-dejavu-core
           fontconfig libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3
-          python3-dev pybind11-dev python3-numpy python3-pytest clang-14 libclang-rt-14-dev libomp-14-dev)
+          python3-dev pybind11-dev python3-numpy python3-pytest clang-14 libclang-rt-14-dev libomp-14-dev
+          libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

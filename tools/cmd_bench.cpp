@@ -12,6 +12,9 @@
 #include "bench_util.h"
 #include "decode_bench.h"
 #include "registry.h"
+#ifdef MHA_HAVE_DIST
+#include "dist/bench_parallel.h"
+#endif
 
 namespace mha::cli {
 
@@ -25,6 +28,7 @@ struct BenchArgs {
   int64_t sgemm_size = 1536;
   int64_t bw_mib = 256;
   bool core = false, json = false, backward = false, decode = false;
+  std::string parallel;  ///< --parallel ring|ulysses|heads|pingpong (under mpirun)
 };
 
 const char* yes_no(bool b) { return b ? "yes" : "no"; }
@@ -51,7 +55,27 @@ void run_decode(const BenchArgs& a) {
 void run_bench(BenchArgs a) {
   bench::BenchConfig& c = a.config;
   if (a.dtype != "f32" && a.dtype != "bf16") fail("bench: --dtype must be f32 or bf16, got '", a.dtype, "'");
+  if (a.parallel != "pingpong") {
+    if (c.seq == 0) fail("bench: --seq is required");
+    if (c.embed_dim == 0) fail("bench: --embed-dim is required");
+    if (c.heads == 0) fail("bench: --heads is required");
+  }
   if (a.decode) return run_decode(a);
+  if (!a.parallel.empty()) {
+#ifdef MHA_HAVE_DIST
+    if (a.core || a.decode || a.dtype != "f32")
+      fail("bench: --parallel cannot be combined with --core, --decode or --dtype bf16");
+    ParallelBenchArgs p;
+    p.config = c;
+    p.scheme = a.parallel;
+    p.backward = a.backward;
+    p.json = a.json;
+    p.repeat = a.repeat;
+    return run_parallel_bench(p);
+#else
+    fail("bench: --parallel needs mha built with MPI (cmake -DMHA_WITH_MPI=ON; Debian's libopenmpi-dev)");
+#endif
+  }
   c.pass = a.backward ? bench::Pass::Backward : bench::Pass::Forward;
   c.dtype = a.dtype == "bf16" ? bench::DType::BF16 : bench::DType::F32;
   c.target = a.core ? bench::Target::Core : bench::Target::Module;
@@ -201,10 +225,10 @@ static void add_bench_command(CLI::App& app) {
       "Time the module forward (or the attention core) on random inputs: median, GFLOP/s, peak memory, "
       "fractions of this machine's FMA peak, read bandwidth and sgemm, measured in the same run.");
   cmd->add_option("--batch,-B", c.batch, "batch size B (default 1)");
-  cmd->add_option("--seq,-T", c.seq, "query length T")->required();
+  cmd->add_option("--seq,-T", c.seq, "query length T (required)");
   cmd->add_option("--kv-seq,-S", c.kv_seq, "key/value length S (default T: self-attention)");
-  cmd->add_option("--embed-dim,-E", c.embed_dim, "model width E")->required();
-  cmd->add_option("--heads,-H", c.heads, "query heads h (must divide E)")->required();
+  cmd->add_option("--embed-dim,-E", c.embed_dim, "model width E (required)");
+  cmd->add_option("--heads,-H", c.heads, "query heads h (must divide E) (required)");
   cmd->add_option("--kv-heads", c.kv_heads, "key/value heads (GQA; must divide h; default h)");
   cmd->add_flag("--causal", c.causal, "top-left causal mask (PyTorch's is_causal)");
   cmd->add_option("--dtype", a->dtype, "f32 or bf16 (bf16: --core only, when the library has it)");
@@ -222,6 +246,9 @@ static void add_bench_command(CLI::App& app) {
                 "time decoding one token per sequence against a KV cache of --seq positions (h, kv-heads, d = E/h); "
                 "reports K/V GB/s next to a STREAM triad measured in the same run (mha bench-decode sweeps contexts)");
   cmd->add_flag("--json", a->json, "one JSON object on stdout");
+  cmd->add_option("--parallel", a->parallel,
+                  "under mpirun: ring (context parallel; zigzag when --causal), ulysses (all-to-all), heads "
+                  "(tensor-parallel module) or pingpong (MPI latency and bandwidth between ranks 0 and 1)");
   cmd->callback([a] { run_bench(*a); });
 }
 

@@ -22,6 +22,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
+  } catch (const mha::cli::AlreadyReported&) {
+    return 1;
   } catch (const CLI::ParseError& e) {
     // One line, exit 1: the contract for every failure of the tool.
     std::fprintf(stderr, "mha: %s (see mha --help)\n", e.what());

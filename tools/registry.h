@@ -18,6 +18,10 @@ inline std::vector<CommandEntry>& command_registry() {
   return entries;
 }
 
+/// Thrown by a subcommand that has already printed its one-line error (e.g. every MPI rank of
+/// `bench --parallel`, which must print before MPI_Finalize lets any rank exit): main exits 1 quietly.
+struct AlreadyReported {};
+
 /// At namespace scope in a tools/cmd_*.cpp:  static const CommandRegistrar reg{30, add_my_command};
 struct CommandRegistrar {
   CommandRegistrar(int order, std::function<void(CLI::App&)> add) {

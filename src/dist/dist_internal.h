@@ -1,0 +1,30 @@
+// What the schemes of src/dist share beyond the public header.
+#pragma once
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdint>
+
+#include "mha/tensor.h"
+
+namespace mha::dist {
+
+int comm_size(MPI_Comm comm);
+int comm_rank(MPI_Comm comm);
+/// n as MPI's int count; mha::Error naming `what` when it does not fit.
+int mpi_count(int64_t n, const char* what);
+
+/// Rows [first, first + count) of a (B, H, T, D) view along axis 2.
+template <class T>
+View4<T> rows_of(View4<T> v, int64_t first, int64_t count) {
+  v.data += first * v.stride[2];
+  v.shape[2] = count;
+  return v;
+}
+
+inline double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace mha::dist

@@ -1,0 +1,83 @@
+// Tensor-parallel heads for the module: each rank keeps h/P query heads and their kv/P K/V heads
+// (prune_heads removes the others exactly: rows of W_Q, W_K, W_V and of the input bias, columns of
+// W_O), computes its heads' contribution to the output projection, and one MPI_Allreduce sums them.
+// Rank 0 alone keeps out_proj.bias, so the sum adds it once.
+#include <mpi.h>
+
+#include <algorithm>
+#include <string>
+
+#include "dist/dist_internal.h"
+#include "mha/dist.h"
+#include "mha/error.h"
+#include "mha/prune.h"
+
+namespace mha::dist {
+
+namespace {
+
+MultiheadAttention make_shard(MPI_Comm comm, const MultiheadAttention& full, int64_t* first_head) {
+  const int P = comm_size(comm), me = comm_rank(comm);
+  const MhaConfig& c = full.config();
+  std::string err;
+  if (c.kv_heads() % P != 0)
+    err = "TensorParallelAttention: " + std::to_string(P) + " ranks must divide the K/V head count " +
+          std::to_string(c.kv_heads()) + " (num_heads " + std::to_string(c.num_heads) + ")";
+  check_collectively(comm, err);
+  check_same_everywhere(comm,
+                        {c.embed_dim, c.num_heads, c.kv_heads(), c.head_dim(), c.key_dim(), c.value_dim(),
+                         c.bias ? 1 : 0, c.add_bias_kv ? 1 : 0, c.add_zero_attn ? 1 : 0, static_cast<int64_t>(c.layout),
+                         static_cast<int64_t>(c.rope.enabled ? 1 : 0)},
+                        "TensorParallelAttention: module configuration (E, h, kv, d, kdim, vdim, bias, bias_kv, "
+                        "zero_attn, layout, rope)");
+  const int64_t per = c.num_heads / P;
+  *first_head = me * per;
+  std::vector<int64_t> drop;
+  for (int64_t i = 0; i < c.num_heads; ++i)
+    if (i < *first_head || i >= *first_head + per) drop.push_back(i);
+  MultiheadAttention shard = drop.empty() ? full : prune_heads(full, drop);
+  if (me != 0 && shard.params().out_proj_bias.defined())
+    std::fill(shard.params().out_proj_bias.values().begin(), shard.params().out_proj_bias.values().end(), 0.0f);
+  return shard;
+}
+
+}  // namespace
+
+TensorParallelAttention::TensorParallelAttention(MPI_Comm comm, const MultiheadAttention& full)
+    : comm_(comm), shard_(make_shard(comm, full, &first_head_)) {}
+
+MhaOutput TensorParallelAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
+                                           const MhaForwardOptions& options) const {
+  std::string err;
+  if (options.need_weights != NeedWeights::None)
+    err = "TensorParallelAttention::forward: attention weights are not supported (need_weights must be None)";
+  else if (options.mode == Mode::Training && shard_.config().dropout > 0.0f)
+    err =
+        "TensorParallelAttention::forward: dropout in training mode is not supported (its per-head keys would "
+        "change with the shard)";
+  else if (options.attn_mask.present() && (options.attn_mask.allowed.defined() ? options.attn_mask.allowed.dim()
+                                                                               : options.attn_mask.additive.dim()) == 3)
+    err =
+        "TensorParallelAttention::forward: per-head (B·h, T_q, T_k) attention masks are not supported; pass a "
+        "(T_q, T_k) mask";
+  check_collectively(comm_, err);
+  std::vector<int64_t> shapes;
+  for (const Tensor* t : {&query, &key, &value}) {
+    shapes.push_back(t->dim());
+    for (int64_t i = 0; i < 4; ++i) shapes.push_back(i < t->dim() ? t->size(i) : -1);
+  }
+  check_same_everywhere(comm_, shapes, "TensorParallelAttention::forward: input shapes (query, key, value)");
+  MhaOutput out;
+  err.clear();
+  try {
+    out = shard_.forward(query, key, value, options);
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  check_collectively(comm_, err);
+  MPI_Allreduce(MPI_IN_PLACE, out.output.data(), mpi_count(out.output.numel(), "TensorParallelAttention::forward"),
+                MPI_FLOAT, MPI_SUM, comm_);
+  return out;
+}
+
+}  // namespace mha::dist

@@ -1,0 +1,433 @@
+// Ring attention (context parallelism) and its backward pass.
+//
+// P ranks each hold their rows of Q, K and V (one segment, or two with SeqLayout::Zigzag). In step s
+// (0 ≤ s < P) rank r holds the K/V block of rank r − s: it posts the receive of the next block from
+// r − 1 and the send of the current one to r + 1, runs the fused kernel on every (query segment, key
+// segment) pair that the causal mask does not hide entirely — with the causal offset those segments'
+// global positions give — and merges each partial output into its rows by log-sum-exp:
+//   m = max(l₁, l₂), w_i = exp(l_i − m), o = (w₁·o₁ + w₂·o₂) / (w₁ + w₂), l = m + log(w₁ + w₂),
+// the merge the split-K decode kernel uses, done in double. The merge order is the step order, so a
+// fixed P gives bitwise-identical results run to run.
+//
+// Backward: each rank keeps dQ for its rows; the dK/dV accumulators of a block travel the ring with
+// it. The fused backward kernel, given the global lse and out (so the probabilities it recomputes
+// are the global ones, and D = rowsum(dO·O) is the global one), gives each pair's exact share of dQ,
+// dK and dV. A rank adds its share of a block's dK/dV to the accumulator the previous rank passes
+// on (received while it computes) and sends the sum on; after P steps every block's accumulator
+// is back at its owner.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "dist/dist_internal.h"
+#include "mha/dist.h"
+#include "mha/error.h"
+#include "mha/sdpa.h"
+#include "mha/training.h"
+
+namespace mha::dist {
+
+namespace {
+
+constexpr int kTagK = 7101, kTagV = 7102, kTagPad = 7103, kTagDk = 7104, kTagDv = 7105;
+
+struct Dims {
+  int64_t B = 0, h = 0, kv = 0, d = 0, dv = 0, tq = 0, tk = 0;  // tq, tk: local rows
+};
+
+/// Local checks (one rank's arguments); the verdict is then shared with check_collectively.
+std::string check_local(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v, const BoolTensor& pad,
+                        int64_t seq_q, int64_t seq_k, int P, int me, SeqLayout layout, const Causal& causal,
+                        const std::optional<float>& scale, int threads) {
+  const std::string f = fn;
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
+    return f + ": q, k, v must be 4-D (B, h, T_local, d); got " + shape_str(q.shape()) + ", " + shape_str(k.shape()) +
+           ", " + shape_str(v.shape());
+  if (seq_q < 0 || seq_k < 0)
+    return f + ": negative global length seq_q " + std::to_string(seq_q) + " / seq_k " + std::to_string(seq_k);
+  const int64_t want_q = local_length(seq_q, P, me, layout), want_k = local_length(seq_k, P, me, layout);
+  if (q.size(2) != want_q)
+    return f + ": q " + shape_str(q.shape()) + " has " + std::to_string(q.size(2)) + " rows; this rank holds " +
+           std::to_string(want_q) + " of seq_q " + std::to_string(seq_q);
+  if (k.size(2) != want_k || v.size(2) != want_k)
+    return f + ": k " + shape_str(k.shape()) + " / v " + shape_str(v.shape()) + " must have " + std::to_string(want_k) +
+           " rows (this rank's share of seq_k " + std::to_string(seq_k) + ")";
+  if (k.size(0) != q.size(0) || v.size(0) != q.size(0) || v.size(1) != k.size(1) || k.size(3) != q.size(3))
+    return f + ": shapes do not match: q " + shape_str(q.shape()) + ", k " + shape_str(k.shape()) + ", v " +
+           shape_str(v.shape());
+  if (k.size(1) <= 0 || q.size(1) % k.size(1) != 0)
+    return f + ": k/v heads " + std::to_string(k.size(1)) + " must divide q heads " + std::to_string(q.size(1));
+  if (pad.defined() && (pad.dim() != 2 || pad.size(0) != q.size(0) || pad.size(1) != want_k))
+    return f + ": key_padding must be (B, T_k_local) = " + shape_str({q.size(0), want_k}) + ", got " +
+           shape_str(pad.shape());
+  if (scale && !(std::isfinite(*scale))) return f + ": scale must be finite";
+  if (causal.window < 0) return f + ": causal window must be ≥ 0, got " + std::to_string(causal.window);
+  if (threads < 0) return f + ": threads must be ≥ 0, got " + std::to_string(threads);
+  return {};
+}
+
+int64_t float_bits(const std::optional<float>& s) {
+  if (!s) return -1;
+  uint32_t u = 0;
+  std::memcpy(&u, &*s, sizeof u);
+  return u;
+}
+
+Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, const Tensor& v, const BoolTensor& pad,
+              int64_t seq_q, int64_t seq_k, SeqLayout layout, const Causal& causal, const std::optional<float>& scale,
+              int threads, int64_t extra) {
+  const int P = comm_size(comm), me = comm_rank(comm);
+  check_collectively(comm, check_local(fn, q, k, v, pad, seq_q, seq_k, P, me, layout, causal, scale, threads));
+  Dims d{q.size(0), q.size(1), k.size(1), q.size(3), v.size(3), q.size(2), k.size(2)};
+  check_same_everywhere(
+      comm,
+      {d.B, d.h, d.kv, d.d, d.dv, seq_q, seq_k, static_cast<int64_t>(layout), static_cast<int64_t>(causal.align),
+       causal.offset, causal.window, pad.defined() ? 1 : 0, float_bits(scale), extra},
+      std::string(fn) + ": (B, h, kv, d, d_v, seq_q, seq_k, layout, causal, offset, window, padding, scale, mode)");
+  return d;
+}
+
+/// One rank's K/V block (and its padding) as it travels: contiguous (B, kv, L, ·) for its length L.
+struct Block {
+  std::vector<float> k, v;
+  std::vector<uint8_t> pad;
+  void allocate(const Dims& d, int64_t max_rows, bool with_pad) {
+    k.assign(static_cast<size_t>(d.B * d.kv * max_rows * d.d), 0.0f);
+    v.assign(static_cast<size_t>(d.B * d.kv * max_rows * d.dv), 0.0f);
+    if (with_pad) pad.assign(static_cast<size_t>(d.B * max_rows), 0);
+  }
+};
+
+/// How a (query segment, key segment) pair relates under the causal mask (global positions).
+enum class Visibility { Hidden, Full, Partial };
+
+Visibility classify(const Causal& c, int64_t G, const Segment& qs, const Segment& ks, Causal* local) {
+  if (qs.length == 0 || ks.length == 0) return Visibility::Hidden;
+  if (!c.enabled()) {
+    *local = Causal::none();
+    return Visibility::Full;
+  }
+  const int64_t q0 = qs.start, q1 = qs.start + qs.length - 1, k0 = ks.start, k1 = ks.start + ks.length - 1;
+  const int64_t W = c.window;
+  // Query q sees key p when p ≤ q + G and, with a window, p > q + G − W.
+  if (k0 > q1 + G) return Visibility::Hidden;
+  if (W > 0 && k1 <= q0 + G - W) return Visibility::Hidden;
+  if (k1 <= q0 + G && (W == 0 || k0 > q1 + G - W)) {
+    *local = Causal::none();
+    return Visibility::Full;
+  }
+  *local = Causal::with_offset(q0 - k0 + G).with_window(W);
+  return Visibility::Partial;
+}
+
+/// Merges (o, l) — contiguous (B, h, n, dv) and (B, h, n) — into rows [row0, row0 + n) of the
+/// accumulators out (B, h, T, dv) and lse (B, h, T).
+void merge_into(Tensor& out, Tensor& lse, int64_t row0, const float* o, const float* l, int64_t n) {
+  const int64_t BH = out.size(0) * out.size(1), T = out.size(2), dv = out.size(3);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t i = 0; i < n; ++i) {
+      float* acc = out.data() + (bh * T + row0 + i) * dv;
+      float& acc_l = lse.data()[bh * T + row0 + i];
+      const float* part = o + (bh * n + i) * dv;
+      const float part_l = l[bh * n + i];
+      if (std::isnan(acc_l) || std::isnan(part_l)) {
+        acc_l = std::numeric_limits<float>::quiet_NaN();
+        std::fill_n(acc, dv, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      if (part_l == kNegInf) continue;  // nothing visible in this block
+      if (acc_l == kNegInf) {
+        acc_l = part_l;
+        std::copy_n(part, dv, acc);
+        continue;
+      }
+      const double m = std::max(acc_l, part_l);
+      const double w1 = std::exp(static_cast<double>(acc_l) - m), w2 = std::exp(static_cast<double>(part_l) - m);
+      const double inv = 1.0 / (w1 + w2);
+      for (int64_t j = 0; j < dv; ++j) acc[j] = static_cast<float>((w1 * acc[j] + w2 * part[j]) * inv);
+      acc_l = static_cast<float>(m + std::log(w1 + w2));
+    }
+}
+
+struct Requests {
+  std::vector<MPI_Request> r;
+  void wait(RingStats* stats) {
+    if (r.empty()) return;
+    const double t0 = now_seconds();
+    MPI_Waitall(static_cast<int>(r.size()), r.data(), MPI_STATUSES_IGNORE);
+    if (stats) stats->wait_seconds += now_seconds() - t0;
+    r.clear();
+  }
+};
+
+/// Posts the exchange of K/V blocks: `send` (this rank's current block, `send_rows` rows) to the next
+/// rank, `recv` (the block of `recv_rows` rows) from the previous one.
+void post_block_exchange(MPI_Comm comm, const Dims& d, const Block& send, int64_t send_rows, Block& recv,
+                         int64_t recv_rows, Requests& reqs, RingStats* stats) {
+  const int P = comm_size(comm), me = comm_rank(comm);
+  const int next = (me + 1) % P, prev = (me + P - 1) % P;
+  reqs.r.resize(reqs.r.size() + (send.pad.empty() ? 4 : 6));
+  MPI_Request* r = reqs.r.data() + reqs.r.size() - (send.pad.empty() ? 4 : 6);
+  const int nk_in = mpi_count(d.B * d.kv * recv_rows * d.d, "ring_attention"),
+            nv_in = mpi_count(d.B * d.kv * recv_rows * d.dv, "ring_attention");
+  const int nk_out = mpi_count(d.B * d.kv * send_rows * d.d, "ring_attention"),
+            nv_out = mpi_count(d.B * d.kv * send_rows * d.dv, "ring_attention");
+  MPI_Irecv(recv.k.data(), nk_in, MPI_FLOAT, prev, kTagK, comm, r++);
+  MPI_Irecv(recv.v.data(), nv_in, MPI_FLOAT, prev, kTagV, comm, r++);
+  MPI_Isend(send.k.data(), nk_out, MPI_FLOAT, next, kTagK, comm, r++);
+  MPI_Isend(send.v.data(), nv_out, MPI_FLOAT, next, kTagV, comm, r++);
+  int64_t bytes = 4 * (int64_t{nk_out} + nv_out);
+  if (!send.pad.empty()) {
+    const int np_in = mpi_count(d.B * recv_rows, "ring_attention"),
+              np_out = mpi_count(d.B * send_rows, "ring_attention");
+    MPI_Irecv(recv.pad.data(), np_in, MPI_UNSIGNED_CHAR, prev, kTagPad, comm, r++);
+    MPI_Isend(send.pad.data(), np_out, MPI_UNSIGNED_CHAR, next, kTagPad, comm, r++);
+    bytes += np_out;
+  }
+  if (stats) stats->bytes_sent += bytes;
+}
+
+/// The ring's shared skeleton: the local block first, then P − 1 blocks from the ring, each handed to
+/// `visit(block, src_rank, rows, step)` while the next one is in flight.
+template <class Visit>
+void run_ring(MPI_Comm comm, const Dims& d, const Tensor& k, const Tensor& v, const BoolTensor& pad, int64_t seq_k,
+              SeqLayout layout, bool skip_comm, RingStats* stats, Visit&& visit) {
+  const int P = comm_size(comm), me = comm_rank(comm);
+  int64_t max_rows = 0;
+  for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, layout));
+  Block blocks[2];
+  for (Block& b : blocks) b.allocate(d, max_rows, pad.defined());
+  std::copy(k.values().begin(), k.values().end(), blocks[0].k.begin());
+  std::copy(v.values().begin(), v.values().end(), blocks[0].v.begin());
+  if (pad.defined()) std::copy(pad.values().begin(), pad.values().end(), blocks[0].pad.begin());
+  int cur = 0;
+  for (int s = 0; s < P; ++s) {
+    const int src = (me - s + P) % P;
+    const int64_t rows = local_length(seq_k, P, src, layout);
+    Requests reqs;
+    if (s + 1 < P && !skip_comm) {
+      const int next_src = (me - s - 1 + 2 * P) % P;
+      post_block_exchange(comm, d, blocks[cur], rows, blocks[1 - cur], local_length(seq_k, P, next_src, layout), reqs,
+                          stats);
+    }
+    visit(blocks[cur], src, rows, s);
+    reqs.wait(stats);
+    if (!skip_comm) cur = 1 - cur;
+  }
+}
+
+}  // namespace
+
+RingResult ring_attention(MPI_Comm comm, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const BoolTensor& key_padding, int64_t seq_q, int64_t seq_k, const RingOptions& options) {
+  const double t_start = now_seconds();
+  RingStats* stats = options.stats;
+  if (stats) *stats = {};
+  const Dims d = validate("ring_attention", comm, q, k, v, key_padding, seq_q, seq_k, options.layout, options.causal,
+                          options.scale, options.threads, options.skip_communication ? 1 : 0);
+  const int P = comm_size(comm), me = comm_rank(comm);
+  const auto q_segs = sequence_segments(seq_q, P, me, options.layout);
+  const int64_t G = options.causal.enabled() ? options.causal.offset_for(seq_q, seq_k) : 0;
+
+  RingResult res;
+  res.out = Tensor({d.B, d.h, d.tq, d.dv});
+  res.lse = Tensor({d.B, d.h, d.tq}, -std::numeric_limits<float>::infinity());
+  int64_t max_q = 0;
+  for (const Segment& s : q_segs) max_q = std::max(max_q, s.length);
+  std::vector<float> part_o(static_cast<size_t>(d.B * d.h * max_q * d.dv)),
+      part_l(static_cast<size_t>(d.B * d.h * max_q));
+
+  SdpaOptions so;
+  so.scale = options.scale;
+  so.threads = options.threads;
+  const View4<const float> qv = q.view4();
+  run_ring(comm, d, k, v, key_padding, seq_k, options.layout, options.skip_communication, stats,
+           [&](const Block& blk, int src, int64_t rows, int) {
+             const double t0 = now_seconds();
+             const View4<const float> kb = contiguous_view<const float>(blk.k.data(), d.B, d.kv, rows, d.d);
+             const View4<const float> vb = contiguous_view<const float>(blk.v.data(), d.B, d.kv, rows, d.dv);
+             int64_t q_row = 0;
+             for (const Segment& qs : q_segs) {
+               int64_t k_row = 0;
+               for (const Segment& ks : sequence_segments(seq_k, P, src, options.layout)) {
+                 Causal local;
+                 const Visibility vis = classify(options.causal, G, qs, ks, &local);
+                 if (vis == Visibility::Hidden) {
+                   if (qs.length > 0 && ks.length > 0 && stats) ++stats->blocks_skipped;
+                 } else {
+                   so.masks.causal = local;
+                   so.masks.key_padding = {};
+                   if (!blk.pad.empty())
+                     so.masks.key_padding.view =
+                         View4<const uint8_t>{blk.pad.data() + k_row, {d.B, 1, 1, ks.length}, {rows, 0, 0, 1}};
+                   SdpaOutputs outs;
+                   outs.out = contiguous_view(part_o.data(), d.B, d.h, qs.length, d.dv);
+                   outs.lse = contiguous_view(part_l.data(), d.B, d.h, qs.length, int64_t{1});
+                   sdpa(rows_of(qv, q_row, qs.length), rows_of(kb, k_row, ks.length), rows_of(vb, k_row, ks.length), so,
+                        outs);
+                   merge_into(res.out, res.lse, q_row, part_o.data(), part_l.data(), qs.length);
+                   if (stats) ++stats->blocks_computed;
+                 }
+                 k_row += ks.length;
+               }
+               q_row += qs.length;
+             }
+             if (stats) stats->compute_seconds += now_seconds() - t0;
+           });
+  if (stats) stats->seconds = now_seconds() - t_start;
+  return res;
+}
+
+RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& d_out, const Tensor& lse, const BoolTensor& key_padding, int64_t seq_q,
+                                  int64_t seq_k, const RingOptions& options) {
+  const double t_start = now_seconds();
+  RingStats* stats = options.stats;
+  if (stats) *stats = {};
+  // The forward's results must match q's rows on this rank.
+  std::string err;
+  if (q.dim() == 4 && v.dim() == 4) {
+    const Shape want_out{q.size(0), q.size(1), q.size(2), v.size(3)};
+    if (out.shape() != want_out || d_out.shape() != want_out)
+      err = "ring_attention_backward: out " + shape_str(out.shape()) + " and d_out " + shape_str(d_out.shape()) +
+            " must be " + shape_str(want_out);
+    else if (lse.shape() != Shape{q.size(0), q.size(1), q.size(2)})
+      err = "ring_attention_backward: lse " + shape_str(lse.shape()) + " must be " +
+            shape_str({q.size(0), q.size(1), q.size(2)}) + " (B, h, T_q_local)";
+  }
+  check_collectively(comm, err);
+  const Dims d = validate("ring_attention_backward", comm, q, k, v, key_padding, seq_q, seq_k, options.layout,
+                          options.causal, options.scale, options.threads, options.skip_communication ? 3 : 2);
+  const int P = comm_size(comm), me = comm_rank(comm);
+  const int next = (me + 1) % P, prev = (me + P - 1) % P;
+  const auto q_segs = sequence_segments(seq_q, P, me, options.layout);
+  const int64_t G = options.causal.enabled() ? options.causal.offset_for(seq_q, seq_k) : 0;
+  int64_t max_q = 0, max_k = 0;
+  for (const Segment& s : q_segs) max_q = std::max(max_q, s.length);
+  for (int r = 0; r < P; ++r)
+    for (const Segment& s : sequence_segments(seq_k, P, r, options.layout)) max_k = std::max(max_k, s.length);
+  int64_t max_rows = 0;
+  for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, options.layout));
+
+  RingGrads g;
+  g.dq = Tensor(q.shape());
+  std::vector<float> dq_t(static_cast<size_t>(d.B * d.h * max_q * d.d)),
+      dk_t(static_cast<size_t>(d.B * d.kv * max_k * d.d)), dv_t(static_cast<size_t>(d.B * d.kv * max_k * d.dv));
+  // This rank's share of the current block's dK/dV, the accumulator arriving from the previous rank
+  // and the one leaving for the next.
+  const size_t nk = static_cast<size_t>(d.B * d.kv * max_rows * d.d),
+               nv = static_cast<size_t>(d.B * d.kv * max_rows * d.dv);
+  std::vector<float> part_k(nk), part_v(nv), in_k(nk), in_v(nv), acc_k(nk), acc_v(nv);
+  Requests acc_send, acc_recv;
+  const bool comm_on = !options.skip_communication && P > 1;
+  const auto post_acc_recv = [&](int64_t rows) {
+    acc_recv.r.resize(2);
+    MPI_Irecv(in_k.data(), mpi_count(d.B * d.kv * rows * d.d, "ring_attention_backward"), MPI_FLOAT, prev, kTagDk, comm,
+              &acc_recv.r[0]);
+    MPI_Irecv(in_v.data(), mpi_count(d.B * d.kv * rows * d.dv, "ring_attention_backward"), MPI_FLOAT, prev, kTagDv,
+              comm, &acc_recv.r[1]);
+  };
+
+  SdpaOptions so;
+  so.scale = options.scale;
+  so.threads = options.threads;
+  so.backend = Backend::Fused;  // the reference backward recomputes its own lse: it must see the global one
+  const View4<const float> qv = q.view4(), ov = out.view4(), dov = d_out.view4();
+  const View4<const float> lv = contiguous_view<const float>(lse.data(), d.B, d.h, d.tq, int64_t{1});
+  run_ring(comm, d, k, v, key_padding, seq_k, options.layout, options.skip_communication, stats,
+           [&](const Block& blk, int src, int64_t rows, int s) {
+             if (comm_on && s > 0) post_acc_recv(rows);  // the accumulator of this block, from prev
+             const double t0 = now_seconds();
+             const View4<const float> kb = contiguous_view<const float>(blk.k.data(), d.B, d.kv, rows, d.d);
+             const View4<const float> vb = contiguous_view<const float>(blk.v.data(), d.B, d.kv, rows, d.dv);
+             std::fill_n(part_k.begin(), d.B * d.kv * rows * d.d, 0.0f);
+             std::fill_n(part_v.begin(), d.B * d.kv * rows * d.dv, 0.0f);
+             int64_t q_row = 0;
+             for (const Segment& qs : q_segs) {
+               int64_t k_row = 0;
+               for (const Segment& ks : sequence_segments(seq_k, P, src, options.layout)) {
+                 Causal local;
+                 const Visibility vis = classify(options.causal, G, qs, ks, &local);
+                 if (vis == Visibility::Hidden) {
+                   if (qs.length > 0 && ks.length > 0 && stats) ++stats->blocks_skipped;
+                 } else {
+                   so.masks.causal = local;
+                   so.masks.key_padding = {};
+                   if (!blk.pad.empty())
+                     so.masks.key_padding.view =
+                         View4<const uint8_t>{blk.pad.data() + k_row, {d.B, 1, 1, ks.length}, {rows, 0, 0, 1}};
+                   SdpaGrads gr;
+                   gr.dq = contiguous_view(dq_t.data(), d.B, d.h, qs.length, d.d);
+                   gr.dk = contiguous_view(dk_t.data(), d.B, d.kv, ks.length, d.d);
+                   gr.dv = contiguous_view(dv_t.data(), d.B, d.kv, ks.length, d.dv);
+                   sdpa_backward(rows_of(qv, q_row, qs.length), rows_of(kb, k_row, ks.length),
+                                 rows_of(vb, k_row, ks.length), rows_of(ov, q_row, qs.length),
+                                 rows_of(dov, q_row, qs.length), rows_of(lv, q_row, qs.length), so, gr);
+                   // dQ rows of this query segment, dK/dV rows of this key segment of the block.
+                   for (int64_t bh = 0; bh < d.B * d.h; ++bh)
+                     for (int64_t i = 0; i < qs.length * d.d; ++i)
+                       g.dq.data()[(bh * d.tq + q_row) * d.d + i] +=
+                           dq_t[static_cast<size_t>(bh * qs.length * d.d + i)];
+                   for (int64_t bh = 0; bh < d.B * d.kv; ++bh) {
+                     for (int64_t i = 0; i < ks.length * d.d; ++i)
+                       part_k[static_cast<size_t>((bh * rows + k_row) * d.d + i)] +=
+                           dk_t[static_cast<size_t>(bh * ks.length * d.d + i)];
+                     for (int64_t i = 0; i < ks.length * d.dv; ++i)
+                       part_v[static_cast<size_t>((bh * rows + k_row) * d.dv + i)] +=
+                           dv_t[static_cast<size_t>(bh * ks.length * d.dv + i)];
+                   }
+                   if (stats) ++stats->blocks_computed;
+                 }
+                 k_row += ks.length;
+               }
+               q_row += qs.length;
+             }
+             if (stats) stats->compute_seconds += now_seconds() - t0;
+             const int64_t n_k = d.B * d.kv * rows * d.d, n_v = d.B * d.kv * rows * d.dv;
+             if (!comm_on) {
+               // One rank (or the benchmark's no-communication run): this block's gradient is its share.
+               if (s == 0) {
+                 std::copy_n(part_k.begin(), n_k, acc_k.begin());
+                 std::copy_n(part_v.begin(), n_v, acc_v.begin());
+               }
+               return;
+             }
+             acc_send.wait(stats);  // the previous accumulator has left: acc may be overwritten
+             if (s > 0) {
+               acc_recv.wait(stats);
+               for (int64_t i = 0; i < n_k; ++i)
+                 acc_k[static_cast<size_t>(i)] = in_k[static_cast<size_t>(i)] + part_k[static_cast<size_t>(i)];
+               for (int64_t i = 0; i < n_v; ++i)
+                 acc_v[static_cast<size_t>(i)] = in_v[static_cast<size_t>(i)] + part_v[static_cast<size_t>(i)];
+             } else {
+               std::copy_n(part_k.begin(), n_k, acc_k.begin());
+               std::copy_n(part_v.begin(), n_v, acc_v.begin());
+             }
+             acc_send.r.resize(2);
+             MPI_Isend(acc_k.data(), static_cast<int>(n_k), MPI_FLOAT, next, kTagDk, comm, &acc_send.r[0]);
+             MPI_Isend(acc_v.data(), static_cast<int>(n_v), MPI_FLOAT, next, kTagDv, comm, &acc_send.r[1]);
+             if (stats) stats->bytes_sent += 4 * (n_k + n_v);
+           });
+  g.dk = Tensor(k.shape());
+  g.dv = Tensor(v.shape());
+  if (comm_on) {
+    // The last hop: this rank's own block, with every rank's share.
+    post_acc_recv(d.tk);
+    acc_recv.wait(stats);
+    acc_send.wait(stats);
+    std::copy_n(in_k.begin(), g.dk.numel(), g.dk.data());
+    std::copy_n(in_v.begin(), g.dv.numel(), g.dv.data());
+  } else {
+    std::copy_n(acc_k.begin(), g.dk.numel(), g.dk.data());
+    std::copy_n(acc_v.begin(), g.dv.numel(), g.dv.data());
+  }
+  if (stats) stats->seconds = now_seconds() - t_start;
+  return g;
+}
+
+}  // namespace mha::dist

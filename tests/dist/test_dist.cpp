@@ -1,0 +1,381 @@
+// Distributed attention (mha/dist.h) under mpirun: ctest runs this program with P = 1, 2, 3 and 4
+// ranks (tests/CMakeLists.txt). Every rank builds the same full inputs, keeps its shard, runs the
+// scheme, gathers the result and compares it with the single-process library on the full inputs.
+#include <mpi.h>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "mha/dist.h"
+#include "mha/error.h"
+#include "mha/module.h"
+#include "mha/sdpa.h"
+#include "mha/training.h"
+#include "support/test_support.h"
+
+namespace mha {
+namespace {
+
+using dist::SeqLayout;
+
+int rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int ranks() {
+  int p = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &p);
+  return p;
+}
+
+/// The fused kernel's float32 tolerance (the forward goldens'): atol + rtol·|want|, atol scaled by
+/// the largest |want| (gradients can be large).
+::testing::AssertionResult close(const Tensor& got, const Tensor& want, double atol = 2e-5, double rtol = 2e-4) {
+  if (got.shape() != want.shape())
+    return ::testing::AssertionFailure() << "shape " << shape_str(got.shape()) << " vs " << shape_str(want.shape());
+  double biggest = 1.0;
+  for (float w : want.values())
+    if (std::isfinite(w)) biggest = std::max(biggest, static_cast<double>(std::fabs(w)));
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.data()[i], w = want.data()[i];
+    if (std::isinf(w) && g == w) continue;
+    if (!(std::fabs(g - w) <= atol * biggest + rtol * std::fabs(w)))
+      return ::testing::AssertionFailure()
+             << "element " << i << ": got " << g << ", want " << w << " (rank " << rank() << " of " << ranks() << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape()) return false;
+  return a.numel() == 0 || std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<size_t>(a.numel())) == 0;
+}
+
+/// (B, h, T) lse as (B, h, T, 1) for gather_sequence.
+Tensor as4(const Tensor& lse) { return lse.reshaped({lse.size(0), lse.size(1), lse.size(2), 1}); }
+
+struct Case {
+  int64_t B = 2, h = 4, kv = 2, d = 8, dv = 8, tq = 37, tk = 37;
+  Causal causal;
+  bool padding = false;
+  bool last_rank_all_padding = false;  ///< the keys the last rank holds are all padding
+  SeqLayout layout = SeqLayout::Contiguous;
+};
+
+struct Inputs {
+  Tensor q, k, v;
+  BoolTensor pad;  // (B, T_k) or empty
+};
+
+Inputs make_inputs(const Case& c, uint64_t seed) {
+  Inputs in{mha::testing::random_tensor({c.B, c.h, c.tq, c.d}, seed),
+            mha::testing::random_tensor({c.B, c.kv, c.tk, c.d}, seed + 1),
+            mha::testing::random_tensor({c.B, c.kv, c.tk, c.dv}, seed + 2),
+            {}};
+  if (c.padding) {
+    in.pad = BoolTensor({c.B, c.tk}, 0);
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t t = 0; t < c.tk; ++t) in.pad.at({b, t}) = ((t * 7 + b * 3) % 5 == 0) ? 1 : 0;
+    if (c.last_rank_all_padding)
+      for (const dist::Segment& s : dist::sequence_segments(c.tk, ranks(), ranks() - 1, c.layout))
+        for (int64_t b = 0; b < c.B; ++b)
+          for (int64_t t = s.start; t < s.start + s.length; ++t) in.pad.at({b, t}) = 1;
+  }
+  return in;
+}
+
+SdpaOptions single_options(const Case& c, const Inputs& in) {
+  SdpaOptions o;
+  o.masks.causal = c.causal;
+  if (in.pad.defined())
+    o.masks.key_padding.view = View4<const uint8_t>{in.pad.data(), {c.B, 1, 1, c.tk}, {c.tk, 0, 0, 1}};
+  return o;
+}
+
+dist::RingResult run_ring(const Case& c, const Inputs& in) {
+  const int P = ranks(), me = rank();
+  dist::RingOptions o;
+  o.causal = c.causal;
+  o.layout = c.layout;
+  o.threads = 1;
+  const BoolTensor pad = in.pad.defined() ? dist::take_sequence(in.pad, P, me, c.layout) : BoolTensor();
+  return dist::ring_attention(MPI_COMM_WORLD, dist::take_sequence(in.q, P, me, c.layout),
+                              dist::take_sequence(in.k, P, me, c.layout), dist::take_sequence(in.v, P, me, c.layout),
+                              pad, c.tq, c.tk, o);
+}
+
+void check_ring_forward(const Case& c) {
+  const Inputs in = make_inputs(c, 42);
+  const SdpaResult want = sdpa(in.q, in.k, in.v, single_options(c, in), Want::Lse);
+  const dist::RingResult got = run_ring(c, in);
+  const Tensor out = dist::gather_sequence(MPI_COMM_WORLD, got.out, c.tq, c.layout);
+  const Tensor lse = dist::gather_sequence(MPI_COMM_WORLD, as4(got.lse), c.tq, c.layout);
+  EXPECT_TRUE(close(out, want.out));
+  EXPECT_TRUE(close(lse.reshaped(want.lse.shape()), want.lse));
+  // Run to run: bitwise identical for this P.
+  const dist::RingResult again = run_ring(c, in);
+  EXPECT_TRUE(bitwise_equal(again.out, got.out));
+  EXPECT_TRUE(bitwise_equal(again.lse, got.lse));
+}
+
+TEST(Ring, ForwardNonCausalContiguousAndZigzag) {
+  Case c;
+  check_ring_forward(c);
+  c.layout = SeqLayout::Zigzag;
+  check_ring_forward(c);
+}
+
+TEST(Ring, ForwardCausalTopLeft) {
+  for (SeqLayout layout : {SeqLayout::Contiguous, SeqLayout::Zigzag}) {
+    Case c;
+    c.causal = Causal::top_left();
+    c.layout = layout;
+    check_ring_forward(c);
+  }
+}
+
+TEST(Ring, ForwardCausalBottomRightCross) {
+  for (SeqLayout layout : {SeqLayout::Contiguous, SeqLayout::Zigzag}) {
+    Case c;
+    c.tq = 23, c.tk = 41;
+    c.causal = Causal::bottom_right();
+    c.layout = layout;
+    check_ring_forward(c);
+    c.causal = Causal::top_left();  // T_q < T_k: the last keys are hidden from every query
+    check_ring_forward(c);
+  }
+}
+
+TEST(Ring, ForwardSlidingWindowAndOffset) {
+  Case c;
+  c.layout = SeqLayout::Zigzag;
+  c.causal = Causal::top_left().with_window(5);
+  check_ring_forward(c);
+  c.causal = Causal::with_offset(-3);  // the first three queries see nothing: zero rows, lse −inf
+  check_ring_forward(c);
+}
+
+TEST(Ring, ForwardKeyPaddingAndARankOfPaddingOnly) {
+  Case c;
+  c.padding = true;
+  check_ring_forward(c);
+  c.causal = Causal::top_left();
+  c.layout = SeqLayout::Zigzag;
+  c.last_rank_all_padding = true;
+  check_ring_forward(c);
+}
+
+TEST(Ring, ForwardMultiQueryAndDifferentValueWidth) {
+  Case c;
+  c.h = 3, c.kv = 1, c.dv = 5, c.B = 1, c.tq = c.tk = 19;
+  c.causal = Causal::top_left();
+  c.layout = SeqLayout::Zigzag;
+  check_ring_forward(c);
+}
+
+TEST(Ring, ForwardTinySequencesLeaveRanksEmpty) {
+  Case c;
+  c.tq = c.tk = 3;  // with P = 4 and zigzag, some chunks are empty
+  c.causal = Causal::top_left();
+  c.layout = SeqLayout::Zigzag;
+  check_ring_forward(c);
+  c.layout = SeqLayout::Contiguous;
+  check_ring_forward(c);
+}
+
+void check_ring_backward(const Case& c) {
+  const int P = ranks(), me = rank();
+  const Inputs in = make_inputs(c, 7);
+  SdpaOptions so = single_options(c, in);
+  const SdpaResult fwd = sdpa(in.q, in.k, in.v, so, Want::Lse);
+  const Tensor d_out = mha::testing::random_tensor(fwd.out.shape(), 99);
+  so.backend = Backend::Fused;
+  const SdpaGradTensors want = sdpa_backward(in.q, in.k, in.v, fwd.out, d_out, fwd.lse, so);
+
+  dist::RingOptions o;
+  o.causal = c.causal;
+  o.layout = c.layout;
+  o.threads = 1;
+  const BoolTensor pad = in.pad.defined() ? dist::take_sequence(in.pad, P, me, c.layout) : BoolTensor();
+  const Tensor q = dist::take_sequence(in.q, P, me, c.layout), k = dist::take_sequence(in.k, P, me, c.layout),
+               v = dist::take_sequence(in.v, P, me, c.layout), dol = dist::take_sequence(d_out, P, me, c.layout);
+  const dist::RingResult r = dist::ring_attention(MPI_COMM_WORLD, q, k, v, pad, c.tq, c.tk, o);
+  const dist::RingGrads g =
+      dist::ring_attention_backward(MPI_COMM_WORLD, q, k, v, r.out, dol, r.lse, pad, c.tq, c.tk, o);
+  EXPECT_TRUE(close(dist::gather_sequence(MPI_COMM_WORLD, g.dq, c.tq, c.layout), want.dq));
+  EXPECT_TRUE(close(dist::gather_sequence(MPI_COMM_WORLD, g.dk, c.tk, c.layout), want.dk));
+  EXPECT_TRUE(close(dist::gather_sequence(MPI_COMM_WORLD, g.dv, c.tk, c.layout), want.dv));
+  const dist::RingGrads again =
+      dist::ring_attention_backward(MPI_COMM_WORLD, q, k, v, r.out, dol, r.lse, pad, c.tq, c.tk, o);
+  EXPECT_TRUE(bitwise_equal(again.dq, g.dq));
+  EXPECT_TRUE(bitwise_equal(again.dk, g.dk));
+  EXPECT_TRUE(bitwise_equal(again.dv, g.dv));
+}
+
+TEST(RingBackward, NonCausal) { check_ring_backward(Case{}); }
+
+TEST(RingBackward, CausalZigzagGqaPadding) {
+  Case c;
+  c.causal = Causal::top_left();
+  c.layout = SeqLayout::Zigzag;
+  c.padding = true;
+  c.last_rank_all_padding = true;
+  check_ring_backward(c);
+}
+
+TEST(RingBackward, CausalBottomRightCross) {
+  Case c;
+  c.tq = 23, c.tk = 41, c.dv = 6;
+  c.causal = Causal::bottom_right();
+  c.layout = SeqLayout::Zigzag;
+  check_ring_backward(c);
+}
+
+// ---- Ulysses --------------------------------------------------------------------------------------
+
+dist::RingResult run_ulysses(const Case& c, const Inputs& in) {
+  const int P = ranks(), me = rank();
+  dist::UlyssesOptions o;
+  o.causal = c.causal;
+  o.threads = 1;
+  const BoolTensor pad = in.pad.defined() ? dist::take_sequence(in.pad, P, me, SeqLayout::Contiguous) : BoolTensor();
+  return dist::ulysses_attention(MPI_COMM_WORLD, dist::take_sequence(in.q, P, me, SeqLayout::Contiguous),
+                                 dist::take_sequence(in.k, P, me, SeqLayout::Contiguous),
+                                 dist::take_sequence(in.v, P, me, SeqLayout::Contiguous), pad, c.tq, c.tk, o);
+}
+
+void check_ulysses(const Case& c) {
+  const Inputs in = make_inputs(c, 5);
+  const SdpaResult want = sdpa(in.q, in.k, in.v, single_options(c, in), Want::Lse);
+  const dist::RingResult got = run_ulysses(c, in);
+  EXPECT_TRUE(close(dist::gather_sequence(MPI_COMM_WORLD, got.out, c.tq, SeqLayout::Contiguous), want.out));
+  const Tensor lse = dist::gather_sequence(MPI_COMM_WORLD, as4(got.lse), c.tq, SeqLayout::Contiguous);
+  EXPECT_TRUE(close(lse.reshaped(want.lse.shape()), want.lse));
+  const dist::RingResult again = run_ulysses(c, in);
+  EXPECT_TRUE(bitwise_equal(again.out, got.out));
+}
+
+TEST(Ulysses, MatchesSingleProcess) {
+  Case c;
+  c.h = 24, c.kv = 12, c.d = 4, c.dv = 3;  // 12 K/V heads: P = 1, 2, 3, 4 all divide
+  check_ulysses(c);
+  c.causal = Causal::top_left();
+  c.padding = true;
+  c.last_rank_all_padding = true;
+  check_ulysses(c);
+  c.tq = 23, c.tk = 41;
+  c.causal = Causal::bottom_right();
+  check_ulysses(c);
+}
+
+TEST(Ulysses, RefusesHeadCountsNotDivisibleByRanks) {
+  Case c;
+  c.h = 10, c.kv = 5;
+  const Inputs in = make_inputs(c, 5);
+  if (ranks() == 1 || ranks() == 5) GTEST_SKIP() << "P divides 5";
+  const std::string err = mha::testing::error_of([&] { run_ulysses(c, in); });
+  EXPECT_NE(err.find("must divide the K/V head count 5"), std::string::npos) << err;
+}
+
+// ---- tensor-parallel heads ------------------------------------------------------------------------
+
+TEST(Heads, MatchesSingleProcessModule) {
+  for (int64_t h : {12, 24}) {
+    MhaConfig cfg;
+    cfg.embed_dim = 48;
+    cfg.num_heads = h;
+    cfg.num_kv_heads = 12;
+    cfg.layout = Layout::BatchFirst;
+    cfg.add_bias_kv = h == 12;
+    const MultiheadAttention full(cfg, 3);
+    // PyTorch initialises the biases to zero; give them values so that the bias paths count.
+    MultiheadAttention biased = full;
+    Tensor& in_bias = biased.params().in_proj_bias;
+    for (int64_t i = 0; i < in_bias.numel(); ++i) in_bias.data()[i] = 0.01f * static_cast<float>(i % 7);
+    for (float& x : biased.params().out_proj_bias.values()) x = 0.5f;
+    const dist::TensorParallelAttention tp(MPI_COMM_WORLD, biased);
+    const Tensor x = mha::testing::random_tensor({2, 13, 48}, 8);
+    MhaForwardOptions fo;
+    fo.causal = Causal::top_left();
+    fo.key_padding_mask.is_padding = BoolTensor({2, 13}, 0);
+    fo.key_padding_mask.is_padding.at({1, 12}) = 1;
+    const MhaOutput want = biased.forward(x, x, x, fo);
+    const MhaOutput got = tp.forward(x, x, x, fo);
+    EXPECT_TRUE(close(got.output, want.output));
+    EXPECT_TRUE(bitwise_equal(tp.forward(x, x, x, fo).output, got.output));
+  }
+}
+
+TEST(Heads, RefusesWhatItCannotShard) {
+  MhaConfig cfg;
+  cfg.embed_dim = 20;
+  cfg.num_heads = 5;
+  const MultiheadAttention m(cfg, 1);
+  if (ranks() > 1) {
+    const std::string err = mha::testing::error_of([&] { dist::TensorParallelAttention(MPI_COMM_WORLD, m); });
+    EXPECT_NE(err.find("must divide the K/V head count 5"), std::string::npos) << err;
+  }
+  cfg.num_heads = 4;
+  cfg.embed_dim = 24;
+  cfg.num_kv_heads = 0;
+  if (ranks() == 3) return;  // 3 ∤ 4
+  const dist::TensorParallelAttention tp(MPI_COMM_WORLD, MultiheadAttention(cfg, 1));
+  MhaForwardOptions fo;
+  fo.need_weights = NeedWeights::PerHead;
+  const Tensor x = mha::testing::random_tensor({5, 1, 24}, 1);
+  const std::string err = mha::testing::error_of([&] { tp.forward(x, x, x, fo); });
+  EXPECT_NE(err.find("attention weights are not supported"), std::string::npos) << err;
+  // One rank with a different input shape: every rank throws, nobody hangs in the Allreduce.
+  const Tensor y = mha::testing::random_tensor({rank() == ranks() - 1 ? 6 : 5, 1, 24}, 1);
+  if (ranks() > 1) {
+    const std::string e2 = mha::testing::error_of([&] { tp.forward(y, y, y); });
+    EXPECT_NE(e2.find("differ across ranks"), std::string::npos) << e2;
+  }
+}
+
+// ---- bad use: an error on every rank, never a hang ------------------------------------------------
+
+TEST(BadUse, MismatchedGlobalShapesAcrossRanks) {
+  if (ranks() == 1) GTEST_SKIP() << "needs two ranks";
+  Case c;
+  const Inputs in = make_inputs(c, 1);
+  const int P = ranks(), me = rank();
+  dist::RingOptions o;
+  // The last rank believes in a different number of heads: its shard is (B, 2, …) rather than (B, 4, …).
+  const Tensor q = dist::take_sequence(in.q, P, me, o.layout);
+  const Tensor q_bad =
+      me == P - 1 ? dist::take_sequence(mha::testing::random_tensor({c.B, 2, c.tq, c.d}, 3), P, me, o.layout) : q;
+  const Tensor k = dist::take_sequence(in.k, P, me, o.layout), v = dist::take_sequence(in.v, P, me, o.layout);
+  std::string err =
+      mha::testing::error_of([&] { dist::ring_attention(MPI_COMM_WORLD, q_bad, k, v, {}, c.tq, c.tk, o); });
+  EXPECT_NE(err.find("differ across ranks"), std::string::npos) << err;
+  // A rank whose shard has the wrong number of rows: every rank reports that rank's message.
+  const Tensor q_short = me == P - 1 ? mha::testing::random_tensor({c.B, c.h, q.size(2) + 1, c.d}, 3) : q;
+  err = mha::testing::error_of([&] { dist::ring_attention(MPI_COMM_WORLD, q_short, k, v, {}, c.tq, c.tk, o); });
+  EXPECT_NE(err.find("rank " + std::to_string(P - 1) + " of " + std::to_string(P) + ": ring_attention: q"),
+            std::string::npos)
+      << err;
+  err = mha::testing::error_of([&] { dist::ulysses_attention(MPI_COMM_WORLD, q_short, k, v, {}, c.tq, c.tk); });
+  EXPECT_NE(err.find("rank "), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace mha
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int me = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  // Rank 0 lists every test; the others print only failures (read when the printer is chosen, in
+  // InitGoogleTest, so set before it).
+  if (me != 0) ::testing::GTEST_FLAG(brief) = true;
+  ::testing::InitGoogleTest(&argc, argv);
+  const int rc = RUN_ALL_TESTS();
+  MPI_Finalize();
+  return rc;
+}
