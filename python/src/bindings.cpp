@@ -420,7 +420,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<mha::KvCache>(m, "KvCache")
       .def(py::init([](int64_t batch, int64_t kv_heads, int64_t head_dim, int64_t value_dim, int64_t capacity,
-                       const std::string& dtype, bool ring) {
+                       const std::string& dtype, bool ring, int64_t sinks) {
         mha::KvCacheConfig c;
         c.batch = batch;
         c.kv_heads = kv_heads;
@@ -432,6 +432,7 @@ PYBIND11_MODULE(_core, m) {
         else if (dtype != "f32")
           mha::fail("KvCache: dtype must be 'f32' or 'bf16', got '", dtype, "'");
         c.ring = ring;
+        c.sinks = sinks;
         return mha::KvCache(c);
       }))
       .def("length", &mha::KvCache::length)

@@ -54,3 +54,19 @@ def test_varlen_bf16_and_errors():
         mha.sdpa_varlen(q[None], q, q, [0, 5], [0, 5])
     with pytest.raises(TypeError, match="integer"):
         mha.sdpa_varlen(q, q, q, [0.0, 5.0], [0, 5])
+
+
+def test_sink_cache_decodes_like_the_explicit_mask():
+    """StreamingLLM: a ring cache keeping 2 sink positions plus a window of 4, token by token, equals
+    the full forward under the mask 'p <= q and (p < 2 or p > q - 4)'."""
+    rng = np.random.default_rng(3)
+    attn = mha.MultiheadAttention(16, 2, batch_first=True)
+    T, sinks, window = 12, 2, 4
+    x = rng.standard_normal((1, T, 16)).astype(np.float32)
+    cache = attn.new_cache(1, sinks + window, ring=True, sinks=sinks)
+    got = np.concatenate([attn.forward_incremental(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache, window=window)
+                          for t in range(T)], axis=1)
+    q, p = np.arange(T)[:, None], np.arange(T)[None, :]
+    masked_out = ~((p <= q) & ((p < sinks) | (p > q - window)))  # PyTorch's polarity: True = may NOT attend
+    want, _ = attn(x, x, x, attn_mask=masked_out, need_weights=False)
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=3e-5)
