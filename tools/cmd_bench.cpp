@@ -4,13 +4,17 @@
 // bandwidth for the bytes the call must touch at least once (fraction_of_read_bw), and of its sgemm
 // throughput (a secondary reference). The measurement itself lives in bench_util.h, shared with
 // bench/bench_attention.cpp.
+#include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "bench_util.h"
 #include "decode_bench.h"
+#include "mha/random.h"
+#include "mha/sdpa.h"
 #include "registry.h"
 #ifdef MHA_HAVE_DIST
 #include "dist/bench_parallel.h"
@@ -27,8 +31,10 @@ struct BenchArgs {
   int repeat = 5;
   int64_t sgemm_size = 1536;
   int64_t bw_mib = 256;
-  bool core = false, json = false, backward = false, decode = false;
+  bool core = false, json = false, backward = false, decode = false, varlen = false;
   std::string parallel;  ///< --parallel ring|ulysses|heads|pingpong (under mpirun)
+  int64_t varlen_seqs = 64, varlen_min = 16;
+  uint64_t varlen_seed = 1;
 };
 
 const char* yes_no(bool b) { return b ? "yes" : "no"; }
@@ -52,6 +58,109 @@ void run_decode(const BenchArgs& a) {
   run_decode_bench(d);
 }
 
+/// Milliseconds of each of `repeat` runs of fn (no warm-up: the buffers are already touched).
+std::vector<double> time_each(const std::function<void()>& fn, int repeat, const char* what) {
+  std::vector<double> ms;
+  for (int i = 0; i < repeat; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    std::fprintf(stderr, "bench: %s run %d/%d: %.1f ms\n", what, i + 1, repeat, ms.back());
+  }
+  return ms;
+}
+
+/// `--varlen`: attention core (f32, fused) on --varlen-seqs sequences with lengths drawn uniformly
+/// from [--varlen-min, --seq] (fixed seed), packed (sdpa_varlen, no padding) against the same batch
+/// padded to --seq (sdpa on (B, h, T, d) with the padding as a key-padding mask; padded query rows
+/// are computed and thrown away, as a padded batch does). GFLOP/s count the useful work only.
+void run_varlen(const BenchArgs& a) {
+  bench::BenchConfig c = a.config;
+  if (a.core || a.backward || a.decode || a.dtype != "f32")
+    fail("bench: --varlen times the f32 attention core alone; drop --core, --backward, --decode and --dtype");
+  bench::validate(c);
+  if (a.repeat <= 0) fail("bench: --repeat must be ≥ 1, got ", a.repeat);
+  if (a.varlen_seqs <= 0 || a.varlen_min <= 0 || a.varlen_min > c.seq)
+    fail("bench: --varlen-seqs must be ≥ 1 and --varlen-min in [1, --seq]; got ", a.varlen_seqs, " and ", a.varlen_min);
+  const int threads = bench::apply_threads(c.threads);
+  const int64_t B = a.varlen_seqs, T = c.seq, H = c.heads, KV = c.kv(), D = c.head_dim();
+  SplitMix64 rng(a.varlen_seed);
+  std::vector<int64_t> lens(static_cast<size_t>(B)), cu{0};
+  double useful = 0;  // 4·T_q·T_k·d per head (halved when causal), the module's counting
+  for (int64_t& n : lens) {
+    n = a.varlen_min + static_cast<int64_t>(rng.uniform() * static_cast<double>(T - a.varlen_min + 1));
+    cu.push_back(cu.back() + n);
+    useful += 4.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(D * H) * (c.causal ? 0.5 : 1);
+  }
+  const int64_t total = cu.back();
+  std::fprintf(stderr,
+               "bench: varlen, %lld sequences of %lld…%lld tokens (%lld in all, padded %lld), h=%lld kv=%lld "
+               "d=%lld causal=%s threads=%d, %d run(s) each\n",
+               static_cast<long long>(B), static_cast<long long>(a.varlen_min), static_cast<long long>(T),
+               static_cast<long long>(total), static_cast<long long>(B * T), static_cast<long long>(H),
+               static_cast<long long>(KV), static_cast<long long>(D), yes_no(c.causal), threads, a.repeat);
+  SdpaOptions opt;
+  opt.masks.causal = c.causal ? Causal::top_left() : Causal::none();
+  opt.backend = Backend::Fused;
+  opt.threads = threads;
+  const auto fill = [&](Tensor& t) {
+    for (float& x : t.values()) x = static_cast<float>(2.0 * rng.uniform() - 1.0);
+  };
+  double packed_ms = 0, padded_ms = 0;
+  {
+    Tensor q({total, H, D}), k({total, KV, D}), v({total, KV, D}), out({total, H, D});
+    fill(q), fill(k), fill(v);
+    VarlenBatch seqs;
+    seqs.cu_seqlens_q = cu;
+    seqs.cu_seqlens_k = cu;
+    const auto run = [&] {
+      sdpa_varlen(packed_view<const float>(q.data(), total, H, D), packed_view<const float>(k.data(), total, KV, D),
+                  packed_view<const float>(v.data(), total, KV, D), seqs, opt,
+                  {packed_view(out.data(), total, H, D), {}, {}});
+    };
+    packed_ms = bench::median(time_each(run, a.repeat, "packed"));
+  }
+  {
+    Tensor q({B, H, T, D}), k({B, KV, T, D}), v({B, KV, T, D}), out({B, H, T, D});
+    fill(q), fill(k), fill(v);
+    BoolTensor pad({B, T}, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = lens[static_cast<size_t>(b)]; t < T; ++t) pad.at({b, t}) = 1;
+    SdpaOptions popt = opt;
+    popt.masks.key_padding.view = {pad.data(), {B, 1, 1, T}, {T, 0, 0, 1}};
+    const auto run = [&] { sdpa(q.view4(), k.view4(), v.view4(), popt, {out.view4(), {}, {}}); };
+    padded_ms = bench::median(time_each(run, a.repeat, "padded"));
+  }
+  const double packed_gf = useful / (packed_ms * 1e6), padded_gf = useful / (padded_ms * 1e6);
+  // What the padded batch computes: every query row against every key block (padded keys are
+  // skipped when packed into a block, but their blocks are still walked), B·T² per head.
+  const double padded_work = 4.0 * static_cast<double>(B) * static_cast<double>(T) * static_cast<double>(T) *
+                             static_cast<double>(D * H) * (c.causal ? 0.5 : 1);
+  if (a.json) {
+    nlohmann::json j;
+    j["target"] = "varlen";
+    j["sequences"] = B, j["min_len"] = a.varlen_min, j["max_len"] = T, j["total_tokens"] = total;
+    j["heads"] = H, j["kv_heads"] = KV, j["head_dim"] = D, j["causal"] = c.causal, j["threads"] = threads;
+    j["repeat"] = a.repeat, j["seed"] = a.varlen_seed;
+    j["packed_ms"] = packed_ms, j["padded_ms"] = padded_ms, j["useful_flops"] = useful;
+    j["packed_gflops"] = packed_gf, j["padded_gflops"] = padded_gf, j["speedup"] = padded_ms / packed_ms;
+    j["padded_work_ratio"] = padded_work / useful;
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf(
+      "varlen attention core: %lld sequences, lengths %lld…%lld (seed %llu), %lld tokens (padded: %lld), "
+      "h=%lld kv=%lld d=%lld causal=%s threads=%d\n",
+      static_cast<long long>(B), static_cast<long long>(a.varlen_min), static_cast<long long>(T),
+      static_cast<unsigned long long>(a.varlen_seed), static_cast<long long>(total), static_cast<long long>(B * T),
+      static_cast<long long>(H), static_cast<long long>(KV), static_cast<long long>(D), yes_no(c.causal), threads);
+  std::printf("  packed (sdpa_varlen)    %.1f ms, %.1f GFLOP/s of useful work\n", packed_ms, packed_gf);
+  std::printf("  padded to %lld (sdpa)  %.1f ms, %.1f GFLOP/s of useful work\n", static_cast<long long>(T), padded_ms,
+              padded_gf);
+  std::printf("  packed / padded         %.2fx faster (the padded batch holds %.2fx the useful work)\n",
+              padded_ms / packed_ms, padded_work / useful);
+}
+
 void run_bench(BenchArgs a) {
   bench::BenchConfig& c = a.config;
   if (a.dtype != "f32" && a.dtype != "bf16") fail("bench: --dtype must be f32 or bf16, got '", a.dtype, "'");
@@ -60,6 +169,7 @@ void run_bench(BenchArgs a) {
     if (c.embed_dim == 0) fail("bench: --embed-dim is required");
     if (c.heads == 0) fail("bench: --heads is required");
   }
+  if (a.varlen) return run_varlen(a);
   if (a.decode) return run_decode(a);
   if (!a.parallel.empty()) {
 #ifdef MHA_HAVE_DIST
@@ -245,6 +355,12 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_flag("--decode", a->decode,
                 "time decoding one token per sequence against a KV cache of --seq positions (h, kv-heads, d = E/h); "
                 "reports K/V GB/s next to a STREAM triad measured in the same run (mha bench-decode sweeps contexts)");
+  cmd->add_flag("--varlen", a->varlen,
+                "packed variable-length batch: the attention core on --varlen-seqs sequences with lengths drawn from "
+                "[--varlen-min, --seq], packed (sdpa_varlen) vs padded to --seq (sdpa + key padding); use -r 1");
+  cmd->add_option("--varlen-seqs", a->varlen_seqs, "sequences in the --varlen batch (default 64)");
+  cmd->add_option("--varlen-min", a->varlen_min, "shortest --varlen sequence (default 16)");
+  cmd->add_option("--varlen-seed", a->varlen_seed, "seed of the --varlen lengths and data (default 1)");
   cmd->add_flag("--json", a->json, "one JSON object on stdout");
   cmd->add_option("--parallel", a->parallel,
                   "under mpirun: ring (context parallel; zigzag when --causal), ulysses (all-to-all), heads "

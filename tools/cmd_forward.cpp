@@ -66,7 +66,11 @@ static void add_forward_command(CLI::App& app) {
       "The configuration comes from the weights file's __metadata__ (embed_dim, num_heads, num_kv_heads, kdim, "
       "vdim, bias, add_bias_kv, add_zero_attn, batch_first, need_weights, average_attn_weights, is_causal); "
       "weights under PyTorch or Hugging Face names. Inputs: query, key, value, and optional attn_mask (BOOL: true "
-      "= may NOT attend, PyTorch's convention; F32: added) and key_padding_mask (BOOL: true = padding; F32: added).");
+      "= may NOT attend, PyTorch's convention; F32: added) and key_padding_mask (BOOL: true = padding; F32: added).\n"
+      "Packed variable-length batch: 2-D query (total_q, E) / key / value (total_k, ·) with I32 or I64 offset "
+      "tensors cu_seqlens_q and cu_seqlens_k (B + 1 each; k defaults to q), optional inputs metadata "
+      "max_seqlen_q / max_seqlen_k; weights metadata causal_align = top_left (default) or bottom_right "
+      "aligns is_causal per sequence.");
   cmd->add_option("--weights", args->weights, "safetensors file with the weights and the configuration metadata")
       ->required();
   cmd->add_option("--inputs", args->inputs, "safetensors file with query, key, value and optional masks")->required();

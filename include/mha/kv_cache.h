@@ -8,6 +8,14 @@
 // Ring mode (sliding-window attention): the cache holds the last `capacity` positions of each
 // sequence; position p lives in slot p mod capacity. Lengths stay absolute, so rotary embeddings
 // and causal / window masks use true positions however long the sequence grows.
+//
+// Ring mode with attention sinks (StreamingLLM, Xiao et al. 2023): `sinks` > 0 keeps positions
+// 0 … sinks − 1 for good in slots 0 … sinks − 1, and the ring of the other capacity − sinks slots
+// holds the most recent positions. Attention sees the sinks from every query, whatever the window,
+// plus the window of recent positions. Positions are NOT re-indexed within the cache (the paper
+// does that, caching keys before rotation): keys are rotated once, at their original absolute
+// positions, as everywhere else in mha, so a sink cache gives exactly the attention of the full
+// sequence under the mask "key p visible to query q iff p ≤ q and (p < sinks or p > q − window)".
 #pragma once
 
 #include <cstdint>
@@ -29,6 +37,7 @@ struct KvCacheConfig {
   int64_t capacity = 0;   ///< positions held per sequence (ring mode: the window it can serve)
   CacheDtype dtype = CacheDtype::F32;
   bool ring = false;  ///< keep the last `capacity` positions instead of failing when full
+  int64_t sinks = 0;  ///< ring only: positions [0, sinks) are never evicted (StreamingLLM); < capacity
 
   int64_t v_dim() const { return value_dim > 0 ? value_dim : head_dim; }
 };
@@ -56,10 +65,13 @@ class KvCache {
 
   /// Absolute length of sequence b: positions 0 … length − 1 were appended; the next is `length`.
   int64_t length(int64_t b) const;
-  /// First position still held (0 unless a ring has wrapped).
+  /// First position still held (0 unless a ring has wrapped); with sinks, the first held position
+  /// after them (positions [0, sinks) are held too).
   int64_t first(int64_t b) const;
-  /// Positions held: length − first.
-  int64_t stored(int64_t b) const { return length(b) - first(b); }
+  /// Positions held: length − first, plus the sinks once a ring with sinks has evicted any.
+  int64_t stored(int64_t b) const;
+  /// Whether position p of sequence b is held.
+  bool holds(int64_t b, int64_t p) const;
   /// Positions sequence b can still take before append fails (ring: unlimited → INT64_MAX).
   int64_t remaining(int64_t b) const;
 
@@ -73,8 +85,13 @@ class KvCache {
   void reset();           ///< every sequence back to length 0 (storage kept)
   void reset(int64_t b);  ///< one sequence back to length 0
 
-  /// Slot of absolute position p (ring: p mod capacity).
-  int64_t slot(int64_t p) const { return config_.ring ? p % config_.capacity : p; }
+  /// Slot of absolute position p (ring: p mod capacity; with sinks, sinks + (p − sinks) mod
+  /// (capacity − sinks) for p ≥ sinks).
+  int64_t slot(int64_t p) const {
+    if (!config_.ring) return p;
+    const int64_t s = config_.sinks;
+    return p < s ? p : s + (p - s) % (config_.capacity - s);
+  }
   /// Raw storage, (batch, kv_heads, capacity, d) row-major; float* or bf16* by dtype().
   const void* k_data() const;
   const void* v_data() const;

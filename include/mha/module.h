@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -102,6 +103,12 @@ struct MhaForwardOptions {
   uint64_t dropout_seed = 0;
   Backend backend = Backend::Auto;
   int threads = 0;
+  /// A packed batch of variable-length sequences (mha/sdpa.h, sdpa_varlen): query (total_q, E),
+  /// key (total_k, kdim) and value (total_k, vdim) are 2-D, sequence s owning rows
+  /// [cu_seqlens_q[s], cu_seqlens_q[s+1]) of query and likewise of key/value; no token attends
+  /// another sequence, `causal` is aligned per sequence, RoPE positions restart at 0 in each.
+  /// Not with attn_mask, key_padding_mask, weights, add_bias_kv / add_zero_attn or dropout.
+  std::optional<VarlenBatch> packed;
 };
 
 struct IncrementalOptions {

@@ -19,8 +19,11 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "mha/masks.h"
 #include "mha/tensor.h"
@@ -76,6 +79,75 @@ struct SdpaResult {
 enum class Want : uint8_t { Output = 0, Weights = 1, Lse = 2, WeightsAndLse = 3 };
 SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOptions& opt = {},
                 Want want = Want::Output);
+
+// ---- packed variable-length sequences (FlashAttention's varlen, xFormers' BlockDiagonalMask) ----
+//
+// A batch of B sequences of different lengths stored back to back, with no padding: Q as
+// (total_q, h, d), K as (total_k, kv, d), V as (total_k, kv, d_v), out as (total_q, h, d_v).
+// Sequence s owns query rows [cu_seqlens_q[s], cu_seqlens_q[s+1]) and key rows
+// [cu_seqlens_k[s], cu_seqlens_k[s+1]); no query attends a key of another sequence, and
+// opt.masks.causal (with its window) is aligned per sequence: top-left, bottom-right (offset
+// T_k,s − T_q,s) or an explicit offset, for each sequence's own lengths. Work is Σ_s T_q,s·T_k,s
+// (nothing padded is stored or computed); the fused kernel deals (sequence, kv-head, block of
+// queries) items longest first to the threads, and the result does not depend on the thread count.
+// Only causal masking is available here (the other masks index a padded (B, T) layout), and no
+// dropout or attention weights.
+
+/// Cumulative sequence offsets of a packed batch: B + 1 values, non-decreasing, from 0 to the
+/// total number of rows (a zero-length sequence repeats a value). From int32 or int64 values.
+class SeqOffsets {
+ public:
+  SeqOffsets() = default;
+  SeqOffsets(std::span<const int64_t> offsets) : v_(offsets.begin(), offsets.end()) {}     // NOLINT: implicit
+  SeqOffsets(std::span<const int32_t> offsets) : v_(offsets.begin(), offsets.end()) {}     // NOLINT: implicit
+  SeqOffsets(std::initializer_list<int64_t> offsets) : v_(offsets) {}                      // NOLINT: implicit
+  SeqOffsets(const std::vector<int64_t>& offsets) : v_(offsets) {}                         // NOLINT: implicit
+  SeqOffsets(const std::vector<int32_t>& offsets) : v_(offsets.begin(), offsets.end()) {}  // NOLINT: implicit
+
+  const std::vector<int64_t>& values() const { return v_; }
+  int64_t seqs() const { return v_.empty() ? 0 : static_cast<int64_t>(v_.size()) - 1; }
+  /// Length of sequence s (offsets assumed checked).
+  int64_t length(int64_t s) const { return v_[static_cast<size_t>(s + 1)] - v_[static_cast<size_t>(s)]; }
+
+ private:
+  std::vector<int64_t> v_;
+};
+
+/// Where the sequences of a packed batch lie. max_seqlen_q / _k, when > 0, are checked as upper
+/// bounds of every sequence's length (FlashAttention takes them for its grid; here they guard
+/// against offsets that do not match what the caller meant); 0 = not checked.
+struct VarlenBatch {
+  SeqOffsets cu_seqlens_q;
+  SeqOffsets cu_seqlens_k;  ///< same number of sequences as cu_seqlens_q
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_k = 0;
+
+  int64_t seqs() const { return cu_seqlens_q.seqs(); }
+};
+
+/// A packed (total, heads, d) row-major array as the (1, heads, total, d) view the packed entry
+/// points take: strides (total·heads·d, d, heads·d, 1). No copy.
+template <class T>
+View4<T> packed_view(T* data, int64_t total, int64_t heads, int64_t d) {
+  return {data, {1, heads, total, d}, {total * heads * d, d, heads * d, 1}};
+}
+
+/// Checks a packed batch's offsets against the totals; throws mha::Error naming what is wrong
+/// (offsets not starting at 0, decreasing, last ≠ total, a length over its max, counts differing).
+void check_varlen(const char* fn, const VarlenBatch& seqs, int64_t total_q, int64_t total_k);
+
+/// Attention over a packed batch. q (1, h, total_q, d), k (1, kv, total_k, d), v (1, kv, total_k,
+/// d_v) and outputs.out (1, h, total_q, d_v), outputs.lse (1, h, total_q, 1) are views of packed
+/// arrays (packed_view(), or any strides); outputs.weights must be empty.
+void sdpa_varlen(View4<const float> q, View4<const float> k, View4<const float> v, const VarlenBatch& seqs,
+                 const SdpaOptions& opt, const SdpaOutputs& outputs);
+void sdpa_varlen(View4<const bf16> q, View4<const bf16> k, View4<const bf16> v, const VarlenBatch& seqs,
+                 const SdpaOptions& opt, const SdpaOutputs& outputs);
+
+/// Owning form: q (total_q, h, d), k (total_k, kv, d), v (total_k, kv, d_v) tensors; out
+/// (total_q, h, d_v) and, with Want::Lse, lse (total_q, h). Want::Weights is refused.
+SdpaResult sdpa_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const VarlenBatch& seqs,
+                       const SdpaOptions& opt = {}, Want want = Want::Output);
 
 /// Which backend `Auto` would pick for this request, and why (for --verbose and diagnostics).
 std::string sdpa_dispatch_reason(View4<const float> q, View4<const float> k, View4<const float> v,

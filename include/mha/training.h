@@ -50,6 +50,18 @@ struct SdpaGradTensors {
 SdpaGradTensors sdpa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& d_out,
                               const Tensor& lse, const SdpaOptions& opt = {});
 
+/// Gradients of sdpa_varlen() (mha/sdpa.h): the same packed views and offsets as the forward,
+/// out / d_out (1, h, total_q, d_v), lse (1, h, total_q, 1) and grads dq (1, h, total_q, d),
+/// dk (1, kv, total_k, d), dv (1, kv, total_k, d_v), all views of packed arrays.
+void sdpa_backward_varlen(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
+                          View4<const float> d_out, View4<const float> lse, const VarlenBatch& seqs,
+                          const SdpaOptions& opt, const SdpaGrads& grads);
+/// Owning form on packed tensors: q (total_q, h, d), k/v (total_k, kv, ·), out and d_out
+/// (total_q, h, d_v), lse (total_q, h) as sdpa_varlen(…, Want::Lse) returns it.
+SdpaGradTensors sdpa_backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                     const Tensor& d_out, const Tensor& lse, const VarlenBatch& seqs,
+                                     const SdpaOptions& opt = {});
+
 // ---- the multi-head module -----------------------------------------------------------------------
 
 /// What forward_train saves for backward. Move-only: its views point into its own storage.
@@ -77,7 +89,8 @@ struct MhaContext {
   Tensor lse;                     ///< (B, h, T_q): log-sum-exp of each score row (−inf when fully masked)
   BoolTensor allowed, key_padding;  ///< masks widened to S key positions (empty when absent)
   Tensor additive, key_bias;
-  SdpaOptions sdpa_options;  ///< scale, masks (views into the tensors above), dropout seed, backend, threads
+  std::optional<VarlenBatch> packed;  ///< the packed batch's offsets, when the input was packed
+  SdpaOptions sdpa_options;           ///< scale, masks (views into the tensors above), dropout seed, backend, threads
 };
 
 struct MhaTrainOutput {

@@ -253,6 +253,52 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] 
     return tuple(result)
 
 
+def _offsets(name: str, x: Any, fn: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise TypeError(f"{fn}: {name} must be a 1-D integer array of B + 1 offsets, got dtype {a.dtype}, "
+                        f"shape {a.shape}")
+    return a.astype(np.int64)
+
+
+def sdpa_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, *,
+                max_seqlen_q: int = 0, max_seqlen_k: int = 0, scale: Optional[float] = None,
+                causal: Optional[Causal] = None, window: int = 0, return_lse: bool = False,
+                threads: Optional[int] = None, dtype: str = "f32") -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+    """Attention over a packed batch of variable-length sequences (FlashAttention's varlen).
+
+    Args:
+        q: (total_q, h, d), k: (total_k, kv, d), v: (total_k, kv, d_v): the sequences back to back,
+            no padding. Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key rows
+            ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; no token attends another sequence.
+        cu_seqlens_q, cu_seqlens_k: B + 1 non-decreasing offsets from 0 to the totals (int32 or int64).
+        max_seqlen_q, max_seqlen_k: when > 0, checked as upper bounds of every length.
+        causal: ``mha.Causal.top_left()`` / ``.bottom_right()`` / ``.offset(n)``, aligned per sequence.
+        window, scale, threads, dtype: as :func:`sdpa`. Only causal masking; no dropout, no weights.
+
+    Returns:
+        ``out`` (total_q, h, d_v), or ``(out, lse)`` with lse (total_q, h) when ``return_lse``.
+        float32 inputs are read in place (no copy) when their strides allow it.
+    """
+    fn = "sdpa_varlen"
+    if dtype not in ("f32", "bf16"):
+        raise ValueError(f"{fn}: dtype must be 'f32' or 'bf16', got {dtype!r}")
+    arrays = []
+    for n, x in (("q", q), ("k", k), ("v", v)):
+        a = _float_array(n, x, fn)
+        if a.ndim != 3:
+            raise ValueError(f"{fn}: {n} must be 3-D (total, heads, d), got shape {a.shape}")
+        if dtype == "bf16":
+            a = _bf16(a)
+        arrays.append(_in_place(a[None].transpose(0, 2, 1, 3)))  # (1, heads, total, d), a view
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, fn)
+    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, fn)
+    args = _args(fn, scale, None, None, None, None, causal, window, 0.0, 0, threads)
+    out, lse = _core.sdpa_varlen(arrays[0], arrays[1], arrays[2], cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k),
+                                 args, bool(return_lse), dtype == "bf16")
+    return (out, lse) if return_lse else out
+
+
 def sdpa_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, d_out: np.ndarray,
                   lse: np.ndarray, *, scale: Optional[float] = None,
                   attn_mask: Union[None, Allowed, Additive, np.ndarray] = None, allowed: Optional[np.ndarray] = None,

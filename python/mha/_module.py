@@ -85,13 +85,15 @@ class KvCache:
     """A key/value cache for one attention layer (see :meth:`MultiheadAttention.new_cache`).
 
     Preallocated (batch, kv_heads, capacity, d) in float32 or bfloat16; each sequence has its own
-    length. ``ring=True`` keeps the last ``capacity`` positions (sliding-window decoding).
+    length. ``ring=True`` keeps the last ``capacity`` positions (sliding-window decoding);
+    ``sinks=n`` (with ``ring``) also keeps positions 0 … n−1 for good, visible to every query
+    whatever the window (StreamingLLM attention sinks; keys keep their original RoPE positions).
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *, value_dim: int = 0,
-                 dtype: str = "f32", ring: bool = False):
+                 dtype: str = "f32", ring: bool = False, sinks: int = 0):
         self._c = _core.KvCache(int(batch), int(kv_heads), int(head_dim), int(value_dim), int(capacity), dtype,
-                                bool(ring))
+                                bool(ring), int(sinks))
 
     def length(self, b: int = 0) -> int:
         """Absolute length of sequence ``b`` (the position of its next token)."""
@@ -266,10 +268,12 @@ class MultiheadAttention:
     __call__ = forward
 
     # ---- decoding with a KV cache -------------------------------------------------------------
-    def new_cache(self, batch: int, capacity: int, *, dtype: str = "f32", ring: bool = False) -> KvCache:
-        """A KV cache sized for this module: ``batch`` sequences of up to ``capacity`` positions."""
+    def new_cache(self, batch: int, capacity: int, *, dtype: str = "f32", ring: bool = False,
+                  sinks: int = 0) -> KvCache:
+        """A KV cache sized for this module: ``batch`` sequences of up to ``capacity`` positions
+        (``sinks``: see :class:`KvCache`)."""
         c = self.config
-        return KvCache(batch, c["num_kv_heads"], c["head_dim"], capacity, dtype=dtype, ring=ring)
+        return KvCache(batch, c["num_kv_heads"], c["head_dim"], capacity, dtype=dtype, ring=ring, sinks=sinks)
 
     def forward_incremental(self, query: Any, key: Any, value: Any, cache: KvCache, *,
                             new_lengths: Optional[Sequence[int]] = None, window: int = 0,

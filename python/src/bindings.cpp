@@ -183,6 +183,43 @@ py::tuple py_sdpa_backward(const py::array& q, const py::array& k, const py::arr
   return py::make_tuple(dq, dk, dv);
 }
 
+// ---- packed variable-length sequences ---------------------------------------------------------
+
+/// q/k/v as (1, heads, total, d) strided views of (total, heads, d) arrays (the Python side
+/// transposes without copying); out (total, h, d_v) and lse (total, h) allocated here.
+py::tuple py_sdpa_varlen(const py::array& q, const py::array& k, const py::array& v,
+                         const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& cu_q,
+                         const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& cu_k, int64_t max_q,
+                         int64_t max_k, const SdpaArgs& args, bool want_lse, bool bf16_inputs) {
+  const mha::SdpaOptions opt = make_options(args);
+  mha::VarlenBatch seqs;
+  seqs.cu_seqlens_q = std::vector<int64_t>(cu_q.data(), cu_q.data() + cu_q.size());
+  seqs.cu_seqlens_k = std::vector<int64_t>(cu_k.data(), cu_k.data() + cu_k.size());
+  seqs.max_seqlen_q = max_q, seqs.max_seqlen_k = max_k;
+  const int64_t total = q.shape(2), h = q.shape(1), dv = v.shape(3);
+  py::array_t<float> out({total, h, dv});
+  py::object lse = py::none();
+  mha::SdpaOutputs outs;
+  outs.out = mha::packed_view(out.mutable_data(), total, h, dv);
+  if (want_lse) {
+    py::array_t<float> l({total, h});
+    outs.lse = mha::packed_view(l.mutable_data(), total, h, int64_t{1});
+    lse = l;
+  }
+  if (bf16_inputs) {
+    const auto qv = view_of<const mha::bf16>(q, "sdpa_varlen: q"), kv = view_of<const mha::bf16>(k, "sdpa_varlen: k"),
+               vv = view_of<const mha::bf16>(v, "sdpa_varlen: v");
+    py::gil_scoped_release release;
+    mha::sdpa_varlen(qv, kv, vv, seqs, opt, outs);
+  } else {
+    const auto qv = view_of<const float>(q, "sdpa_varlen: q"), kv = view_of<const float>(k, "sdpa_varlen: k"),
+               vv = view_of<const float>(v, "sdpa_varlen: v");
+    py::gil_scoped_release release;
+    mha::sdpa_varlen(qv, kv, vv, seqs, opt, outs);
+  }
+  return py::make_tuple(out, lse);
+}
+
 // ---- the module ---------------------------------------------------------------------------------
 
 using F32In = py::array_t<float, py::array::c_style | py::array::forcecast>;
@@ -356,6 +393,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("threads", &SdpaArgs::threads);
   m.def("sdpa", &py_sdpa);
   m.def("sdpa_backward", &py_sdpa_backward);
+  m.def("sdpa_varlen", &py_sdpa_varlen);
 
   m.def("to_bf16_bits", [](const F32In& a) {
     py::array_t<uint16_t> out(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
@@ -383,7 +421,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<mha::KvCache>(m, "KvCache")
       .def(py::init([](int64_t batch, int64_t kv_heads, int64_t head_dim, int64_t value_dim, int64_t capacity,
-                       const std::string& dtype, bool ring) {
+                       const std::string& dtype, bool ring, int64_t sinks) {
         mha::KvCacheConfig c;
         c.batch = batch;
         c.kv_heads = kv_heads;
@@ -395,6 +433,7 @@ PYBIND11_MODULE(_core, m) {
         else if (dtype != "f32")
           mha::fail("KvCache: dtype must be 'f32' or 'bf16', got '", dtype, "'");
         c.ring = ring;
+        c.sinks = sinks;
         return mha::KvCache(c);
       }))
       .def("length", &mha::KvCache::length)

@@ -34,6 +34,17 @@ struct InputView {
   }
 };
 
+/// A packed batch of variable-length sequences (FlashAttention's varlen): when defined, q/k/v/out/lse
+/// are packed (total, heads, ·) arrays viewed as (1, heads, total, ·), and sequence s owns query rows
+/// [cu_q[s], cu_q[s+1]) and key rows [cu_k[s], cu_k[s+1]); no row attends across sequences and the
+/// causal rule is aligned per sequence. The public layer has checked the offsets (kernels/varlen.h).
+struct Varlen {
+  const int64_t* cu_q = nullptr;  // (seqs + 1), non-decreasing, cu_q[0] = 0, cu_q[seqs] = total_q
+  const int64_t* cu_k = nullptr;  // (seqs + 1), likewise for keys
+  int64_t seqs = 0;
+  bool defined() const { return cu_q != nullptr; }
+};
+
 struct SdpaParams {
   DType dtype = DType::F32;  // of q, k and v (outputs, masks and the softmax are float32)
   InputView q;               // (B, h, T_q, d)
@@ -47,6 +58,7 @@ struct SdpaParams {
   View4<float> lse;          // (B, h, T_q, 1), optional
   View4<float> weights_avg;  // (B, 1, T_q, T_k), optional: weights averaged over the h heads
   int threads = 1;
+  Varlen varlen;  // packed sequences; when defined the masks are only causal (no dropout, no weights)
 
   int64_t batch() const { return q.shape[0]; }
   int64_t heads() const { return q.shape[1]; }

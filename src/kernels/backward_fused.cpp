@@ -46,6 +46,7 @@
 #include "kernels/entry_checks.h"
 #include "kernels/gemm.h"
 #include "kernels/masking.h"
+#include "kernels/varlen.h"
 
 #ifndef MHA_BACKWARD_FUSED_ONCE
 #define MHA_BACKWARD_FUSED_ONCE
@@ -423,6 +424,14 @@ size_t fused_backward_workspace_floats(const SdpaBackwardParams& p) { return bwd
 void sdpa_backward_fused(const SdpaBackwardParams& p, float* workspace) {
   assert_sdpa_backward_params(p);
   MHA_DASSERT(workspace != nullptr);
+  if (p.fwd.varlen.defined()) {
+    // A packed batch: one sequence after another, each with every thread (its items are its own
+    // key blocks). The whole request's workspace covers any one sequence's: D has a row for
+    // every packed query and the per-thread scratch depends on d and d_v only.
+    const auto fn = HWY_DYNAMIC_DISPATCH(bwd::backward_f32);
+    for (int64_t s = 0; s < p.fwd.varlen.seqs; ++s) fn(sequence_params(p, s), workspace);
+    return;
+  }
   HWY_DYNAMIC_DISPATCH(bwd::backward_f32)(p, workspace);
 }
 

@@ -16,6 +16,7 @@
 #include "kernels/common.h"
 #include "kernels/dropout_rng.h"
 #include "kernels/entry_checks.h"
+#include "kernels/varlen.h"
 
 namespace mha::kernels {
 
@@ -29,6 +30,10 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
   assert_sdpa_inputs(f);
   MHA_DASSERT(has_data(f.q) && has_data(f.k) && has_data(f.v) && has_data(p.dout));
   MHA_DASSERT(has_data(p.dq) && has_data(p.dk) && has_data(p.dv));
+  if (f.varlen.defined()) {  // a packed batch: each sequence on its own (kernels/varlen.h)
+    for (int64_t s = 0; s < f.varlen.seqs; ++s) sdpa_backward_reference(sequence_params(p, s), workspace);
+    return;
+  }
   const View4<const float> q = f.q.as<float>(), k = f.k.as<float>(), v = f.v.as<float>();  // float32 only
   const int64_t B = f.batch(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d(), Dv = f.d_v();
   const int64_t group = f.group();

@@ -2,6 +2,9 @@
 //
 // Shapes: Q (B, h, T_q, d); cache K (B, kv, capacity, d), V (B, kv, capacity, d_v), float32 or
 // bf16, position p in slot p (or p mod capacity in a ring); out (B, h, T_q, d_v); lse (B, h, T_q, 1).
+// Paged: K (blocks, kv, block_size, d), V (blocks, kv, block_size, d_v) pools and a block table per
+// sequence; position p in row p mod block_size of block table[p / block_size]. Only the address of
+// a key's row changes: the kernel already gathers a block's rows through per-key pointers.
 //
 // Blocking and memory traffic. Decoding is bound by reading the cache, not by arithmetic (one
 // multiply-add per cached element per query row). So a work item is (batch b, K/V head g, tile of
@@ -71,7 +74,8 @@ inline Plan make_plan(const DecodeParams& p) {
   pl.tq_tile = std::max<int64_t>(1, std::min<int64_t>(p.t_q(), kRowsPerTile / pl.group));
   pl.q_tiles = p.t_q() == 0 ? 0 : (p.t_q() + pl.tq_tile - 1) / pl.tq_tile;
   pl.rows_max = pl.group * pl.tq_tile;
-  pl.splits = std::max(1, p.splits);
+  // With attention sinks, part 0 of every tile is the sink positions; the splits follow.
+  pl.splits = std::max(1, p.splits) + (p.sinks > 0 ? 1 : 0);
   pl.items = p.batch() * p.kv_heads * pl.q_tiles * pl.splits;
   return pl;
 }
@@ -87,6 +91,7 @@ inline WorkspacePlan workspace_plan(const DecodeParams& p, const Plan& pl) {
 /// One work item's coordinates.
 struct Item {
   int64_t b, g, t0, tq, lo, hi;  // query rows t0 … t0+tq−1; positions [lo, hi)
+  bool sink = false;             // the attention sinks' part: no window applies
 };
 inline Item item_at(const DecodeParams& p, const Plan& pl, int64_t index) {
   Item it;
@@ -98,14 +103,21 @@ inline Item item_at(const DecodeParams& p, const Plan& pl, int64_t index) {
   it.b = rest / p.kv_heads;
   it.t0 = qt * pl.tq_tile;
   it.tq = std::min(pl.tq_tile, p.t_q() - it.t0);
+  const int64_t end = p.key_end[it.b], first = std::min(end, std::max(p.key_first[it.b], p.sinks));
+  const int64_t q_lo = p.q_start[it.b] + it.t0;
+  const int64_t sink_parts = p.sinks > 0 ? 1 : 0;
+  if (s < sink_parts) {  // the sinks: seen by every later query, whatever the window
+    it.sink = true;
+    const KeyRange seen = CausalRule::positions(0).visible_keys(q_lo, q_lo + it.tq, 0, std::min(p.sinks, end));
+    it.lo = seen.lo, it.hi = seen.hi;
+    return it;
+  }
   // Split s of the held positions, in whole blocks, from the sequence's own range only.
-  const int64_t first = p.key_first[it.b], end = p.key_end[it.b];
-  const int64_t n = end - first;
-  const int64_t chunk = ((n + pl.splits - 1) / pl.splits + kBlock - 1) / kBlock * kBlock;
-  it.lo = std::min(end, first + s * chunk);
+  const int64_t n = end - first, parts = pl.splits - sink_parts;
+  const int64_t chunk = ((n + parts - 1) / parts + kBlock - 1) / kBlock * kBlock;
+  it.lo = std::min(end, first + (s - sink_parts) * chunk);
   it.hi = std::min(end, it.lo + chunk);
   // Positions no row of this tile can see are skipped (causal and window).
-  const int64_t q_lo = p.q_start[it.b] + it.t0;
   const KeyRange seen = CausalRule::positions(p.window).visible_keys(q_lo, q_lo + it.tq, it.lo, it.hi);
   it.lo = seen.lo, it.hi = seen.hi;
   return it;
@@ -266,7 +278,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   float* corr = sc + pl.rows_max * kBlock;          // (rows): e^{m_old − m_new} of the current block
   const int64_t q_first = p.q_start[it.b] + it.t0;  // position of the tile's first query
   const int64_t q_last = q_first + it.tq - 1;
-  const CausalRule causal = CausalRule::positions(p.window);
+  const CausalRule causal = CausalRule::positions(it.sink ? 0 : p.window);
   // Row r = hh·tq + t: query head g·G + hh, query t0 + t.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t hh = r / it.tq, t = r % it.tq;
@@ -277,25 +289,33 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   }
   std::fill(acc, acc + rows * d_v, 0.0f);
 
-  const T* kbase = static_cast<const T*>(p.k) + (it.b * p.kv_heads + it.g) * p.capacity * d;
-  const T* vbase = static_cast<const T*>(p.v) + (it.b * p.kv_heads + it.g) * p.capacity * d_v;
+  const T* const kpool = static_cast<const T*>(p.k);
+  const T* const vpool = static_cast<const T*>(p.v);
+  // The row (of d or d_v elements) that holds position pos of this item's sequence and K/V head.
+  const int32_t* const table = p.block_table ? p.block_table + it.b * p.table_stride : nullptr;
+  const auto row_of = [&](int64_t pos) -> int64_t {
+    if (table) return (table[pos / p.block_size] * p.kv_heads + it.g) * p.block_size + pos % p.block_size;
+    int64_t slot = pos;  // a ring (with sinks: the slots after them) holds the latest positions
+    if (p.ring) slot = pos < p.sinks ? pos : p.sinks + (pos - p.sinks) % (p.capacity - p.sinks);
+    return (it.b * p.kv_heads + it.g) * p.capacity + slot;
+  };
   const T* keys[kBlock];
   const T* vals[kBlock];
   const auto neg_inf = hn::Set(df, kNegInf);
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
     const int64_t nb = std::min(kBlock, it.hi - p0);
     for (int64_t j = 0; j < nb; ++j) {
-      const int64_t slot = p.ring ? (p0 + j) % p.capacity : p0 + j;
-      keys[j] = kbase + slot * d;
-      vals[j] = vbase + slot * d_v;
+      const int64_t row = row_of(p0 + j);
+      keys[j] = kpool + row * d;
+      vals[j] = vpool + row * d_v;
     }
     constexpr int64_t far_blocks = kFarBlocks<T>;
     if constexpr (far_blocks > 0) {  // far prefetch into L2 (see kNearRows)
       const int64_t pf = p0 + far_blocks * kBlock;
       for (int64_t j = 0; j < kBlock && pf + j < it.hi; ++j) {
-        const int64_t slot = p.ring ? (pf + j) % p.capacity : pf + j;
-        prefetch_bytes<2>(kbase + slot * d, 0, row_bytes<T>(d));
-        prefetch_bytes<2>(vbase + slot * d_v, 0, row_bytes<T>(d_v));
+        const int64_t row = row_of(pf + j);
+        prefetch_bytes<2>(kpool + row * d, 0, row_bytes<T>(d));
+        prefetch_bytes<2>(vpool + row * d_v, 0, row_bytes<T>(d_v));
       }
     }
     int64_t r = 0;

@@ -29,11 +29,20 @@ struct DecodeParams {
   const void* v = nullptr;  // (B, kv, capacity, d_v)
   DType dtype = DType::F32;
   int64_t kv_heads = 0, capacity = 0, d_v = 0;
-  bool ring = false;                   // position p lives in slot p mod capacity (else slot p)
+  bool ring = false;  // position p lives in slot p mod capacity (else slot p); with sinks, p < sinks in
+                      // slot p and later ones in slot sinks + (p − sinks) mod (capacity − sinks)
+  // Paged (vLLM's PagedAttention), when block_table is set: k and v are pools (blocks, kv,
+  // block_size, d | d_v), and position p of sequence b lives in row p mod block_size of block
+  // block_table[b · table_stride + p / block_size]. ring and capacity are then unused.
+  const int32_t* block_table = nullptr;
+  int64_t table_stride = 0, block_size = 0;
   const int64_t* key_first = nullptr;  // (B) first position held
   const int64_t* key_end = nullptr;    // (B) one past the last position held
   const int64_t* q_start = nullptr;    // (B) absolute position of query row 0
   int64_t window = 0;                  // 0 = unlimited
+  // StreamingLLM attention sinks: positions [0, sinks) are held (besides [key_first, key_end),
+  // which then starts at or after `sinks`) and visible to every later query whatever the window.
+  int64_t sinks = 0;
   float scale = 1.0f;
   int splits = 1;  // ≥ 1, independent of threads
   int threads = 1;

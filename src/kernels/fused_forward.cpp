@@ -18,7 +18,10 @@
 // nothing of size T_q × T_k exists. Causal masks limit each item to the keys that some row of
 // the block can see (≈ half the blocks skipped); only blocks that straddle the diagonal or the
 // window edge, or any block when a per-element mask is given, are masked element by element with
-// key_hidden(), the rule the reference uses. Padded keys (and keys whose key_bias is −inf) are
+// key_hidden(), the rule the reference uses. A packed variable-length batch (SdpaParams::varlen)
+// has items (sequence, kv-head, query block) over the sequences' own rows, costed by the query
+// rows times the keys they may see and taken longest first (run_varlen): work is Σ T_q·T_k over
+// the sequences, never the padded B·max². Padded keys (and keys whose key_bias is −inf) are
 // packed as zeros without reading K or V, and their scores are −inf.
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
@@ -38,6 +41,7 @@
 #include "kernels/entry_checks.h"
 #include "kernels/fused_forward.h"
 #include "kernels/masking.h"
+#include "kernels/varlen.h"
 
 #ifndef MHA_FUSED_FORWARD_ONCE
 #define MHA_FUSED_FORWARD_ONCE
@@ -78,8 +82,26 @@ inline ScratchPlan scratch_plan(const SdpaParams& p) {
   return L;
 }
 
-/// The whole workspace: one ScratchPlan per thread.
-inline WorkspacePlan workspace_plan(const SdpaParams& p) { return {0, scratch_plan(p).total, std::max(1, p.threads)}; }
+/// One work item of a packed variable-length batch: query block qb of K/V head g of sequence s,
+/// with its cost (query rows × keys they may see) for longest-first scheduling.
+struct VarlenItem {
+  int64_t s, g, qb, cost;
+};
+static_assert(sizeof(VarlenItem) % sizeof(float) == 0);
+
+/// Work items of a packed batch: one per (sequence, kv-head, block of kBq queries).
+inline int64_t varlen_items(const SdpaParams& p) {
+  if (!p.varlen.defined()) return 0;
+  int64_t n = 0;
+  for (int64_t s = 0; s < p.varlen.seqs; ++s) n += (p.varlen.cu_q[s + 1] - p.varlen.cu_q[s] + kBq - 1) / kBq;
+  return n * p.kv_heads();
+}
+
+/// The whole workspace: a packed batch's item list, then one ScratchPlan per thread.
+inline WorkspacePlan workspace_plan(const SdpaParams& p) {
+  const int64_t list = varlen_items(p) * static_cast<int64_t>(sizeof(VarlenItem) / sizeof(float));
+  return {list, scratch_plan(p).total, std::max(1, p.threads)};
+}
 
 /// Two bf16 values as one 32-bit word, `lo` in the low half (the first in memory).
 inline uint32_t bf16_pair(bf16 lo, bf16 hi) { return uint32_t{lo.bits} | (uint32_t{hi.bits} << 16); }
@@ -93,7 +115,9 @@ inline bool cpu_has_bf16_dot() {
 template <class T>
 struct Ctx {
   const SdpaParams* p = nullptr;
-  View4<const T> q, k, v;
+  View4<const T> q, k, v;  // of the whole request, or of one packed sequence (kernels/varlen.h)
+  View4<float> out, lse;
+  int64_t t_q = 0, t_k = 0;
   ScratchPlan L;
   CausalRule causal;
   int64_t q_blocks = 0;
@@ -441,7 +465,7 @@ void write_weights(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
 template <class T>
 void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRange keys, float l) {
   const SdpaParams& p = *cx.p;
-  const int64_t Tk = p.t_k();
+  const int64_t Tk = cx.t_k;
   if (std::isnan(l)) {
     if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN);
     if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN);
@@ -462,7 +486,7 @@ template <class T, bool kDot>
 HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, float* ws) {
   const SdpaParams& p = *cx.p;
   const ScratchPlan& L = cx.L;
-  const int64_t group = p.group(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
+  const int64_t group = p.group(), Tq = cx.t_q, Tk = cx.t_k, D = p.d(), Dv = p.d_v();
   const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kMR);
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
@@ -629,19 +653,19 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     const float* m = ws + L.m + hh * kRowsPad;
     const float* l = ws + L.l + hh * kRowsPad;
     for (int64_t r = 0; r < nq; ++r) {
-      float* dst = p.out.row(b, h, i0 + r);
-      const int64_t os = p.out.stride[3];
+      float* dst = cx.out.row(b, h, i0 + r);
+      const int64_t os = cx.out.stride[3];
       const bool empty_row = l[r] == 0.0f;
       if (cx.weights) {  // P was normalised in the second pass
         finish_weights_row(cx, b, h, i0 + r, keys, l[r]);
         const float fill = std::isnan(l[r]) ? kNaN : 0.0f;
         for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row || fill != 0.0f ? fill : oh[r * ldv + c];
-        if (p.lse.defined()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
+        if (cx.lse.defined()) cx.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
         continue;
       }
       const float inv = empty_row ? 0.0f : cx.keep_scale / l[r];
       for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row ? 0.0f : oh[r * ldv + c] * inv;
-      if (p.lse.defined()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
+      if (cx.lse.defined()) cx.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
     }
   }
 }
@@ -657,7 +681,7 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
     run_group<T, kDot>(cx, item / (cx.q_blocks * KV), (item / cx.q_blocks) % KV, qb, ws);
     return;
   }
-  const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, p.t_q() - i0), Tk = p.t_k();
+  const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, cx.t_q - i0), Tk = cx.t_k;
   const View4<float>& avg = p.weights_avg;
   for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f);
   for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
@@ -669,6 +693,65 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
   }
 }
 
+/// The context of packed sequence s: its rows of Q, K, V, out and lse (kernels/varlen.h) and
+/// the causal rule aligned to its own lengths.
+template <class T>
+Ctx<T> sequence_ctx(const Ctx<T>& whole, int64_t s) {
+  const SdpaParams& p = *whole.p;
+  const int64_t q0 = p.varlen.cu_q[s], k0 = p.varlen.cu_k[s];
+  Ctx<T> cx = whole;
+  cx.t_q = p.varlen.cu_q[s + 1] - q0;
+  cx.t_k = p.varlen.cu_k[s + 1] - k0;
+  cx.q = rows_of(whole.q, q0, cx.t_q);
+  cx.k = rows_of(whole.k, k0, cx.t_k);
+  cx.v = rows_of(whole.v, k0, cx.t_k);
+  cx.out = rows_of(whole.out, q0, cx.t_q);
+  cx.lse = rows_of(whole.lse, q0, cx.t_q);
+  cx.causal = CausalRule::of(p.masks.causal, cx.t_q, cx.t_k);
+  cx.q_blocks = (cx.t_q + kBq - 1) / kBq;
+  return cx;
+}
+
+/// A packed batch: items (sequence, kv-head, query block) over every sequence, costed by the
+/// query rows times the keys they may see, and taken longest first by whichever thread is free
+/// (dynamic schedule). Sequences of 16 and 4096 tokens thus share the threads evenly, no
+/// padding is touched, and since every output row belongs to exactly one item, which thread
+/// runs it cannot change any result.
+template <class T>
+void run_varlen(const Ctx<T>& whole, float* workspace, bool dot) {
+  const SdpaParams& p = *whole.p;
+  const int64_t KV = p.kv_heads();
+  const WorkspacePlan plan = workspace_plan(p);
+  auto* const items = reinterpret_cast<VarlenItem*>(plan.shared_part(workspace));  // 32 bytes per item
+  int64_t n = 0;
+  for (int64_t s = 0; s < p.varlen.seqs; ++s) {
+    const int64_t tq = p.varlen.cu_q[s + 1] - p.varlen.cu_q[s], tk = p.varlen.cu_k[s + 1] - p.varlen.cu_k[s];
+    const CausalRule rule = CausalRule::of(p.masks.causal, tq, tk);
+    for (int64_t qb = 0; qb * kBq < tq; ++qb) {
+      const int64_t i0 = qb * kBq, nq = std::min(kBq, tq - i0);
+      const KeyRange keys = rule.visible_keys(i0, i0 + nq, 0, tk);
+      const int64_t cost = nq * (keys.hi - keys.lo) + nq;  // + nq: a row that sees nothing still writes
+      for (int64_t g = 0; g < KV; ++g) items[n++] = {s, g, qb, cost};
+    }
+  }
+  MHA_DASSERT(n == varlen_items(p));
+  if (n == 0) return;
+  std::sort(items, items + n, [](const VarlenItem& a, const VarlenItem& b) {  // a total order: no ties
+    if (a.cost != b.cost) return a.cost > b.cost;
+    return a.s != b.s ? a.s < b.s : a.qb != b.qb ? a.qb < b.qb : a.g < b.g;
+  });
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.threads)
+  for (int64_t it = 0; it < n; ++it) {
+    float* ws = plan.thread_part(workspace, omp_get_thread_num());
+    const VarlenItem& item = items[it];
+    const Ctx<T> cx = sequence_ctx(whole, item.s);
+    if (dot)
+      run_group<T, kHaveDot && std::is_same_v<T, bf16>>(cx, 0, item.g, item.qb, ws);
+    else
+      run_group<T, false>(cx, 0, item.g, item.qb, ws);
+  }
+}
+
 template <class T>
 void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T> v, float* workspace) {
   Ctx<T> cx;
@@ -676,15 +759,20 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.q = q;
   cx.k = k;
   cx.v = v;
+  cx.out = p.out;
+  cx.lse = p.lse;
+  cx.t_q = p.t_q();
+  cx.t_k = p.t_k();
   cx.L = scratch_plan(p);
   cx.causal = CausalRule::of(p.masks.causal, p.t_q(), p.t_k());
   cx.q_blocks = (p.t_q() + kBq - 1) / kBq;
   cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
   cx.weights = p.weights.defined() || p.weights_avg.defined();
-  const int64_t items = p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * cx.q_blocks;
-  if (items == 0) return;
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
   const bool dot = kMayDot && cpu_has_bf16_dot();
+  if (p.varlen.defined()) return run_varlen(cx, workspace, dot);  // no weights with a packed batch
+  const int64_t items = p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * cx.q_blocks;
+  if (items == 0) return;
   const WorkspacePlan plan = workspace_plan(p);
   const int threads = plan.threads;
   // Chunk 1: items are dealt round-robin, which evens out the triangular causal work. Every

@@ -11,6 +11,7 @@
 #include "kernels/common.h"
 #include "kernels/dropout_rng.h"
 #include "kernels/entry_checks.h"
+#include "kernels/varlen.h"
 
 namespace mha::kernels {
 
@@ -104,6 +105,10 @@ void sdpa_reference(const SdpaParams& p, float* workspace) {
   assert_sdpa_params(p);
   MHA_DASSERT(has_data(p.q) && has_data(p.k) && has_data(p.v) && has_data(p.weights));
   MHA_DASSERT(workspace != nullptr || p.t_k() == 0);
+  if (p.varlen.defined()) {  // a packed batch: each sequence on its own (kernels/varlen.h)
+    for (int64_t s = 0; s < p.varlen.seqs; ++s) sdpa_reference(sequence_params(p, s), workspace);
+    return;
+  }
   if (p.dtype == DType::BF16)
     reference_rows<bf16>(p, p.q.as<bf16>(), p.k.as<bf16>(), p.v.as<bf16>(), workspace);
   else

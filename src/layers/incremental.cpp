@@ -41,9 +41,11 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
     fail(kInc, ": the cache is (batch ", cc.batch, ", kv_heads ", cc.kv_heads, ", d ", cc.head_dim, ", d_v ",
          cc.v_dim(), "), expected (", B, ", ", KV, ", ", d, ", ", d, ") for this module and input");
   if (options.window < 0) fail(kInc, ": window must be ≥ 0 (0 = unlimited), got ", options.window);
-  if (cache.ring() && (options.window == 0 || options.window > cache.capacity()))
-    fail(kInc, ": a ring cache of ", cache.capacity(), " positions serves a sliding window of at most ",
-         cache.capacity(), ", got window ", options.window, " (0 = unlimited)");
+  const int64_t sinks = cc.sinks, recent = cache.capacity() - sinks;
+  if (cache.ring() && (options.window == 0 || options.window > recent))
+    fail(kInc, ": a ring cache of ", cache.capacity(), " positions (", sinks,
+         " of them sinks) serves a sliding window of at most ", recent, ", got window ", options.window,
+         " (0 = unlimited)");
   const std::vector<int64_t>& lens = options.new_lengths;
   if (!lens.empty() && static_cast<int64_t>(lens.size()) != B)
     fail(kInc, ": new_lengths has ", lens.size(), " entries, expected one per sequence (", B, ")");
@@ -76,7 +78,21 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   sopt.masks.causal = Causal::top_left().with_window(options.window);
   sopt.backend = options.backend;
   sopt.threads = options.threads;
-  BoolTensor padding;
+  BoolTensor padding, sink_allowed;
+  bool sink_mask = false;  // a new token that is an attention sink and lies outside a later one's window
+  for (int64_t b = 0; b < B; ++b)
+    sink_mask = sink_mask || (sinks > 0 && start[static_cast<size_t>(b)] < sinks && T > 1);
+  if (sink_mask) {
+    // Sinks among the new tokens stay visible past the window: (B, 1, T, T), the causal and
+    // window rule with that exception (KvCache, 'attention sinks').
+    sink_allowed = BoolTensor({B, 1, T, T}, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t u = 0; u <= t; ++u)
+          sink_allowed.at({b, 0, t, u}) = start[static_cast<size_t>(b)] + u < sinks || u > t - options.window;
+    sopt.masks.allowed.view = sink_allowed.view4();
+    sopt.masks.causal = Causal::top_left();
+  }
   if (padded) {  // padded new tokens are never read (docs/semantics.md, 'Padded keys are never read')
     padding = BoolTensor({B, T}, 0);
     for (int64_t b = 0; b < B; ++b)

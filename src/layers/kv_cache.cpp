@@ -47,6 +47,9 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     k32_.resize(nk);
     v32_.resize(nv);
   }
+  if (c.sinks < 0 || (c.sinks > 0 && (!c.ring || c.sinks >= c.capacity)))
+    fail("KvCache: sinks must be ≥ 0, and with sinks the cache must be a ring with capacity > sinks; got sinks ",
+         c.sinks, ", capacity ", c.capacity, c.ring ? ", ring" : ", not a ring");
   lengths_.assign(static_cast<size_t>(c.batch), 0);
 }
 
@@ -76,7 +79,16 @@ int64_t KvCache::length(int64_t b) const {
 }
 int64_t KvCache::first(int64_t b) const {
   const int64_t len = length(b);
-  return config_.ring ? std::max<int64_t>(0, len - config_.capacity) : 0;
+  if (!config_.ring) return 0;
+  if (len <= config_.capacity) return 0;
+  return len - (config_.capacity - config_.sinks);  // ≥ sinks once anything was evicted
+}
+int64_t KvCache::stored(int64_t b) const {
+  const int64_t len = length(b);
+  return len - first(b) + (first(b) > 0 ? config_.sinks : 0);
+}
+bool KvCache::holds(int64_t b, int64_t p) const {
+  return p >= 0 && p < length(b) && (p >= first(b) || p < config_.sinks);
 }
 int64_t KvCache::remaining(int64_t b) const {
   return config_.ring ? std::numeric_limits<int64_t>::max() : config_.capacity - length(b);
@@ -94,7 +106,7 @@ void KvCache::check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, in
   if (g < 0 || g >= config_.kv_heads)
     fail("KvCache::", who, ": head ", g, " is out of range [0, ", config_.kv_heads, ")");
   if (x < 0 || x >= dim) fail("KvCache::", who, ": feature ", x, " is out of range [0, ", dim, ")");
-  if (p < first(b) || p >= length(b))
+  if (!holds(b, p))
     fail("KvCache::", who, ": position ", p, " is not held by sequence ", b, " (it holds [", first(b), ", ", length(b),
          "))");
 }
@@ -115,11 +127,14 @@ template <class T>
 void KvCache::store_rows(std::vector<T>& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count,
                          int64_t dim) {
   const int64_t len = lengths_[static_cast<size_t>(b)];
-  // A ring keeps only the last `capacity` of the new rows.
-  const int64_t skip = config_.ring ? std::max<int64_t>(0, count - config_.capacity) : 0;
+  // A ring keeps only the last `capacity` of the new rows (with sinks: the sinks, and the last
+  // capacity − sinks of the others).
+  const int64_t recent = config_.capacity - config_.sinks;
+  const int64_t keep_from = config_.ring ? std::max<int64_t>(0, count - recent) : 0;
   for (int64_t g = 0; g < config_.kv_heads; ++g) {
     T* head = dst.data() + (b * config_.kv_heads + g) * config_.capacity * dim;
-    for (int64_t t = skip; t < count; ++t) {
+    for (int64_t t = 0; t < count; ++t) {
+      if (t < keep_from && len + t >= config_.sinks) continue;
       T* row = head + slot(len + t) * dim;
       const float* in = src.row(b_src, g, t);
       for (int64_t x = 0; x < dim; ++x) store(row[x], in[x * src.stride[3]]);
@@ -231,6 +246,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.capacity = c.capacity;
   p.d_v = c.v_dim();
   p.ring = c.ring;
+  p.sinks = c.sinks;
   p.key_first = first.data();
   p.key_end = end.data();
   p.q_start = start.data();

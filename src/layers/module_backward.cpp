@@ -55,6 +55,7 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
   ctx.key_padding = std::move(pass.masks.key_padding);
   ctx.key_bias = std::move(pass.masks.key_bias);
   ctx.sdpa_options = pass.sdpa_options;
+  ctx.packed = options.packed;
   return result;
 }
 
@@ -106,9 +107,15 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
     grads.dv = dv_ext.view4();
   }
   const View4<float> heads_view = call.q_rows.heads(const_cast<float*>(ctx.heads.data()), H * d, 0, H, d);
-  sdpa_backward(View4<const float>(ctx.q_heads), View4<const float>(ctx.k_heads), View4<const float>(ctx.v_heads),
-                View4<const float>(heads_view), View4<const float>(call.q_rows.heads(d_heads.data(), H * d, 0, H, d)),
-                contiguous_view(ctx.lse.data(), B, H, Tq, int64_t{1}), ctx.sdpa_options, grads);
+  const View4<const float> d_heads_view = call.q_rows.heads(d_heads.data(), H * d, 0, H, d);
+  const View4<const float> lse_view = contiguous_view(ctx.lse.data(), B, H, Tq, int64_t{1});
+  if (ctx.packed)
+    sdpa_backward_varlen(View4<const float>(ctx.q_heads), View4<const float>(ctx.k_heads),
+                         View4<const float>(ctx.v_heads), View4<const float>(heads_view), d_heads_view, lse_view,
+                         *ctx.packed, ctx.sdpa_options, grads);
+  else
+    sdpa_backward(View4<const float>(ctx.q_heads), View4<const float>(ctx.k_heads), View4<const float>(ctx.v_heads),
+                  View4<const float>(heads_view), d_heads_view, lse_view, ctx.sdpa_options, grads);
 
   // K_S = [K; bias_k; 0]  ⇒  dK = dK_S[:, :, :T_k], d bias_k = Σ_b dK_S[b, :, T_k] (V likewise).
   if (extra > 0) {
@@ -136,7 +143,12 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
 
   // Q ← rope(Q), K ← rope(K) (real positions only)  ⇒  dQ ← ropeᵀ(dQ), dK ← ropeᵀ(dK): the
   // transpose of a rotation is the rotation by −angle, the same primitive run Unrotate.
-  if (c.rope.enabled) {
+  if (c.rope.enabled && ctx.packed) {
+    detail::rope_per_sequence(plan.q_heads(dqkv.data(), call, c), c.rope, ctx.packed->cu_seqlens_q,
+                              RopeDirection::Unrotate);
+    detail::rope_per_sequence(plan.k_heads(dqkv.data(), call, c), c.rope, ctx.packed->cu_seqlens_k,
+                              RopeDirection::Unrotate);
+  } else if (c.rope.enabled) {
     apply_rope(plan.q_heads(dqkv.data(), call, c), c.rope, nullptr, RopeDirection::Unrotate);
     apply_rope(plan.k_heads(dqkv.data(), call, c), c.rope, nullptr, RopeDirection::Unrotate);
   }

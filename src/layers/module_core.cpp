@@ -257,6 +257,28 @@ void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& cal
          " for the whole call); this machine has ", bytes_str(static_cast<double>(memory)), " of memory");
 }
 
+void rope_per_sequence(View4<float> x, const Rope& rope, const SeqOffsets& cu, RopeDirection direction) {
+  for (int64_t s = 0; s < cu.seqs(); ++s) {
+    View4<float> part = x;
+    part.data += cu.values()[static_cast<size_t>(s)] * x.stride[2];
+    part.shape[2] = cu.length(s);
+    if (part.shape[2] > 0) apply_rope(part, rope, nullptr, direction);
+  }
+}
+
+void check_packed(const char* fn, const MhaConfig& c, const ModuleCall& call, const MhaForwardOptions& options) {
+  if (!call.unbatched)
+    fail(fn, ": a packed batch (options.packed) takes 2-D inputs (total, features), one row per token");
+  if (options.attn_mask.present() || options.key_padding_mask.present())
+    fail(fn,
+         ": a packed batch takes no attn_mask or key_padding_mask (the sequences' offsets say what each token sees)");
+  if (options.need_weights != NeedWeights::None) fail(fn, ": attention weights are not returned for a packed batch");
+  if (c.add_bias_kv || c.add_zero_attn) fail(fn, ": add_bias_kv / add_zero_attn are not supported with a packed batch");
+  if (options.mode == Mode::Training && c.dropout > 0.0f)
+    fail(fn, ": dropout is not supported with a packed batch (the module's dropout is ", c.dropout, ")");
+  check_varlen(fn, *options.packed, call.t_q(), call.t_k());
+}
+
 ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
                       const Tensor& value, const MhaForwardOptions& options, PassOutputs keep, ScratchPool* pool) {
   module.check_params();
@@ -265,6 +287,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   ModulePass pass;
   pass.call = check_inputs(fn, c, query, key, value);
   check_masks(fn, c, pass.call, options);
+  if (options.packed) check_packed(fn, c, pass.call, options);
   const ModuleCall& call = pass.call;
   check_pass_memory(fn, c, call, keep);
   const int64_t B = call.batch(), Tq = call.t_q(), Tk = call.t_k(), H = c.num_heads, d = c.head_dim();
@@ -272,7 +295,10 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
 
   pass.proj = project_inputs(c, params, query, key, value, call, pool);
   // Rotary embeddings at positions 0 … T − 1, before bias_k is appended (it has no position).
-  if (c.rope.enabled) {
+  if (c.rope.enabled && options.packed) {  // positions restart at 0 in each packed sequence
+    rope_per_sequence(pass.proj.q, c.rope, options.packed->cu_seqlens_q);
+    rope_per_sequence(pass.proj.k, c.rope, options.packed->cu_seqlens_k);
+  } else if (c.rope.enabled) {
     apply_rope(pass.proj.q, c.rope);
     apply_rope(pass.proj.k, c.rope);
   }
@@ -308,7 +334,14 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
     pass.averaged_weights = Tensor({B, 1, Tq, S});
     souts.averaged_weights = pass.averaged_weights.view4();
   }
-  sdpa(View4<const float>(pass.proj.q), View4<const float>(pass.proj.k), View4<const float>(pass.proj.v), sopt, souts);
+  if (options.packed) {
+    sopt.masks.causal = options.causal;  // aligned per sequence by sdpa_varlen
+    sdpa_varlen(View4<const float>(pass.proj.q), View4<const float>(pass.proj.k), View4<const float>(pass.proj.v),
+                *options.packed, sopt, souts);
+  } else {
+    sdpa(View4<const float>(pass.proj.q), View4<const float>(pass.proj.k), View4<const float>(pass.proj.v), sopt,
+         souts);
+  }
 
   pass.output = project_output(c, params, heads, query.shape(), call.q_rows.rows());
   return pass;

@@ -141,6 +141,14 @@ int64_t physical_memory_bytes();
 /// need 1.16 TiB …". Checked before anything is computed, instead of a bare std::bad_alloc later.
 void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& call, PassOutputs keep);
 
+/// RoPE at positions 0 … T_s − 1 of each packed sequence: rows [cu[s], cu[s+1]) of x (1, heads,
+/// total, d).
+void rope_per_sequence(View4<float> x, const Rope& rope, const SeqOffsets& cu,
+                       RopeDirection direction = RopeDirection::Rotate);
+
+/// Checks a packed module call (MhaForwardOptions::packed) against the config and options.
+void check_packed(const char* fn, const MhaConfig& c, const ModuleCall& call, const MhaForwardOptions& options);
+
 /// The whole module forward: checks, projections, RoPE at positions 0 … T − 1, extra positions,
 /// masks widened to S keys, attention, output projection. With a pool, the projections and heads
 /// live in buffers checked out of it (returned when the pass ends); without, the pass owns them.

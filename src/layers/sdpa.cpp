@@ -73,6 +73,49 @@ void sdpa(View4<const bf16> q, View4<const bf16> k, View4<const bf16> v, const S
   run(detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs), opt.backend);
 }
 
+namespace {
+constexpr const char* kVarlen = "sdpa_varlen";
+
+template <class T>
+void run_varlen(View4<const T> q, View4<const T> k, View4<const T> v, const VarlenBatch& seqs, const SdpaOptions& opt,
+                const SdpaOutputs& outputs) {
+  kernels::SdpaParams p = detail::prepare_sdpa(kVarlen, q, k, v, opt, outputs);
+  detail::attach_varlen(kVarlen, p, seqs, opt);
+  run(p, opt.backend);
+}
+}  // namespace
+
+void sdpa_varlen(View4<const float> q, View4<const float> k, View4<const float> v, const VarlenBatch& seqs,
+                 const SdpaOptions& opt, const SdpaOutputs& outputs) {
+  run_varlen(q, k, v, seqs, opt, outputs);
+}
+
+void sdpa_varlen(View4<const bf16> q, View4<const bf16> k, View4<const bf16> v, const VarlenBatch& seqs,
+                 const SdpaOptions& opt, const SdpaOutputs& outputs) {
+  run_varlen(q, k, v, seqs, opt, outputs);
+}
+
+SdpaResult sdpa_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const VarlenBatch& seqs,
+                       const SdpaOptions& opt, Want want) {
+  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3)
+    fail(kVarlen, ": packed query, key and value must be 3-D (total, heads, d); got ", shape_str(q.shape()), ", ",
+         shape_str(k.shape()), ", ", shape_str(v.shape()));
+  if (want == Want::Weights || want == Want::WeightsAndLse)
+    fail(kVarlen, ": attention weights are not returned for a packed batch");
+  const int64_t Nq = q.size(0), H = q.size(1), Nk = k.size(0), Dv = v.size(2);
+  SdpaResult r;
+  r.out = Tensor({Nq, H, Dv});
+  SdpaOutputs outs;
+  outs.out = packed_view(r.out.data(), Nq, H, Dv);
+  if (want == Want::Lse) {
+    r.lse = Tensor({Nq, H});
+    outs.lse = packed_view(r.lse.data(), Nq, H, int64_t{1});
+  }
+  sdpa_varlen(packed_view(q.data(), Nq, H, q.size(2)), packed_view(k.data(), Nk, k.size(1), k.size(2)),
+              packed_view(v.data(), v.size(0), v.size(1), Dv), seqs, opt, outs);
+  return r;
+}
+
 std::string sdpa_dispatch_reason(View4<const float> q, View4<const float> k, View4<const float> v,
                                  const SdpaOptions& opt, const SdpaOutputs& outputs) {
   std::string why;

@@ -50,18 +50,50 @@ bool use_fused(const kernels::SdpaBackwardParams& p, Backend backend, std::strin
   return detail::choose_fused(kBwd, backend, ok, reason, why);
 }
 
-}  // namespace
-
-void sdpa_backward(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
-                   View4<const float> d_out, View4<const float> lse, const SdpaOptions& opt, const SdpaGrads& grads) {
-  const kernels::SdpaBackwardParams p = make_params(q, k, v, out, d_out, lse, opt, grads);
-  if (use_fused(p, opt.backend, nullptr)) {
+void run(const kernels::SdpaBackwardParams& p, Backend backend) {
+  if (use_fused(p, backend, nullptr)) {
     std::vector<float> workspace(kernels::fused_backward_workspace_floats(p));
     kernels::sdpa_backward_fused(p, workspace.data());
   } else {
     std::vector<double> workspace(kernels::reference_backward_workspace_doubles(p));
     kernels::sdpa_backward_reference(p, workspace.data());
   }
+}
+
+}  // namespace
+
+void sdpa_backward(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
+                   View4<const float> d_out, View4<const float> lse, const SdpaOptions& opt, const SdpaGrads& grads) {
+  run(make_params(q, k, v, out, d_out, lse, opt, grads), opt.backend);
+}
+
+void sdpa_backward_varlen(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
+                          View4<const float> d_out, View4<const float> lse, const VarlenBatch& seqs,
+                          const SdpaOptions& opt, const SdpaGrads& grads) {
+  kernels::SdpaBackwardParams p = make_params(q, k, v, out, d_out, lse, opt, grads);
+  detail::attach_varlen("sdpa_backward_varlen", p.fwd, seqs, opt);
+  run(p, opt.backend);
+}
+
+SdpaGradTensors sdpa_backward_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                     const Tensor& d_out, const Tensor& lse, const VarlenBatch& seqs,
+                                     const SdpaOptions& opt) {
+  const char* fn = "sdpa_backward_varlen";
+  for (const Tensor* t : {&q, &k, &v, &out, &d_out})
+    if (t->dim() != 3)
+      fail(fn, ": q, k, v, out and d_out must be 3-D (total, heads, d); got ", shape_str(q.shape()), ", ",
+           shape_str(k.shape()), ", ", shape_str(v.shape()), ", ", shape_str(out.shape()), ", ",
+           shape_str(d_out.shape()));
+  const int64_t Nq = q.size(0), H = q.size(1);
+  const Shape want_lse{Nq, H};
+  if (lse.shape() != want_lse)
+    fail(fn, ": lse has shape ", shape_str(lse.shape()), ", expected ", shape_str(want_lse), " (total_q, h)");
+  const auto pv = [](const Tensor& t) { return packed_view(t.data(), t.size(0), t.size(1), t.size(2)); };
+  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape())};
+  const auto pg = [](Tensor& t) { return packed_view(t.data(), t.size(0), t.size(1), t.size(2)); };
+  sdpa_backward_varlen(pv(q), pv(k), pv(v), pv(out), pv(d_out), packed_view(lse.data(), Nq, H, int64_t{1}), seqs, opt,
+                       {pg(g.dq), pg(g.dk), pg(g.dv)});
+  return g;
 }
 
 std::string sdpa_backward_dispatch_reason(View4<const float> q, View4<const float> k, View4<const float> v,

@@ -115,6 +115,24 @@ kernels::SdpaParams prepare_sdpa(const char* fn, View4<const bf16> q, View4<cons
   return prepare(fn, q, k, v, opt, outputs);
 }
 
+void attach_varlen(const char* fn, kernels::SdpaParams& p, const VarlenBatch& seqs, const SdpaOptions& opt) {
+  if (p.q.shape[0] != 1 || p.k.shape[0] != 1)
+    fail(fn, ": packed query ", shape_str({p.q.shape[0], p.q.shape[1], p.q.shape[2], p.q.shape[3]}), " and key ",
+         shape_str({p.k.shape[0], p.k.shape[1], p.k.shape[2], p.k.shape[3]}),
+         " must be (1, heads, total, d) views of (total, heads, d) arrays (mha::packed_view)");
+  const Masks& m = opt.masks;
+  if (m.allowed.view.defined() || m.bias.view.defined() || m.key_padding.view.defined() || m.key_bias.view.defined())
+    fail(fn,
+         ": a packed batch takes only a causal mask (allowed, additive, key padding and key bias masks index a "
+         "padded (B, T) layout)");
+  if (opt.dropout.active()) fail(fn, ": dropout is not supported on a packed batch (p = ", opt.dropout.p, ")");
+  if (p.weights.defined()) fail(fn, ": attention weights are not returned for a packed batch");
+  check_varlen(fn, seqs, p.q.shape[2], p.k.shape[2]);
+  p.varlen.cu_q = seqs.cu_seqlens_q.values().data();
+  p.varlen.cu_k = seqs.cu_seqlens_k.values().data();
+  p.varlen.seqs = seqs.seqs();
+}
+
 bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::string& reason, std::string* why) {
   if (requested == Backend::Reference) {
     if (why) *why = "reference: requested";
@@ -126,3 +144,38 @@ bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::s
 }
 
 }  // namespace mha::detail
+
+namespace mha {
+
+namespace {
+
+void check_offsets(const char* fn, const char* name, const SeqOffsets& cu, int64_t total, int64_t max_len) {
+  const std::vector<int64_t>& v = cu.values();
+  if (v.empty()) fail(fn, ": ", name, " is empty; it needs B + 1 offsets (a batch of none is {0})");
+  if (v.front() != 0) fail(fn, ": ", name, "[0] = ", v.front(), ", expected 0");
+  for (size_t s = 0; s + 1 < v.size(); ++s) {
+    if (v[s + 1] < v[s])
+      fail(fn, ": ", name, " must not decrease, but ", name, "[", s + 1, "] = ", v[s + 1], " < ", name, "[", s,
+           "] = ", v[s]);
+    if (max_len > 0 && v[s + 1] - v[s] > max_len)
+      fail(fn, ": sequence ", s, " has length ", v[s + 1] - v[s], " (", name, "[", s, "] = ", v[s], ", [", s + 1,
+           "] = ", v[s + 1], "), more than the given maximum ", max_len);
+  }
+  if (v.back() != total)
+    fail(fn, ": the last offset ", name, "[", v.size() - 1, "] = ", v.back(), " must equal the total rows, ", total);
+}
+
+}  // namespace
+
+void check_varlen(const char* fn, const VarlenBatch& seqs, int64_t total_q, int64_t total_k) {
+  if (seqs.max_seqlen_q < 0 || seqs.max_seqlen_k < 0)
+    fail(fn, ": max_seqlen_q / max_seqlen_k must be ≥ 0 (0 = not checked), got ", seqs.max_seqlen_q, " / ",
+         seqs.max_seqlen_k);
+  check_offsets(fn, "cu_seqlens_q", seqs.cu_seqlens_q, total_q, seqs.max_seqlen_q);
+  check_offsets(fn, "cu_seqlens_k", seqs.cu_seqlens_k, total_k, seqs.max_seqlen_k);
+  if (seqs.cu_seqlens_q.seqs() != seqs.cu_seqlens_k.seqs())
+    fail(fn, ": cu_seqlens_q has ", seqs.cu_seqlens_q.values().size(), " offsets and cu_seqlens_k ",
+         seqs.cu_seqlens_k.values().size(), "; both need B + 1");
+}
+
+}  // namespace mha

@@ -26,6 +26,11 @@ kernels::SdpaParams prepare_sdpa(const char* fn, View4<const float> q, View4<con
 kernels::SdpaParams prepare_sdpa(const char* fn, View4<const bf16> q, View4<const bf16> k, View4<const bf16> v,
                                  const SdpaOptions& opt, const SdpaOutputs& outputs);
 
+/// A packed variable-length request (mha/sdpa.h, sdpa_varlen): checks that the views are packed
+/// (batch 1), the offsets against their totals, and that no mask but causal, no dropout and no
+/// weights are asked for; then points p.varlen at the offsets (which must outlive p).
+void attach_varlen(const char* fn, kernels::SdpaParams& p, const VarlenBatch& seqs, const SdpaOptions& opt);
+
 /// Whether to run the fused kernel: false for Backend::Reference; for Auto, whether the fused
 /// kernel supports the request (`fused_ok`, else `reason` says what it lacks); Backend::Fused on
 /// an unsupported request throws. *why (if given) gets "fused: supported" or "reference: …".

@@ -1,0 +1,62 @@
+// kernels/varlen.h — one sequence of a packed variable-length batch as an ordinary (B = 1) request.
+//
+// A packed (total, heads, d) array is viewed as (1, heads, total, d) with strides (·, d, heads·d, 1);
+// sequence s is rows [cu[s], cu[s+1]) of it: the same view with its data pointer moved cu[s] rows
+// on and T = cu[s+1] − cu[s]. Nothing is copied, and every kernel that handles one sequence handles
+// a packed batch by handing it these slices (the reference kernels and the fused backward do; the
+// fused forward builds its work items over every sequence at once to balance the threads).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/attention.h"
+#include "kernels/attention_backward.h"
+
+namespace mha::kernels {
+
+/// Rows [start, start + len) of a (1, heads, total, ·) view.
+template <class T>
+View4<T> rows_of(View4<T> v, int64_t start, int64_t len) {
+  if (v.data != nullptr) v.data += start * v.stride[2];
+  v.shape[2] = len;
+  return v;
+}
+
+inline InputView rows_of(InputView v, int64_t start, int64_t len, int64_t elem_bytes) {
+  if (v.data != nullptr) v.data = static_cast<const char*>(v.data) + start * v.stride[2] * elem_bytes;
+  v.shape[2] = len;
+  return v;
+}
+
+inline int64_t elem_bytes(DType t) { return t == DType::BF16 ? 2 : 4; }
+
+/// Sequence s of a packed request, as a request of its own (B = 1, no varlen).
+inline SdpaParams sequence_params(const SdpaParams& p, int64_t s) {
+  SdpaParams r = p;
+  r.varlen = {};
+  const int64_t q0 = p.varlen.cu_q[s], nq = p.varlen.cu_q[s + 1] - q0;
+  const int64_t k0 = p.varlen.cu_k[s], nk = p.varlen.cu_k[s + 1] - k0;
+  const int64_t eb = elem_bytes(p.dtype);
+  r.q = rows_of(p.q, q0, nq, eb);
+  r.k = rows_of(p.k, k0, nk, eb);
+  r.v = rows_of(p.v, k0, nk, eb);
+  r.out = rows_of(p.out, q0, nq);
+  r.lse = rows_of(p.lse, q0, nq);
+  return r;
+}
+
+inline SdpaBackwardParams sequence_params(const SdpaBackwardParams& p, int64_t s) {
+  SdpaBackwardParams r = p;
+  r.fwd = sequence_params(p.fwd, s);
+  const int64_t q0 = p.fwd.varlen.cu_q[s], nq = p.fwd.varlen.cu_q[s + 1] - q0;
+  const int64_t k0 = p.fwd.varlen.cu_k[s], nk = p.fwd.varlen.cu_k[s + 1] - k0;
+  r.out = rows_of(p.out, q0, nq);
+  r.dout = rows_of(p.dout, q0, nq);
+  r.lse = rows_of(p.lse, q0, nq);
+  r.dq = rows_of(p.dq, q0, nq);
+  r.dk = rows_of(p.dk, k0, nk);
+  r.dv = rows_of(p.dv, k0, nk);
+  return r;
+}
+
+}  // namespace mha::kernels

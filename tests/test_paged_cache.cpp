@@ -1,0 +1,310 @@
+// The paged KV cache (mha/paged_kv_cache.h) against the contiguous cache token by token (bitwise,
+// same decode kernel, same splits), on every SIMD target, any thread count; fork with copy-on-write;
+// free; bad block tables. And the StreamingLLM sink cache (KvCacheConfig::sinks) against the full
+// forward under the explicit mask "p ≤ q and (p < sinks or p > q − window)".
+#include <hwy/targets.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "mha/kv_cache.h"
+#include "mha/module.h"
+#include "mha/paged_kv_cache.h"
+#include "support/test_support.h"
+
+namespace mha {
+namespace {
+
+using testing::all_close;
+using testing::bitwise_equal;
+using testing::error_of;
+using testing::random_tensor;
+
+constexpr double kEps = 1.1920928955078125e-07;
+
+struct Dims {
+  int64_t kv = 2, h = 4, d = 8;
+};
+
+/// One token's K or V for sequence b of a batch: (1, kv, 1, d) slices of (B, kv, 1, d).
+View4<const float> one(const Tensor& t, int64_t b) {
+  View4<const float> v = t.view4();
+  v.data += b * v.stride[0];
+  v.shape[0] = 1;
+  return v;
+}
+
+/// Grows two sequences token by token in both caches (interleaved, so the paged blocks of a
+/// sequence are not adjacent in the pool) and checks, after every token, that attention through
+/// the block tables equals attention over the contiguous cache bitwise, for 1, 2 and 3 threads.
+void paged_equals_contiguous(CacheDtype dtype, int64_t block_size, int64_t steps, int splits) {
+  const Dims dm;
+  KvCacheConfig cc;
+  cc.batch = 2, cc.kv_heads = dm.kv, cc.head_dim = dm.d, cc.capacity = steps, cc.dtype = dtype;
+  KvCache flat(cc);
+  PagedKvCacheConfig pc;
+  pc.kv_heads = dm.kv, pc.head_dim = dm.d, pc.block_size = block_size, pc.dtype = dtype;
+  pc.num_blocks = 2 * ((steps + block_size - 1) / block_size);
+  PagedKvCache paged(pc);
+  const std::vector<int64_t> ids{paged.add_sequence(), paged.add_sequence()};
+  for (int64_t t = 0; t < steps; ++t) {
+    const Tensor k = random_tensor({2, dm.kv, 1, dm.d}, 100 + t), v = random_tensor({2, dm.kv, 1, dm.d}, 200 + t);
+    flat.append(k.view4(), v.view4());
+    for (int64_t b = 0; b < 2; ++b) paged.append(ids[static_cast<size_t>(b)], one(k, b), one(v, b));
+    const Tensor q = random_tensor({2, dm.h, 1, dm.d}, 300 + t);
+    // Queries at the last position (they see everything) and a window of 5.
+    const std::vector<int64_t> at{t, t};
+    for (int64_t window : {int64_t{0}, int64_t{5}}) {
+      CacheAttentionOptions o;
+      o.splits = splits;
+      o.window = window;
+      Tensor want({2, dm.h, 1, dm.d}), want_lse({2, dm.h, 1, 1});
+      o.threads = 1;
+      attend_cache(q.view4(), flat, at, o, want.view4(), want_lse.view4());
+      for (int threads : {1, 2, 3}) {
+        o.threads = threads;
+        Tensor got({2, dm.h, 1, dm.d}), got_lse({2, dm.h, 1, 1});
+        attend_paged_cache(q.view4(), paged, ids, at, o, got.view4(), got_lse.view4());
+        ASSERT_TRUE(bitwise_equal(got, want)) << "token " << t << ", threads " << threads << ", window " << window;
+        ASSERT_TRUE(bitwise_equal(got_lse, want_lse));
+      }
+    }
+  }
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t p = 0; p < steps; p += 7)
+      EXPECT_EQ(paged.k_at(ids[static_cast<size_t>(b)], 1, p, 3), flat.k_at(b, 1, p, 3));
+}
+
+TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    paged_equals_contiguous(CacheDtype::F32, 16, 40, 1);
+    paged_equals_contiguous(CacheDtype::BF16, 3, 23, 2);
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  paged_equals_contiguous(CacheDtype::F32, 1, 9, 3);     // one position per block
+  paged_equals_contiguous(CacheDtype::F32, 64, 300, 0);  // several kernel blocks, auto splits
+}
+
+TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {
+  const Dims dm;
+  PagedKvCacheConfig pc;
+  pc.kv_heads = dm.kv, pc.head_dim = dm.d, pc.block_size = 4, pc.num_blocks = 6;
+  PagedKvCache cache(pc);
+  const int64_t a = cache.add_sequence();
+  const Tensor k = random_tensor({1, dm.kv, 6, dm.d}, 1), v = random_tensor({1, dm.kv, 6, dm.d}, 2);
+  cache.append(a, k.view4(), v.view4());  // 6 positions: one full block, one half full
+  EXPECT_EQ(cache.free_blocks(), 4);
+  const int64_t b = cache.fork(a);  // no copy: the same two blocks, each held twice
+  EXPECT_EQ(cache.free_blocks(), 4);
+  EXPECT_EQ(std::vector<int32_t>(cache.block_table(b).begin(), cache.block_table(b).end()),
+            std::vector<int32_t>(cache.block_table(a).begin(), cache.block_table(a).end()));
+  for (int32_t blk : cache.block_table(a)) EXPECT_EQ(cache.refcount(blk), 2);
+  const int32_t shared_last = cache.block_table(a)[1];
+
+  // b writes into the shared half-full block: it gets its own copy first; a is untouched.
+  const Tensor kb = random_tensor({1, dm.kv, 1, dm.d}, 3), vb = random_tensor({1, dm.kv, 1, dm.d}, 4);
+  cache.append(b, kb.view4(), vb.view4());
+  EXPECT_EQ(cache.block_table(b)[0], cache.block_table(a)[0]);  // the full block stays shared
+  EXPECT_NE(cache.block_table(b)[1], shared_last);
+  EXPECT_EQ(cache.refcount(shared_last), 1);
+  EXPECT_EQ(cache.refcount(cache.block_table(a)[0]), 2);
+  EXPECT_EQ(cache.free_blocks(), 3);  // a's two blocks, b's copy of the last
+  EXPECT_EQ(cache.length(a), 6);
+  EXPECT_EQ(cache.length(b), 7);
+  for (int64_t p = 0; p < 6; ++p)
+    for (int64_t g = 0; g < dm.kv; ++g) {
+      EXPECT_EQ(cache.k_at(b, g, p, 5), k.at({0, g, p, 5}));  // the copy holds the prefix
+      EXPECT_EQ(cache.v_at(a, g, p, 2), v.at({0, g, p, 2}));
+    }
+  EXPECT_EQ(cache.k_at(b, 1, 6, 0), kb.at({0, 1, 0, 0}));
+  EXPECT_NE(error_of([&] { (void)cache.k_at(a, 0, 6, 0); }).find("outside"), std::string::npos);
+
+  // Attention for each equals a contiguous cache holding its own positions.
+  KvCacheConfig cc;
+  cc.batch = 1, cc.kv_heads = dm.kv, cc.head_dim = dm.d, cc.capacity = 8;
+  KvCache flat_a(cc), flat_b(cc);
+  flat_a.append(k.view4(), v.view4());
+  flat_b.append(k.view4(), v.view4());
+  flat_b.append(kb.view4(), vb.view4());
+  const Tensor q = random_tensor({1, dm.h, 2, dm.d}, 5);
+  for (int64_t id : {a, b}) {
+    KvCache& flat = id == a ? flat_a : flat_b;
+    const std::vector<int64_t> at{flat.length(0) - 2};
+    Tensor want({1, dm.h, 2, dm.d}), got({1, dm.h, 2, dm.d});
+    attend_cache(q.view4(), flat, at, {}, want.view4());
+    const std::vector<int64_t> ids{id};
+    attend_paged_cache(q.view4(), cache, ids, at, {}, got.view4());
+    EXPECT_TRUE(bitwise_equal(got, want));
+  }
+
+  // Freeing returns only unshared blocks; freeing both returns everything.
+  cache.free(a);
+  EXPECT_EQ(cache.refcount(cache.block_table(b)[0]), 1);
+  EXPECT_EQ(cache.free_blocks(), 4);
+  cache.free(b);
+  EXPECT_EQ(cache.free_blocks(), 6);
+  EXPECT_NE(error_of([&] { cache.length(b); }).find("does not exist"), std::string::npos);
+  EXPECT_EQ(cache.add_sequence(), a);  // ids are reused
+}
+
+TEST(PagedKvCache, GrowsWithoutReservingAndRefusesAFullPool) {
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 3;
+  PagedKvCache cache(pc);
+  const int64_t a = cache.add_sequence(), b = cache.add_sequence();
+  EXPECT_EQ(cache.free_blocks(), 3);  // nothing reserved per sequence
+  const Tensor k = random_tensor({1, 1, 5, 4}, 1);
+  cache.append(a, k.view4(), k.view4());
+  EXPECT_EQ(cache.free_blocks(), 0);
+  const std::string err = error_of([&] { cache.append(b, k.view4(), k.view4()); });
+  EXPECT_NE(err.find("the pool has 0 of 3 free"), std::string::npos) << err;
+  EXPECT_EQ(cache.length(b), 0);  // nothing changed
+  EXPECT_NE(error_of([&] {
+              cache.append(a, random_tensor({1, 2, 1, 4}, 2).view4(), k.view4());
+            }).find("kv_heads"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { PagedKvCache bad(PagedKvCacheConfig{}); }).find("must be ≥ 1"), std::string::npos);
+}
+
+TEST(PagedKvCache, BlockTableOutsideThePoolIsAnError) {
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 3;
+  PagedKvCache cache(pc);
+  const Tensor q = random_tensor({1, 2, 1, 4}, 1);
+  Tensor out({1, 2, 1, 4});
+  const std::vector<int64_t> len{3};
+  for (std::vector<int32_t> table : {std::vector<int32_t>{0, 3}, std::vector<int32_t>{-1, 0}}) {
+    const std::string err =
+        error_of([&] { attend_paged_blocks(q.view4(), cache, table, 2, len, {}, {}, out.view4()); });
+    EXPECT_NE(err.find("points outside the pool of 3 blocks"), std::string::npos) << err;
+  }
+  const std::vector<int32_t> table{0, 1};
+  const std::vector<int64_t> too_long{5};
+  EXPECT_NE(error_of([&] {
+              attend_paged_blocks(q.view4(), cache, table, 2, too_long, {}, {}, out.view4());
+            }).find("lengths[0] = 5 is outside [0, 4]"),
+            std::string::npos);
+  // Entries past a sequence's length are not read, so they may hold anything.
+  const std::vector<int32_t> tail_garbage{0, 99};
+  const std::vector<int64_t> short_len{2};
+  EXPECT_NO_THROW(attend_paged_blocks(q.view4(), cache, tail_garbage, 2, short_len, {}, {}, out.view4()));
+}
+
+// ---- StreamingLLM: a sliding-window cache that keeps the first n_sink positions --------------
+
+/// The full forward under the sink rule, as an explicit mask (T, T): true = may attend.
+Tensor sink_reference(const MultiheadAttention& m, const Tensor& x, int64_t sinks, int64_t window) {
+  const int64_t T = x.size(1);
+  BoolTensor allowed({T, T}, 0);
+  for (int64_t q = 0; q < T; ++q)
+    for (int64_t p = 0; p <= q; ++p) allowed.at({q, p}) = p < sinks || p > q - window;
+  MhaForwardOptions o;
+  o.attn_mask = AttnMask::allow(allowed);
+  return m.forward(x, x, x, o).output;
+}
+
+TEST(SinkCache, IncrementalEqualsFullForwardUnderTheSinkMask) {
+  MhaConfig c;
+  c.embed_dim = 32, c.num_heads = 4, c.num_kv_heads = 2, c.layout = Layout::BatchFirst;
+  c.rope = Rope::half_split();
+  const MultiheadAttention m(c, 3);
+  const int64_t T = 40;
+  const Tensor x = random_tensor({1, T, 32}, 9);
+  for (int64_t sinks : {1, 4}) {
+    for (int64_t prefill : {1, 3, 12}) {  // 12: a prefill longer than the window, sinks inside it
+      SCOPED_TRACE("sinks " + std::to_string(sinks) + ", prefill " + std::to_string(prefill));
+      const int64_t window = 6;
+      KvCacheConfig cc;
+      cc.batch = 1, cc.kv_heads = 2, cc.head_dim = 8, cc.capacity = sinks + window, cc.ring = true, cc.sinks = sinks;
+      KvCache cache(cc);
+      IncrementalOptions o;
+      o.window = window;
+      Tensor got({1, T, 32});
+      for (int64_t t = 0; t < T;) {
+        const int64_t n = t == 0 ? prefill : 1;
+        Tensor in({1, n, 32});
+        for (int64_t i = 0; i < n * 32; ++i) in.data()[i] = x.data()[t * 32 + i];
+        const Tensor y = m.forward_incremental(in, in, in, cache, o).output;
+        for (int64_t i = 0; i < n * 32; ++i) got.data()[t * 32 + i] = y.data()[i];
+        t += n;
+      }
+      EXPECT_EQ(cache.stored(0), sinks + window);
+      EXPECT_TRUE(cache.holds(0, 0) && cache.holds(0, sinks - 1) && !cache.holds(0, sinks) && cache.holds(0, T - 1));
+      EXPECT_TRUE(all_close(got, sink_reference(m, x, sinks, window), 256 * kEps, 256 * kEps));
+    }
+  }
+}
+
+// The decode kernel on a sink ring, every target, against the explicit rule in double.
+TEST(SinkCache, DecodeKernelMatchesExplicitMaskOnEveryTarget) {
+  const int64_t kv = 2, h = 4, d = 8, sinks = 3, window = 5, T = 300;
+  KvCacheConfig cc;
+  cc.batch = 1, cc.kv_heads = kv, cc.head_dim = d, cc.capacity = sinks + window, cc.ring = true, cc.sinks = sinks;
+  KvCache cache(cc);
+  const Tensor k = random_tensor({1, kv, T, d}, 1), v = random_tensor({1, kv, T, d}, 2);
+  cache.append(k.view4(), v.view4());  // a chunk longer than the ring: the sinks and the last 5 stay
+  const Tensor q = random_tensor({1, h, 2, d}, 3);
+  const std::vector<int64_t> at{T - 1};  // rows at positions T − 1 and T (T sees keys ≤ T − 1 here)
+  Tensor want({1, h, 2, d});
+  for (int64_t head = 0; head < h; ++head)
+    for (int64_t t = 0; t < 2; ++t) {
+      const int64_t pos = T - 1 + t, g = head / (h / kv);
+      std::vector<double> w;
+      std::vector<int64_t> keys;
+      for (int64_t p = 0; p < T; ++p)
+        if (p <= pos && (p < sinks || p > pos - window)) {
+          double dot = 0;
+          for (int64_t x = 0; x < d; ++x) dot += double(q.at({0, head, t, x})) * k.at({0, g, p, x});
+          w.push_back(dot / std::sqrt(double(d)));
+          keys.push_back(p);
+        }
+      double mx = -1e300, sum = 0;
+      for (double s : w) mx = std::max(mx, s);
+      for (double& s : w) sum += (s = std::exp(s - mx));
+      for (int64_t x = 0; x < d; ++x) {
+        double acc = 0;
+        for (size_t j = 0; j < keys.size(); ++j) acc += w[j] / sum * v.at({0, g, keys[j], x});
+        want.at({0, head, t, x}) = static_cast<float>(acc);
+      }
+    }
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    CacheAttentionOptions o;
+    o.window = window;
+    o.splits = 2;
+    Tensor one({1, h, 2, d});
+    for (int threads : {1, 2, 3}) {
+      o.threads = threads;
+      Tensor got({1, h, 2, d});
+      attend_cache(q.view4(), cache, at, o, got.view4());
+      EXPECT_TRUE(all_close(got, want, 64 * kEps, 64 * kEps));
+      if (threads == 1) one = got;
+      EXPECT_TRUE(bitwise_equal(got, one));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST(SinkCache, BadConfigurations) {
+  KvCacheConfig cc;
+  cc.batch = 1, cc.kv_heads = 1, cc.head_dim = 4, cc.capacity = 4, cc.sinks = 1;
+  EXPECT_NE(error_of([&] { KvCache c(cc); }).find("must be a ring"), std::string::npos);
+  cc.ring = true, cc.sinks = 4;
+  EXPECT_NE(error_of([&] { KvCache c(cc); }).find("capacity > sinks"), std::string::npos);
+  cc.sinks = 1;
+  KvCache cache(cc);
+  MhaConfig c;
+  c.embed_dim = 8, c.num_heads = 2, c.num_kv_heads = 1, c.layout = Layout::BatchFirst;
+  const MultiheadAttention m(c, 1);
+  IncrementalOptions o;
+  o.window = 4;  // the ring holds 3 recent positions besides the sink
+  const Tensor x = random_tensor({1, 1, 8}, 1);
+  EXPECT_NE(error_of([&] { m.forward_incremental(x, x, x, cache, o); }).find("at most 3"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mha
