@@ -97,6 +97,8 @@ struct Ctx {
   CausalRule causal;
   int64_t q_blocks = 0;
   float keep_scale = 1.0f;
+  bool edit_scores = false;  // softcap or ALiBi: the scores take the edited path
+  int64_t alibi_offset = 0;  // q_pos = row + this (kernels/attention.h, alibi_offset)
 };
 
 }  // namespace mha::kernels::fused
@@ -113,6 +115,7 @@ struct Ctx {
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/exp-inl.h"
+#include "hwy/contrib/math/math-inl.h"
 // clang-format on
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -339,13 +342,31 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     float* row = s + r * kBk;
     const int64_t i = i0 + r;
     VF vmax = vneg_inf;
-    for (int64_t v = 0; v < nvec; ++v) {
-      // A key never read (kb = −inf: padding, key_bias −inf, or past the block) scores exactly −inf,
-      // even when Q holds NaN or ±inf (their product with its zero-packed K row would be NaN).
-      const VF kbv = hn::LoadU(df, kb + v * N);
-      const VF x = hn::IfThenElse(hn::Eq(kbv, vneg_inf), kbv, hn::MulAdd(hn::LoadU(df, row + v * N), vscale, kbv));
-      vmax = hn::Max(vmax, x);
-      hn::StoreU(x, df, row + v * N);
+    if (HWY_LIKELY(!cx.edit_scores)) {
+      for (int64_t v = 0; v < nvec; ++v) {
+        // A key never read (kb = −inf: padding, key_bias −inf, or past the block) scores exactly −inf,
+        // even when Q holds NaN or ±inf (their product with its zero-packed K row would be NaN).
+        const VF kbv = hn::LoadU(df, kb + v * N);
+        const VF x = hn::IfThenElse(hn::Eq(kbv, vneg_inf), kbv, hn::MulAdd(hn::LoadU(df, row + v * N), vscale, kbv));
+        vmax = hn::Max(vmax, x);
+        hn::StoreU(x, df, row + v * N);
+      }
+    } else {
+      // Score edits (kernels/score_edits.h): c·tanh(t/c) of the scaled product, then the key
+      // bias and ALiBi's m·(k_pos − q_pos), the distance formed exactly in float lanes.
+      const bool capped = p.edits.capped();
+      const VF vcap = hn::Set(df, capped ? p.edits.softcap : 1.0f);
+      const VF vslope = hn::Set(df, p.edits.alibi() ? p.edits.alibi_slopes[h] : 0.0f);
+      const float dist0 = static_cast<float>(j0 - (i + cx.alibi_offset));
+      for (int64_t v = 0; v < nvec; ++v) {
+        const VF kbv = hn::LoadU(df, kb + v * N);
+        VF t = hn::Mul(hn::LoadU(df, row + v * N), vscale);
+        if (capped) t = hn::Mul(vcap, hn::Tanh(df, hn::Div(t, vcap)));
+        t = hn::MulAdd(vslope, hn::Iota(df, dist0 + static_cast<float>(v * N)), hn::Add(t, kbv));
+        const VF x = hn::IfThenElse(hn::Eq(kbv, vneg_inf), kbv, t);
+        vmax = hn::Max(vmax, x);
+        hn::StoreU(x, df, row + v * N);
+      }
     }
     if (elementwise) {
       const bool has_bias = p.masks.bias.view.defined();
@@ -535,10 +556,20 @@ HWY_NOINLINE void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
     for (int64_t r = 0; r < nq; ++r) {
       float* dst = p.out.row(b, h, i0 + r);
       const int64_t os = p.out.stride[3];
-      const bool empty_row = l[r] == 0.0f;
-      const float inv = empty_row ? 0.0f : cx.keep_scale / l[r];
+      float mr = m[r], lr = l[r], rescale = 1.0f;
+      if (p.edits.sinks) {
+        // The sink z joins the denominator: m' = max(m, z), l' = l·e^{m−m'} + e^{z−m'}, and O
+        // (scaled to m) is rescaled by e^{m−m'}. A row that saw no key gets l' = 1, O = 0.
+        const float z = p.edits.sinks[h];
+        const float m_new = std::max(mr, z);
+        rescale = mr == kNegInf ? 0.0f : std::exp(mr - m_new);
+        lr = lr * rescale + std::exp(z - m_new);
+        mr = std::isnan(lr) ? mr : m_new;
+      }
+      const bool empty_row = lr == 0.0f;
+      const float inv = empty_row ? 0.0f : cx.keep_scale * rescale / lr;
       for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row ? 0.0f : oh[r * ldv + c] * inv;
-      if (p.lse.defined()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
+      if (p.lse.defined()) p.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : mr + std::log(lr);
     }
   }
 }
@@ -554,6 +585,8 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.causal = CausalRule::of(p.masks.causal, p.t_q(), p.t_k());
   cx.q_blocks = (p.t_q() + kBq - 1) / kBq;
   cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
+  cx.edit_scores = p.edits.capped() || p.edits.alibi();
+  cx.alibi_offset = alibi_offset(p);
   const int64_t items = p.batch() * p.kv_heads() * cx.q_blocks;
   if (items == 0) return;
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;

@@ -97,8 +97,8 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   float* dk_rows = dqkv.data() + plan.k;
   float* dv_rows = dqkv.data() + plan.v;
   Tensor dk_ext, dv_ext;
-  SdpaGrads grads{plan.q_heads(dqkv.data(), call, c), plan.k_heads(dqkv.data(), call, c),
-                  plan.v_heads(dqkv.data(), call, c)};
+  SdpaGrads grads{
+      plan.q_heads(dqkv.data(), call, c), plan.k_heads(dqkv.data(), call, c), plan.v_heads(dqkv.data(), call, c), {}};
   if (extra > 0) {
     dk_ext = Tensor({B, KV, S, d});
     dv_ext = Tensor({B, KV, S, d});

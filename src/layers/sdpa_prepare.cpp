@@ -87,6 +87,7 @@ kernels::SdpaParams prepare(const char* fn, View4<const T> q, View4<const T> k, 
   p.masks.key_padding.view = broadcast_to(fn, opt.masks.key_padding.view, per_key, "key padding");
   p.masks.key_bias.view = broadcast_to(fn, opt.masks.key_bias.view, per_key, "key bias");
   p.dropout = opt.dropout;
+  p.edits = check_score_edits(fn, q.shape[1], opt.alibi, opt.softcap, opt.sinks);
   p.out = outputs.out;
   p.weights = outputs.weights;
   p.lse = outputs.lse;

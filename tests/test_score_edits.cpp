@@ -1,0 +1,437 @@
+// Score edits — ALiBi, logit softcapping, learned attention sinks — on every path: the reference
+// against an independent naive computation, the fused forward (float32, bf16) and backward against
+// the reference over sweeps of odd lengths, block edges, masks, GQA, every SIMD target and 1/2/3
+// threads bitwise; finite differences for the gradients (d sink included); decode over a KV cache
+// against the full forward; fully masked rows with a sink; NaN; bad arguments.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "mha/kv_cache.h"
+#include "mha/sdpa.h"
+#include "mha/training.h"
+#include "support/test_support.h"
+
+namespace mha {
+namespace {
+
+using testing::all_close;
+using testing::bitwise_equal;
+using testing::error_of;
+using testing::for_each_fused_target;
+using testing::random_tensor;
+
+constexpr double kEps = std::numeric_limits<float>::epsilon();
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (float x : t.values())
+    if (std::isfinite(x)) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+/// Which edits a case turns on.
+struct Edits {
+  bool alibi = false;
+  float softcap = 0.0f;
+  bool sinks = false;
+};
+
+std::vector<Edits> edit_kinds() {
+  return {{true, 0.0f, false}, {false, 1.5f, false}, {false, 0.0f, true}, {true, 2.0f, true}};
+}
+
+struct Case {
+  int64_t B = 1, H = 2, KV = 1, Tq = 5, Tk = 7, D = 8, Dv = 8;
+  Tensor q, k, v;
+  BoolTensor key_padding;
+  std::vector<float> slopes, sinks;
+  SdpaOptions opt;
+
+  void make(uint64_t seed, const Edits& e) {
+    q = random_tensor({B, H, Tq, D}, seed, -2.0f, 2.0f);
+    k = random_tensor({B, KV, Tk, D}, seed + 1, -2.0f, 2.0f);
+    v = random_tensor({B, KV, Tk, Dv}, seed + 2, -2.0f, 2.0f);
+    if (e.alibi) {
+      slopes = alibi_slopes(H);
+      opt.alibi.slopes = slopes;
+    }
+    opt.softcap = e.softcap;
+    if (e.sinks) {
+      const Tensor z = random_tensor({H}, seed + 3, -1.0f, 2.0f);
+      sinks.assign(z.data(), z.data() + H);
+      opt.sinks.logits = sinks;
+    }
+  }
+  /// Score magnitude bound: |scale·q·k| (or the cap) plus ALiBi's largest term.
+  double score_bound() const {
+    const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(static_cast<double>(D));
+    double b = scale * static_cast<double>(D) * max_abs(q) * max_abs(k);
+    if (opt.softcap > 0) b = opt.softcap;
+    if (!slopes.empty()) b += slopes[0] * static_cast<double>(Tq + Tk);
+    return b;
+  }
+  double out_tol() const {
+    return kEps * max_abs(v) * (8.0 * std::sqrt(static_cast<double>(Tk)) + 8.0 * score_bound() + 32.0);
+  }
+  double lse_tol() const { return kEps * (16.0 * score_bound() + 8.0 * std::log(Tk + 2.0) + 32.0); }
+};
+
+struct Result {
+  Tensor out, lse;
+};
+
+Result run(const Case& c, Backend backend, int threads = 2) {
+  Result r{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+  SdpaOptions opt = c.opt;
+  opt.backend = backend;
+  opt.threads = threads;
+  sdpa(c.q.view4(), c.k.view4(), c.v.view4(), opt, {r.out.view4(), {}, r.lse.view4()});
+  return r;
+}
+
+/// An independent naive computation in double, straight from docs/semantics.md's formulas.
+Result naive(const Case& c) {
+  Result r{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+  const double scale = c.opt.scale ? *c.opt.scale : 1.0 / std::sqrt(static_cast<double>(c.D));
+  const Causal& causal = c.opt.masks.causal;
+  const int64_t off = causal.enabled() ? causal.offset_for(c.Tq, c.Tk) : c.Tk - c.Tq;
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.Tq; ++i) {
+        const int64_t g = h / (c.H / c.KV);
+        std::vector<double> s(static_cast<size_t>(c.Tk), -INFINITY);
+        double m = c.sinks.empty() ? -INFINITY : c.sinks[static_cast<size_t>(h)];
+        for (int64_t j = 0; j < c.Tk; ++j) {
+          if (causal.enabled() && j > i + off) continue;
+          if (c.key_padding.defined() && c.key_padding.at({b, j})) continue;
+          double t = 0;
+          for (int64_t x = 0; x < c.D; ++x) t += static_cast<double>(c.q.at({b, h, i, x})) * c.k.at({b, g, j, x});
+          t *= scale;
+          if (c.opt.softcap > 0) t = c.opt.softcap * std::tanh(t / c.opt.softcap);
+          if (!c.slopes.empty()) t -= c.slopes[static_cast<size_t>(h)] * static_cast<double>(i + off - j);
+          s[static_cast<size_t>(j)] = t;
+          m = std::max(m, t);
+        }
+        double sum = c.sinks.empty() ? 0.0 : std::exp(c.sinks[static_cast<size_t>(h)] - m);
+        for (double t : s) sum += std::isinf(t) ? 0.0 : std::exp(t - m);
+        for (int64_t x = 0; x < c.Dv; ++x) {
+          double acc = 0;
+          for (int64_t j = 0; j < c.Tk; ++j)
+            if (!std::isinf(s[static_cast<size_t>(j)]))
+              acc += std::exp(s[static_cast<size_t>(j)] - m) / sum * c.v.at({b, g, j, x});
+          r.out.at({b, h, i, x}) = m == -INFINITY ? 0.0f : static_cast<float>(acc);
+        }
+        r.lse.at({b, h, i, 0}) = m == -INFINITY ? -INFINITY : static_cast<float>(m + std::log(sum));
+      }
+  return r;
+}
+
+void expect_close(const Case& c, const Result& got, const Result& want, double extra = 0) {
+  EXPECT_TRUE(all_close(got.out, want.out, c.out_tol() + extra, 0)) << "out";
+  EXPECT_TRUE(all_close(got.lse, want.lse, c.lse_tol(), 0)) << "lse";
+}
+
+TEST(AlibiSlopes, StandardSchedule) {
+  const std::vector<float> s8 = alibi_slopes(8);
+  ASSERT_EQ(s8.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_FLOAT_EQ(s8[static_cast<size_t>(i)], std::exp2(-(i + 1.0f)));
+  // 12 heads (BLOOM's recipe): the 8-head schedule, then 2^(−(2i+1)/2) for i = 0..3.
+  const std::vector<float> s12 = alibi_slopes(12);
+  ASSERT_EQ(s12.size(), 12u);
+  for (int i = 0; i < 8; ++i) EXPECT_FLOAT_EQ(s12[static_cast<size_t>(i)], s8[static_cast<size_t>(i)]);
+  for (int i = 0; i < 4; ++i) EXPECT_FLOAT_EQ(s12[static_cast<size_t>(8 + i)], std::exp2(-(2 * i + 1) / 2.0f));
+  EXPECT_EQ(alibi_slopes(1), std::vector<float>{std::exp2(-8.0f)});
+  EXPECT_TRUE(alibi_slopes(0).empty());
+  EXPECT_EQ(alibi_slopes(5).size(), 5u);
+  EXPECT_NE(error_of([] { alibi_slopes(-1); }).find("heads"), std::string::npos);
+}
+
+TEST(ScoreEditsReference, MatchesNaiveComputation) {
+  for (const Edits& e : edit_kinds())
+    for (Causal causal : {Causal::none(), Causal::top_left(), Causal::bottom_right()}) {
+      Case c;
+      c.H = 4, c.KV = 2, c.Tq = 5, c.Tk = 9;
+      c.opt.masks.causal = causal;
+      c.make(11, e);
+      SCOPED_TRACE(::testing::Message() << "alibi " << e.alibi << " softcap " << e.softcap << " sinks " << e.sinks);
+      expect_close(c, run(c, Backend::Reference), naive(c));
+    }
+}
+
+TEST(ScoreEditsFused, MatchesReferenceOnEveryTargetAndThreadCount) {
+  for_each_fused_target([] {
+    uint64_t seed = 100;
+    for (const Edits& e : edit_kinds())
+      for (auto [tq, tk] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {7, 13}, {63, 64}, {65, 129}, {130, 70}})
+        for (Causal causal : {Causal::none(), Causal::bottom_right(), Causal::top_left().with_window(17)}) {
+          Case c;
+          c.B = 2, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = tq % 2 ? 17 : 16, c.Dv = 9;
+          c.opt.masks.causal = causal;
+          c.make(seed++, e);
+          if (tk > 10) {  // a padded key: never read, on every path
+            c.key_padding = BoolTensor({c.B, c.Tk}, 0);
+            c.key_padding.at({1, 3}) = 1;
+            c.opt.masks.key_padding.view = {c.key_padding.data(), {c.B, 1, 1, c.Tk}, {c.Tk, 0, 0, 1}};
+          }
+          SCOPED_TRACE(::testing::Message() << "Tq " << tq << " Tk " << tk << " alibi " << e.alibi << " softcap "
+                                            << e.softcap << " sinks " << e.sinks);
+          const Result want = run(c, Backend::Reference);
+          const Result one = run(c, Backend::Fused, 1);
+          expect_close(c, one, want);
+          for (int threads : {2, 3}) {
+            const Result r = run(c, Backend::Fused, threads);
+            EXPECT_TRUE(bitwise_equal(r.out, one.out)) << threads << " threads";
+            EXPECT_TRUE(bitwise_equal(r.lse, one.lse)) << threads << " threads";
+          }
+        }
+  });
+}
+
+BF16Tensor to_bf16_tensor(const Tensor& t) {
+  BF16Tensor b(t.shape());
+  for (int64_t i = 0; i < t.numel(); ++i) b.data()[i] = to_bf16(t.data()[i]);
+  return b;
+}
+
+TEST(ScoreEditsFused, Bf16MatchesReferenceOnWidenedValues) {
+  for_each_fused_target([] {
+    for (const Edits& e : edit_kinds()) {
+      Case c;
+      c.H = 4, c.KV = 2, c.Tq = 67, c.Tk = 131, c.D = 16, c.Dv = 16;
+      c.opt.masks.causal = Causal::bottom_right();
+      c.make(7, e);
+      const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
+      for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] = to_float(qb.data()[i]);
+      for (int64_t i = 0; i < c.k.numel(); ++i) c.k.data()[i] = to_float(kb.data()[i]);
+      for (int64_t i = 0; i < c.v.numel(); ++i) c.v.data()[i] = to_float(vb.data()[i]);
+      const Result want = run(c, Backend::Reference);
+      Result got{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+      SdpaOptions opt = c.opt;
+      opt.backend = Backend::Fused;
+      sdpa(View4<const bf16>(qb.view4()), View4<const bf16>(kb.view4()), View4<const bf16>(vb.view4()), opt,
+           {got.out.view4(), {}, got.lse.view4()});
+      expect_close(c, got, want, 2.0 * std::ldexp(1.0, -9) * max_abs(c.v));
+    }
+  });
+}
+
+TEST(ScoreEdits, FullyMaskedRowWithSinkGivesZerosAndSinkLse) {
+  for (Backend backend : {Backend::Reference, Backend::Fused}) {
+    Case c;
+    c.Tq = 3, c.Tk = 4;
+    c.make(5, {true, 3.0f, true});
+    c.key_padding = BoolTensor({c.B, c.Tk}, 1);  // every key padded
+    c.opt.masks.key_padding.view = {c.key_padding.data(), {c.B, 1, 1, c.Tk}, {c.Tk, 0, 0, 1}};
+    const Result r = run(c, backend);
+    for (float x : r.out.values()) EXPECT_EQ(x, 0.0f);
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.Tq; ++i) EXPECT_EQ(r.lse.at({0, h, i, 0}), c.sinks[static_cast<size_t>(h)]);
+    // Gradient: out is a constant, so everything is 0 (the sink's included).
+    const Tensor d_out = random_tensor(r.out.shape(), 9);
+    SdpaOptions opt = c.opt;
+    opt.backend = backend;
+    const Tensor lse3 = Tensor({c.B, c.H, c.Tq}, std::vector<float>(r.lse.values().begin(), r.lse.values().end()));
+    const SdpaGradTensors g = sdpa_backward(c.q, c.k, c.v, r.out, d_out, lse3, opt);
+    for (const Tensor* t : {&g.dq, &g.dk, &g.dv, &g.dsinks})
+      for (float x : t->values()) EXPECT_EQ(x, 0.0f);
+  }
+}
+
+TEST(ScoreEdits, VisibleNanMakesTheRowNanOnEveryPath) {
+  for (Backend backend : {Backend::Reference, Backend::Fused}) {
+    Case c;
+    c.Tq = 4, c.Tk = 6;
+    c.make(3, {true, 2.0f, true});
+    c.q.at({0, 1, 2, 0}) = std::numeric_limits<float>::quiet_NaN();
+    const Result r = run(c, backend);
+    for (int64_t x = 0; x < c.Dv; ++x) EXPECT_TRUE(std::isnan(r.out.at({0, 1, 2, x})));
+    EXPECT_TRUE(std::isnan(r.lse.at({0, 1, 2, 0})));
+    EXPECT_FALSE(std::isnan(r.out.at({0, 1, 1, 0})));
+  }
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+struct Grads {
+  Tensor dq, dk, dv, dsinks;
+};
+
+Grads backward(const Case& c, const Tensor& d_out, Backend backend, int threads = 2) {
+  SdpaOptions opt = c.opt;
+  opt.backend = Backend::Reference;  // one forward for both backward paths
+  const SdpaResult fwd = sdpa(c.q, c.k, c.v, opt, Want::Lse);
+  opt.backend = backend;
+  opt.threads = threads;
+  SdpaGradTensors g = sdpa_backward(c.q, c.k, c.v, fwd.out, d_out, fwd.lse, opt);
+  return {std::move(g.dq), std::move(g.dk), std::move(g.dv), std::move(g.dsinks)};
+}
+
+/// L = Σ out ∘ d_out, in double through the naive forward.
+double loss(const Case& c, const Tensor& d_out) {
+  const Result r = naive(c);
+  double l = 0;
+  for (int64_t i = 0; i < d_out.numel(); ++i) l += static_cast<double>(r.out.data()[i]) * d_out.data()[i];
+  return l;
+}
+
+TEST(ScoreEditsBackward, ReferenceMatchesFiniteDifferences) {
+  for (const Edits& e : edit_kinds()) {
+    Case c;
+    c.H = 2, c.KV = 1, c.Tq = 3, c.Tk = 5, c.D = 4, c.Dv = 3;
+    c.opt.masks.causal = Causal::bottom_right();
+    c.make(21, e);
+    const Tensor d_out = random_tensor({c.B, c.H, c.Tq, c.Dv}, 22);
+    const Grads g = backward(c, d_out, Backend::Reference);
+    const float step = 1e-2f;
+    // Central differences in float inputs: error ~ step² · L''' + ε·|L| / step.
+    const double tol = 2e-3;
+    auto check = [&](Tensor& x, const Tensor& grad, const char* name) {
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        const float keep = x.data()[i];
+        x.data()[i] = keep + step;
+        const double up = loss(c, d_out);
+        x.data()[i] = keep - step;
+        const double down = loss(c, d_out);
+        x.data()[i] = keep;
+        EXPECT_NEAR(grad.data()[i], (up - down) / (2 * step), tol) << name << " " << i;
+      }
+    };
+    check(c.q, g.dq, "dq");
+    check(c.k, g.dk, "dk");
+    check(c.v, g.dv, "dv");
+    if (e.sinks) {
+      ASSERT_EQ(g.dsinks.numel(), c.H);
+      for (int64_t h = 0; h < c.H; ++h) {
+        const float keep = c.sinks[static_cast<size_t>(h)];
+        c.sinks[static_cast<size_t>(h)] = keep + step;
+        const double up = loss(c, d_out);
+        c.sinks[static_cast<size_t>(h)] = keep - step;
+        const double down = loss(c, d_out);
+        c.sinks[static_cast<size_t>(h)] = keep;
+        EXPECT_NEAR(g.dsinks.data()[h], (up - down) / (2 * step), tol) << "dsinks " << h;
+      }
+    } else {
+      EXPECT_EQ(g.dsinks.numel(), 0);
+    }
+  }
+}
+
+TEST(ScoreEditsBackward, FusedMatchesReferenceOnEveryTargetAndThreadCount) {
+  for_each_fused_target([] {
+    uint64_t seed = 300;
+    for (const Edits& e : edit_kinds())
+      for (auto [tq, tk] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {9, 13}, {65, 63}, {70, 130}})
+        for (Causal causal : {Causal::none(), Causal::bottom_right()}) {
+          Case c;
+          c.B = 2, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = 12, c.Dv = 7;
+          c.opt.masks.causal = causal;
+          c.make(seed++, e);
+          SCOPED_TRACE(::testing::Message() << "Tq " << tq << " Tk " << tk << " alibi " << e.alibi << " softcap "
+                                            << e.softcap << " sinks " << e.sinks);
+          const Tensor d_out = random_tensor({c.B, c.H, c.Tq, c.Dv}, seed++);
+          const Grads want = backward(c, d_out, Backend::Reference);
+          const Grads one = backward(c, d_out, Backend::Fused, 1);
+          // Errors grow with the score bound (through P) and the lengths summed over.
+          const double tol = kEps * (64.0 + 16.0 * c.score_bound()) * std::sqrt(static_cast<double>(tq + tk)) * 8.0;
+          EXPECT_TRUE(all_close(one.dq, want.dq, tol, tol)) << "dq";
+          EXPECT_TRUE(all_close(one.dk, want.dk, tol, tol)) << "dk";
+          EXPECT_TRUE(all_close(one.dv, want.dv, tol, tol)) << "dv";
+          EXPECT_TRUE(all_close(one.dsinks, want.dsinks, tol * c.Tq, tol)) << "dsinks";
+          for (int threads : {2, 3}) {
+            const Grads r = backward(c, d_out, Backend::Fused, threads);
+            EXPECT_TRUE(bitwise_equal(r.dq, one.dq) && bitwise_equal(r.dk, one.dk) && bitwise_equal(r.dv, one.dv) &&
+                        bitwise_equal(r.dsinks, one.dsinks))
+                << threads << " threads";
+          }
+        }
+  });
+}
+
+// ---- decode over a KV cache ----------------------------------------------------------------
+
+TEST(ScoreEditsDecode, CacheAttentionMatchesFullForwardTokenByToken) {
+  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16})
+    for (const Edits& e : edit_kinds()) {
+      Case c;
+      c.H = 4, c.KV = 2, c.Tq = 37, c.Tk = 37, c.D = 16, c.Dv = 16;
+      c.opt.masks.causal = Causal::top_left();
+      c.make(41, e);
+      if (dtype == CacheDtype::BF16) {  // values exact in bf16, so both paths see the same inputs
+        for (Tensor* t : {&c.k, &c.v})
+          for (int64_t i = 0; i < t->numel(); ++i) t->data()[i] = to_float(to_bf16(t->data()[i]));
+      }
+      SCOPED_TRACE(::testing::Message() << "bf16 " << (dtype == CacheDtype::BF16) << " alibi " << e.alibi << " softcap "
+                                        << e.softcap << " sinks " << e.sinks);
+      const Result full = run(c, Backend::Reference);
+      KvCacheConfig cc;
+      cc.batch = c.B, cc.kv_heads = c.KV, cc.head_dim = c.D, cc.capacity = c.Tk, cc.dtype = dtype;
+      KvCache cache(cc);
+      CacheAttentionOptions copt;
+      copt.alibi = c.opt.alibi, copt.softcap = c.opt.softcap, copt.sinks = c.opt.sinks;
+      copt.splits = 3;
+      for (int64_t t = 0; t < c.Tq; ++t) {
+        // Append token t's K/V, then attend query t (at position t) to positions 0 … t.
+        const Tensor kt = Tensor({c.B, c.KV, 1, c.D}), vt = Tensor({c.B, c.KV, 1, c.Dv});
+        Tensor kk = kt, vv = vt;
+        for (int64_t g = 0; g < c.KV; ++g)
+          for (int64_t x = 0; x < c.D; ++x)
+            kk.at({0, g, 0, x}) = c.k.at({0, g, t, x}), vv.at({0, g, 0, x}) = c.v.at({0, g, t, x});
+        cache.append(View4<const float>(kk.view4()), View4<const float>(vv.view4()));
+        Tensor qt({c.B, c.H, 1, c.D});
+        for (int64_t h = 0; h < c.H; ++h)
+          for (int64_t x = 0; x < c.D; ++x) qt.at({0, h, 0, x}) = c.q.at({0, h, t, x});
+        Tensor out({c.B, c.H, 1, c.Dv}), lse({c.B, c.H, 1, 1});
+        const std::vector<int64_t> start{t};
+        attend_cache(View4<const float>(qt.view4()), cache, start, copt, out.view4(), lse.view4());
+        for (int64_t h = 0; h < c.H; ++h) {
+          for (int64_t x = 0; x < c.Dv; ++x) EXPECT_NEAR(out.at({0, h, 0, x}), full.out.at({0, h, t, x}), c.out_tol());
+          EXPECT_NEAR(lse.at({0, h, 0, 0}), full.lse.at({0, h, t, 0}), c.lse_tol());
+        }
+      }
+    }
+}
+
+// ---- bad arguments -------------------------------------------------------------------------
+
+TEST(ScoreEdits, BadArgumentsAreClearErrors) {
+  Case c;
+  c.make(1, {});
+  Tensor out({c.B, c.H, c.Tq, c.Dv});
+  auto call = [&](const SdpaOptions& opt) {
+    return error_of([&] { sdpa(c.q.view4(), c.k.view4(), c.v.view4(), opt, {out.view4(), {}, {}}); });
+  };
+  const std::vector<float> three{0.5f, 0.25f, 0.125f}, two_nan{0.5f, NAN};
+  SdpaOptions opt;
+  opt.alibi.slopes = three;
+  EXPECT_NE(call(opt).find("alibi slopes has 3 entries, expected one per query head (2)"), std::string::npos)
+      << call(opt);
+  opt = {};
+  opt.alibi.slopes = two_nan;
+  EXPECT_NE(call(opt).find("alibi slope 1 is not finite"), std::string::npos) << call(opt);
+  for (float cap : {-1.0f, NAN, INFINITY}) {
+    opt = {};
+    opt.softcap = cap;
+    EXPECT_NE(call(opt).find("softcap must be a finite c > 0"), std::string::npos) << call(opt);
+  }
+  opt = {};
+  opt.sinks.logits = three;
+  EXPECT_NE(call(opt).find("sinks has 3 entries, expected one per query head (2)"), std::string::npos) << call(opt);
+  opt = {};
+  opt.sinks.logits = two_nan;
+  EXPECT_NE(call(opt).find("sink logit 1 is not finite"), std::string::npos) << call(opt);
+  // The same checks guard attention over a KV cache.
+  KvCacheConfig cc;
+  cc.batch = 1, cc.kv_heads = 1, cc.head_dim = c.D, cc.capacity = 4;
+  KvCache cache(cc);
+  CacheAttentionOptions copt;
+  copt.sinks.logits = three;
+  Tensor q1({1, 2, 1, c.D}), o1({1, 2, 1, c.D});
+  const std::string err =
+      error_of([&] { attend_cache(View4<const float>(q1.view4()), cache, {}, copt, o1.view4(), {}); });
+  EXPECT_NE(err.find("attend_cache: sinks has 3 entries"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace mha
