@@ -9,8 +9,11 @@
 #include <vector>
 
 #include "mha/kv_cache.h"
+#include "mha/module.h"
+#include "mha/safetensors.h"
 #include "mha/sdpa.h"
 #include "mha/training.h"
+#include "mha/weights.h"
 #include "support/test_support.h"
 
 namespace mha {
@@ -431,6 +434,158 @@ TEST(ScoreEdits, BadArgumentsAreClearErrors) {
   const std::string err =
       error_of([&] { attend_cache(View4<const float>(q1.view4()), cache, {}, copt, o1.view4(), {}); });
   EXPECT_NE(err.find("attend_cache: sinks has 3 entries"), std::string::npos) << err;
+}
+
+// ---- the module ------------------------------------------------------------------------------
+
+MhaConfig edited_config() {
+  MhaConfig c;
+  c.embed_dim = 24, c.num_heads = 6, c.num_kv_heads = 3;  // 6 heads: a non-power-of-two schedule
+  c.layout = Layout::BatchFirst;
+  c.alibi_slopes = alibi_slopes(6);
+  c.softcap = 2.5f;
+  c.attention_sinks = true;
+  c.scale = 0.3f;
+  return c;
+}
+
+MultiheadAttention edited_module() {
+  MultiheadAttention m(edited_config(), 5);
+  for (int64_t h = 0; h < 6; ++h) m.params().sinks.data()[h] = 0.4f * static_cast<float>(h) - 1.0f;
+  for (float& x : m.params().in_proj_bias.values()) x = 0.01f * static_cast<float>(&x - m.params().in_proj_bias.data());
+  return m;
+}
+
+TEST(ScoreEditsModule, ForwardEqualsSdpaWithTheConfigsEditsAndReturnsLse) {
+  const MultiheadAttention m = edited_module();
+  const Tensor x = random_tensor({2, 9, 24}, 61);
+  MhaForwardOptions o;
+  o.causal = Causal::top_left();
+  o.need_lse = true;
+  o.backend = Backend::Reference;
+  const MhaOutput y = m.forward(x, x, x, o);
+  ASSERT_EQ(y.lse.shape(), (Shape{2, 6, 9}));
+  // Same options through forward_train: the lse it saves is the one returned.
+  o.need_lse = false;
+  const MhaTrainOutput t = forward_train(m, x, x, x, o);
+  EXPECT_TRUE(bitwise_equal(t.output, y.output));
+  EXPECT_TRUE(bitwise_equal(t.context.lse, y.lse));
+  // The fused path agrees.
+  o.backend = Backend::Fused;
+  o.need_lse = true;
+  const MhaOutput f = m.forward(x, x, x, o);
+  EXPECT_TRUE(all_close(f.output, y.output, 1e-5, 1e-5));
+  EXPECT_TRUE(all_close(f.lse, y.lse, 1e-5, 1e-5));
+  // Each edit changes the result (so none is silently dropped).
+  for (int which = 0; which < 4; ++which) {
+    MhaConfig c = edited_config();
+    if (which == 0) c.alibi_slopes.clear();
+    if (which == 1) c.softcap = 0.0f;
+    if (which == 2) c.attention_sinks = false;
+    if (which == 3) c.scale.reset();
+    MhaParameters p = m.params();
+    if (!c.attention_sinks) p.sinks = Tensor();
+    const MultiheadAttention other(c, p);
+    EXPECT_FALSE(all_close(other.forward(x, x, x, o).output, y.output, 1e-4, 1e-4)) << which;
+  }
+  // A fully masked row (every key padded) with sinks: lse = the sink logit.
+  MhaForwardOptions pad;
+  pad.need_lse = true;
+  pad.key_padding_mask.is_padding = BoolTensor({2, 9}, 1);
+  const MhaOutput z = m.forward(x, x, x, pad);
+  for (int64_t h = 0; h < 6; ++h) EXPECT_EQ(z.lse.at({1, h, 4}), m.params().sinks.data()[h]);
+  static_assert(MultiheadAttention::deterministic());
+}
+
+TEST(ScoreEditsModule, IncrementalDecodingEqualsFullForward) {
+  const MultiheadAttention m = edited_module();
+  const int64_t T = 11;
+  const Tensor x = random_tensor({1, T, 24}, 71);
+  MhaForwardOptions o;
+  o.causal = Causal::top_left();
+  const Tensor full = m.forward(x, x, x, o).output;
+  KvCacheConfig cc;
+  cc.batch = 1, cc.kv_heads = 3, cc.head_dim = 4, cc.capacity = T;
+  KvCache cache(cc);
+  const int64_t prefill = 4;
+  for (int64_t t = 0; t < T;) {
+    const int64_t n = t == 0 ? prefill : 1;
+    Tensor in({1, n, 24});
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t e = 0; e < 24; ++e) in.at({0, i, e}) = x.at({0, t + i, e});
+    const Tensor y = m.forward_incremental(in, in, in, cache, {}).output;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t e = 0; e < 24; ++e) EXPECT_NEAR(y.at({0, i, e}), full.at({0, t + i, e}), 2e-5) << t + i;
+    t += n;
+  }
+}
+
+TEST(ScoreEditsModule, SinkGradientMatchesFiniteDifferences) {
+  MultiheadAttention m = edited_module();
+  const Tensor x = random_tensor({2, 5, 24}, 81);
+  const Tensor d_out = random_tensor({2, 5, 24}, 82);
+  MhaForwardOptions o;
+  o.causal = Causal::bottom_right();
+  const MhaTrainOutput t = forward_train(m, x, x, x, o);
+  const MhaGradients g = backward(m, t.context, d_out);
+  ASSERT_EQ(g.params.sinks.shape(), (Shape{6}));
+  auto loss = [&] {
+    const Tensor y = m.forward(x, x, x, o).output;
+    double l = 0;
+    for (int64_t i = 0; i < y.numel(); ++i) l += static_cast<double>(y.data()[i]) * d_out.data()[i];
+    return l;
+  };
+  const float step = 1e-2f;
+  for (int64_t h = 0; h < 6; ++h) {
+    float& z = m.params().sinks.data()[h];
+    const float keep = z;
+    z = keep + step;
+    const double up = loss();
+    z = keep - step;
+    const double down = loss();
+    z = keep;
+    EXPECT_NEAR(g.params.sinks.data()[h], (up - down) / (2 * step), 2e-3) << h;
+  }
+}
+
+TEST(ScoreEditsModule, SaveAndLoadKeepTheEditsAndTheSinks) {
+  using namespace io;
+  const MultiheadAttention m = edited_module();
+  for (WeightNames names : {WeightNames::PyTorch, WeightNames::HuggingFace}) {
+    const std::string path = testing::temp_dir() + "/edits.safetensors";
+    save_module(path, m, names);
+    const auto file = SafetensorsFile::open(path);
+    EXPECT_TRUE(file.contains("sinks"));
+    const MultiheadAttention loaded = load_module(file);
+    EXPECT_EQ(loaded.config().alibi_slopes, m.config().alibi_slopes);
+    EXPECT_EQ(loaded.config().softcap, m.config().softcap);
+    EXPECT_EQ(loaded.config().scale, m.config().scale);
+    EXPECT_TRUE(loaded.config().attention_sinks);
+    EXPECT_TRUE(bitwise_equal(loaded.params().sinks, m.params().sinks));
+  }
+  MhaConfig plain = edited_config();
+  plain.attention_sinks = false;
+  EXPECT_EQ(m.parameter_count(), parameter_count(plain) + 6);
+}
+
+TEST(ScoreEditsModule, BadConfigurationsAreClearErrors) {
+  auto err = [](MhaConfig c) { return error_of([&] { c.validate(); }); };
+  MhaConfig c = edited_config();
+  c.alibi_slopes = {0.5f};
+  EXPECT_NE(err(c).find("alibi_slopes has 1 entries, expected one per head (6)"), std::string::npos) << err(c);
+  c = edited_config();
+  c.softcap = -1.0f;
+  EXPECT_NE(err(c).find("softcap must be a finite c > 0"), std::string::npos) << err(c);
+  c = edited_config();
+  c.scale = NAN;
+  EXPECT_NE(err(c).find("scale must be finite"), std::string::npos) << err(c);
+  c = edited_config();
+  c.add_zero_attn = true;
+  EXPECT_NE(err(c).find("ALiBi needs key positions"), std::string::npos) << err(c);
+  MultiheadAttention m = edited_module();
+  m.params().sinks = Tensor({5});
+  const std::string e = error_of([&] { m.check_params(); });
+  EXPECT_NE(e.find("sinks"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -250,6 +250,13 @@ void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& cal
          " for the whole call); this machine has ", bytes_str(static_cast<double>(memory)), " of memory");
 }
 
+void set_score_options(const MhaConfig& c, const MhaParameters& params, SdpaOptions& sopt) {
+  sopt.scale = c.scale;
+  sopt.alibi.slopes = c.alibi_slopes;
+  sopt.softcap = c.softcap;
+  if (c.attention_sinks) sopt.sinks.logits = {params.sinks.data(), static_cast<size_t>(params.sinks.numel())};
+}
+
 ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
                       const Tensor& value, const MhaForwardOptions& options, PassOutputs keep) {
   module.check_params();
@@ -276,6 +283,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   sopt.backend = options.backend;
   sopt.threads = options.threads;
   if (options.mode == Mode::Training && c.dropout > 0.0f) sopt.dropout = {c.dropout, options.dropout_seed};
+  set_score_options(c, params, sopt);
   widen_module_masks(options, B, H, Tq, Tk, extra, pass.masks, sopt);
 
   // Attention: heads land directly in (N_q, h·d) rows, in the query's layout.

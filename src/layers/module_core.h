@@ -136,6 +136,10 @@ int64_t physical_memory_bytes();
 /// need 1.16 TiB …". Checked before anything is computed, instead of a bare std::bad_alloc later.
 void check_pass_memory(const char* fn, const MhaConfig& c, const ModuleCall& call, PassOutputs keep);
 
+/// The config's scale, ALiBi slopes, softcap and the sink parameters as SdpaOptions (views into
+/// `c` and `params`, which must outlive the options).
+void set_score_options(const MhaConfig& c, const MhaParameters& params, SdpaOptions& sopt);
+
 /// The whole module forward: checks, projections, RoPE at positions 0 … T − 1, extra positions,
 /// masks widened to S keys, attention, output projection.
 ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
