@@ -40,10 +40,10 @@ struct MhaConfig {
   /// prune_heads (mha/prune.h); W_Q is then (h·d, E) and W_O (E, h·d).
   int64_t head_dim_override = 0;
   /// Softmax scale; default 1/√d (d of Q/K).
-  std::optional<float> scale;
+  std::optional<float> scale{};
   /// ALiBi slopes, one per query head (alibi_slopes(num_heads) for the standard schedule); empty =
   /// off. Not with add_bias_kv / add_zero_attn (their appended keys have no position).
-  std::vector<float> alibi_slopes;
+  std::vector<float> alibi_slopes{};
   /// Logit softcap c > 0: scores s → c·tanh(s/c) after scaling, before masks (Gemma 2); 0 = off.
   float softcap = 0.0f;
   /// Learned attention sinks (gpt-oss): one logit per query head, the parameter `sinks` (h), that
@@ -78,7 +78,7 @@ struct MhaParameters {
   Tensor bias_v;           ///< (1, 1, kv·d) when add_bias_kv
   Tensor out_proj_weight;  ///< (E, h·d)
   Tensor out_proj_bias;    ///< (E) when bias
-  Tensor sinks;            ///< (h) when attention_sinks: sink logit per query head (zeros at init)
+  Tensor sinks{};          ///< (h) when attention_sinks: sink logit per query head (zeros at init)
 };
 
 /// attn_mask: (T_q, T_k) or (B·h, T_q, T_k). Exactly one of the two members is set.
@@ -133,7 +133,7 @@ struct MhaOutput {
   Tensor output;        ///< same layout as query: (T_q, B, E), (B, T_q, E) or (T_q, E)
   Tensor attn_weights;  ///< (B, h, T_q, S) per head or (B, T_q, S) averaged; no B when unbatched.
                         ///< S = T_k (+1 with add_bias_kv, +1 with add_zero_attn). Empty unless asked.
-  Tensor lse;           ///< (B, h, T_q), or (h, T_q) unbatched, when need_lse: −inf for a fully
+  Tensor lse{};         ///< (B, h, T_q), or (h, T_q) unbatched, when need_lse: −inf for a fully
                         ///< masked row without sinks. Empty unless asked.
 };
 

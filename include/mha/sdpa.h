@@ -38,11 +38,11 @@ struct SdpaOptions {
   std::optional<float> scale;  ///< default 1/√d (d of Q/K, not of V)
   Masks masks;
   Dropout dropout;
-  Alibi alibi;           ///< ALiBi slopes, one per query head (mha/masks.h); off when empty
-  float softcap = 0.0f;  ///< c > 0: scores s → c·tanh(s/c) after scaling, before masks; 0 = off
-  AttentionSinks sinks;  ///< learned sink logit per query head (mha/masks.h); off when empty
   Backend backend = Backend::Auto;
-  int threads = 0;  ///< 0 = library default (mha/threads.h)
+  int threads = 0;         ///< 0 = library default (mha/threads.h)
+  Alibi alibi{};           ///< ALiBi slopes, one per query head (mha/masks.h); off when empty
+  float softcap = 0.0f;    ///< c > 0: scores s → c·tanh(s/c) after scaling, before masks; 0 = off
+  AttentionSinks sinks{};  ///< learned sink logit per query head (mha/masks.h); off when empty
 };
 
 /// Where the results go. `out` is required; `weights` (B, h, T_q, T_k) and `lse` (B, h, T_q, 1)
