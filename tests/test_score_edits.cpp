@@ -616,58 +616,61 @@ TEST(ScoreEditsModule, BadConfigurationsAreClearErrors) {
 // ---- PyTorch goldens (tests/golden/generate_score_edits.py) ----------------------------------
 
 TEST(ScoreEditsGolden, EveryPathMatchesPyTorchAutograd) {
-  for (const char* name : {"alibi_causal_gqa", "softcap_noncausal", "sinks_causal", "all_edits_decode_shape"}) {
-    SCOPED_TRACE(name);
-    const io::SafetensorsFile f =
-        io::SafetensorsFile::open(std::string(MHA_GOLDEN_DIR) + "/edits/" + name + ".safetensors");
-    const Tensor q = f.read_f32("q"), k = f.read_f32("k"), v = f.read_f32("v"), d_out = f.read_f32("d_out");
-    const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2);
-    std::vector<float> slopes, sinks;
-    SdpaOptions opt;
-    if (f.contains("slopes")) {
-      const Tensor t = f.read_f32("slopes");
-      slopes.assign(t.data(), t.data() + t.numel());
-      EXPECT_EQ(slopes, alibi_slopes(H)) << "the standard schedule is BLOOM's";
-      opt.alibi.slopes = slopes;
-    }
-    if (f.contains("sinks")) {
-      const Tensor t = f.read_f32("sinks");
-      sinks.assign(t.data(), t.data() + t.numel());
-      opt.sinks.logits = sinks;
-    }
-    opt.softcap = std::stof(f.metadata().at("softcap"));
-    const bool causal = f.metadata().at("causal") == "true";
-    if (causal) opt.masks.causal = Causal::bottom_right();
-    const Tensor want_out = f.read_f32("out"), want_lse = f.read_f32("lse");
-    // float32 against float64: a few ε of the score bound (|s| ≤ 4·√d·4 here) per element.
-    const double tol = 2e-5;
-    for (Backend backend : {Backend::Reference, Backend::Fused}) {
-      opt.backend = backend;
-      const SdpaResult r = sdpa(q, k, v, opt, Want::Lse);
-      EXPECT_TRUE(all_close(r.out, want_out, tol, tol)) << "out";
-      EXPECT_TRUE(all_close(r.lse, want_lse, tol, tol)) << "lse";
-      const SdpaGradTensors g = sdpa_backward(q, k, v, r.out, d_out, r.lse, opt);
-      EXPECT_TRUE(all_close(g.dq, f.read_f32("dq"), 1e-4, 1e-4)) << "dq";
-      EXPECT_TRUE(all_close(g.dk, f.read_f32("dk"), 1e-4, 1e-4)) << "dk";
-      EXPECT_TRUE(all_close(g.dv, f.read_f32("dv"), 1e-4, 1e-4)) << "dv";
-      if (!sinks.empty()) {
-        EXPECT_TRUE(all_close(g.dsinks, f.read_f32("dsinks"), 1e-4, 1e-4)) << "dsinks";
+  // On every SIMD target: the fused kernels and decode dispatch to it.
+  for_each_fused_target([] {
+    for (const char* name : {"alibi_causal_gqa", "softcap_noncausal", "sinks_causal", "all_edits_decode_shape"}) {
+      SCOPED_TRACE(name);
+      const io::SafetensorsFile f =
+          io::SafetensorsFile::open(std::string(MHA_GOLDEN_DIR) + "/edits/" + name + ".safetensors");
+      const Tensor q = f.read_f32("q"), k = f.read_f32("k"), v = f.read_f32("v"), d_out = f.read_f32("d_out");
+      const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2);
+      std::vector<float> slopes, sinks;
+      SdpaOptions opt;
+      if (f.contains("slopes")) {
+        const Tensor t = f.read_f32("slopes");
+        slopes.assign(t.data(), t.data() + t.numel());
+        EXPECT_EQ(slopes, alibi_slopes(H)) << "the standard schedule is BLOOM's";
+        opt.alibi.slopes = slopes;
       }
+      if (f.contains("sinks")) {
+        const Tensor t = f.read_f32("sinks");
+        sinks.assign(t.data(), t.data() + t.numel());
+        opt.sinks.logits = sinks;
+      }
+      opt.softcap = std::stof(f.metadata().at("softcap"));
+      const bool causal = f.metadata().at("causal") == "true";
+      if (causal) opt.masks.causal = Causal::bottom_right();
+      const Tensor want_out = f.read_f32("out"), want_lse = f.read_f32("lse");
+      // float32 against float64: a few ε of the score bound (|s| ≤ 4·√d·4 here) per element.
+      const double tol = 2e-5;
+      for (Backend backend : {Backend::Reference, Backend::Fused}) {
+        opt.backend = backend;
+        const SdpaResult r = sdpa(q, k, v, opt, Want::Lse);
+        EXPECT_TRUE(all_close(r.out, want_out, tol, tol)) << "out";
+        EXPECT_TRUE(all_close(r.lse, want_lse, tol, tol)) << "lse";
+        const SdpaGradTensors g = sdpa_backward(q, k, v, r.out, d_out, r.lse, opt);
+        EXPECT_TRUE(all_close(g.dq, f.read_f32("dq"), 1e-4, 1e-4)) << "dq";
+        EXPECT_TRUE(all_close(g.dk, f.read_f32("dk"), 1e-4, 1e-4)) << "dk";
+        EXPECT_TRUE(all_close(g.dv, f.read_f32("dv"), 1e-4, 1e-4)) << "dv";
+        if (!sinks.empty()) {
+          EXPECT_TRUE(all_close(g.dsinks, f.read_f32("dsinks"), 1e-4, 1e-4)) << "dsinks";
+        }
+      }
+      // Decode: the keys in a cache, the queries at positions T_k − T_q … T_k − 1.
+      if (!causal) continue;
+      KvCacheConfig cc;
+      cc.batch = B, cc.kv_heads = k.size(1), cc.head_dim = k.size(3), cc.capacity = Tk;
+      KvCache cache(cc);
+      cache.append(View4<const float>(k.view4()), View4<const float>(v.view4()));
+      CacheAttentionOptions copt;
+      copt.alibi = opt.alibi, copt.softcap = opt.softcap, copt.sinks = opt.sinks;
+      Tensor out({B, H, Tq, v.size(3)}), lse({B, H, Tq, 1});
+      const std::vector<int64_t> start(static_cast<size_t>(B), Tk - Tq);
+      attend_cache(View4<const float>(q.view4()), cache, start, copt, out.view4(), lse.view4());
+      EXPECT_TRUE(all_close(out, want_out, tol, tol)) << "decode out";
+      EXPECT_TRUE(all_close(lse.reshaped({B, H, Tq}), want_lse, tol, tol)) << "decode lse";
     }
-    // Decode: the keys in a cache, the queries at positions T_k − T_q … T_k − 1.
-    if (!causal) continue;
-    KvCacheConfig cc;
-    cc.batch = B, cc.kv_heads = k.size(1), cc.head_dim = k.size(3), cc.capacity = Tk;
-    KvCache cache(cc);
-    cache.append(View4<const float>(k.view4()), View4<const float>(v.view4()));
-    CacheAttentionOptions copt;
-    copt.alibi = opt.alibi, copt.softcap = opt.softcap, copt.sinks = opt.sinks;
-    Tensor out({B, H, Tq, v.size(3)}), lse({B, H, Tq, 1});
-    const std::vector<int64_t> start(static_cast<size_t>(B), Tk - Tq);
-    attend_cache(View4<const float>(q.view4()), cache, start, copt, out.view4(), lse.view4());
-    EXPECT_TRUE(all_close(out, want_out, tol, tol)) << "decode out";
-    EXPECT_TRUE(all_close(lse.reshaped({B, H, Tq}), want_lse, tol, tol)) << "decode lse";
-  }
+  });
 }
 
 // ---- the CLI -----------------------------------------------------------------------------------
