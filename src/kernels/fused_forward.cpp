@@ -20,6 +20,9 @@
 // window edge, or any block when a per-element mask is given, are masked element by element with
 // key_hidden(), the rule the reference uses. Padded keys (and keys whose key_bias is −inf) are
 // packed as zeros without reading K or V, and their scores are −inf.
+// Score edits (kernels/score_edits.h) cost nothing when off: softcap and ALiBi take a second
+// vector loop over S (a vector tanh; ALiBi's distances from an iota), and a sink enters only the
+// final normalisation of each row (m, l and O rescaled once).
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
