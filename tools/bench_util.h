@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -40,6 +41,9 @@ struct BenchConfig {
   Pass pass = Pass::Forward;
   NeedWeights need_weights = NeedWeights::None;  ///< module forward only
   int threads = 0;                               ///< 0 = library default
+  bool alibi = false;                            ///< --alibi: the standard slopes for h heads
+  float softcap = 0.0f;                          ///< --softcap C
+  bool sinks = false;                            ///< --sinks: one (zero) sink logit per head
 
   int64_t t_k() const { return kv_seq > 0 ? kv_seq : seq; }
   int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
@@ -59,6 +63,7 @@ inline void validate(const BenchConfig& c) {
   if (c.embed_dim % c.heads != 0) fail("bench: --heads ", c.heads, " must divide --embed-dim ", c.embed_dim);
   if (c.heads % c.kv() != 0) fail("bench: --kv-heads ", c.kv(), " must divide --heads ", c.heads);
   if (c.threads < 0) fail("bench: --threads must be ≥ 1, got ", c.threads);
+  if (!std::isfinite(c.softcap) || c.softcap < 0.0f) fail("bench: --softcap must be a finite C > 0, got ", c.softcap);
 }
 
 /// 4·B·h·T_q·T_k·d, halved when causal.
@@ -125,6 +130,26 @@ inline Tensor random_tensor(Shape shape, uint64_t seed) {
   return t;
 }
 
+/// --alibi / --softcap / --sinks as SdpaOptions; the slopes and sinks live in `store`.
+struct EditStore {
+  std::vector<float> slopes, sinks;
+};
+inline void apply_edits(const BenchConfig& c, EditStore& store, SdpaOptions& opt) {
+  if (c.alibi) store.slopes = alibi_slopes(c.heads);
+  if (c.sinks) store.sinks.assign(static_cast<size_t>(c.heads), 0.0f);
+  opt.alibi.slopes = store.slopes;
+  opt.softcap = c.softcap;
+  opt.sinks.logits = store.sinks;
+}
+/// The edits in words, for the report line ("" when none).
+inline std::string edits_str(const BenchConfig& c) {
+  std::string s;
+  if (c.alibi) s += " alibi";
+  if (c.softcap > 0) s += " softcap=" + std::to_string(c.softcap);
+  if (c.sinks) s += " sinks";
+  return s;
+}
+
 /// The attention core alone: sdpa on contiguous (B, h, T_q, d) and (B, kv, T_k, d) tensors.
 class CoreCase {
  public:
@@ -141,6 +166,7 @@ class CoreCase {
     }
     opt_.masks.causal = c.causal ? Causal::top_left() : Causal::none();
     opt_.threads = c.threads;
+    apply_edits(c, edits_, opt_);
   }
 
   void run() {
@@ -172,6 +198,7 @@ class CoreCase {
   BenchConfig c_;
   Tensor q_, k_, v_, out_;
   BF16Tensor q16_, k16_, v16_;
+  EditStore edits_;
   SdpaOptions opt_;
 };
 
@@ -210,6 +237,8 @@ class ModuleCase {
     SdpaOptions sopt;
     sopt.masks.causal = opt_.causal;
     sopt.threads = c_.threads;
+    EditStore store;
+    apply_edits(c_, store, sopt);
     SdpaOutputs outs;
     outs.out = View4<float>{&dummy, {c_.batch, c_.heads, c_.seq, d}, {c_.seq * E, d, E, 1}};
     if (c_.need_weights == NeedWeights::PerHead)
@@ -226,6 +255,9 @@ class ModuleCase {
     m.num_heads = c.heads;
     m.num_kv_heads = c.kv_heads;
     m.layout = Layout::BatchFirst;
+    if (c.alibi) m.alibi_slopes = alibi_slopes(c.heads);
+    m.softcap = c.softcap;
+    m.attention_sinks = c.sinks;
     return m;
   }
 
@@ -249,6 +281,7 @@ class CoreBackwardCase {
     d_out_ = random_tensor({c.batch, c.heads, c.seq, d}, 4);
     opt_.masks.causal = c.causal ? Causal::top_left() : Causal::none();
     opt_.threads = c.threads;
+    apply_edits(c, edits_, opt_);
     SdpaResult fwd = sdpa(q_, k_, v_, opt_, Want::Lse);
     out_ = std::move(fwd.out);
     lse_ = std::move(fwd.lse);
@@ -259,6 +292,7 @@ class CoreBackwardCase {
  private:
   BenchConfig c_;
   Tensor q_, k_, v_, out_, d_out_, lse_;
+  EditStore edits_;
   SdpaOptions opt_;
   SdpaGradTensors grads_;
 };

@@ -234,11 +234,12 @@ void run_bench(BenchArgs a) {
                      : c.need_weights == NeedWeights::Averaged ? "module forward with averaged weights"
                                                                : "module forward";
   std::fprintf(stderr,
-               "bench: %s, B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s dtype=%s threads=%d, "
+               "bench: %s, B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s%s dtype=%s threads=%d, "
                "warm-up + %d runs\n",
                what, static_cast<long long>(c.batch), static_cast<long long>(c.seq), static_cast<long long>(c.t_k()),
                static_cast<long long>(c.embed_dim), static_cast<long long>(c.heads), static_cast<long long>(c.kv()),
-               static_cast<long long>(c.head_dim()), yes_no(c.causal), a.dtype.c_str(), threads, a.repeat);
+               static_cast<long long>(c.head_dim()), yes_no(c.causal), bench::edits_str(c).c_str(), a.dtype.c_str(),
+               threads, a.repeat);
   std::fprintf(stderr, "bench: sdpa dispatch: %s\n", dispatch.c_str());
   // The FMA peak before and after the timed runs: a neighbour's load that changes the machine
   // in between shows as a drop (peak_ratio_after_before well below 1: discard the run).
@@ -277,7 +278,8 @@ void run_bench(BenchArgs a) {
     j["pass"] = a.backward ? "backward" : "forward";
     j["batch"] = c.batch, j["seq"] = c.seq, j["kv_seq"] = c.t_k(), j["embed_dim"] = c.embed_dim;
     j["heads"] = c.heads, j["kv_heads"] = c.kv(), j["head_dim"] = c.head_dim();
-    j["causal"] = c.causal, j["dtype"] = a.dtype, j["threads"] = threads, j["repeat"] = a.repeat;
+    j["causal"] = c.causal, j["alibi"] = c.alibi, j["softcap"] = c.softcap, j["sinks"] = c.sinks;
+    j["dtype"] = a.dtype, j["threads"] = threads, j["repeat"] = a.repeat;
     j["need_weights"] = a.need_weights;
     j["dispatch"] = dispatch;
     j["times_ms"] = ms;
@@ -306,10 +308,11 @@ void run_bench(BenchArgs a) {
     std::printf("%s\n", j.dump().c_str());
     return;
   }
-  std::printf("%s: B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s dtype=%s threads=%d\n", what,
+  std::printf("%s: B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s%s dtype=%s threads=%d\n", what,
               static_cast<long long>(c.batch), static_cast<long long>(c.seq), static_cast<long long>(c.t_k()),
               static_cast<long long>(c.embed_dim), static_cast<long long>(c.heads), static_cast<long long>(c.kv()),
-              static_cast<long long>(c.head_dim()), yes_no(c.causal), a.dtype.c_str(), threads);
+              static_cast<long long>(c.head_dim()), yes_no(c.causal), bench::edits_str(c).c_str(), a.dtype.c_str(),
+              threads);
   std::printf("  dispatch          %s\n", dispatch.c_str());
   std::printf("  median            %.3f ms over %d runs\n", med, a.repeat);
   std::printf("  throughput        %.2f GFLOP/s (%.3g GFLOP per run)\n", gflops, flops * 1e-9);
@@ -341,6 +344,9 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--heads,-H", c.heads, "query heads h (must divide E) (required)");
   cmd->add_option("--kv-heads", c.kv_heads, "key/value heads (GQA; must divide h; default h)");
   cmd->add_flag("--causal", c.causal, "top-left causal mask (PyTorch's is_causal)");
+  cmd->add_flag("--alibi", c.alibi, "ALiBi with the standard slopes for h heads");
+  cmd->add_option("--softcap", c.softcap, "logit softcap C > 0: scores s -> C*tanh(s/C) (0 = off)");
+  cmd->add_flag("--sinks", c.sinks, "one learned attention-sink logit per head (zeros)");
   cmd->add_option("--dtype", a->dtype, "f32 or bf16 (bf16: --core only, when the library has it)");
   cmd->add_option("--threads", c.threads, "threads for attention and BLAS (default: library default)");
   cmd->add_option("--repeat,-r", a->repeat, "timed runs after one warm-up (default 5)");

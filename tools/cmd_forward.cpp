@@ -39,7 +39,8 @@ void run_forward(const ForwardArgs& a) {
   io::SafetensorsWriter writer;
   writer.add_ref("output", out.output);
   if (need_weights) writer.add_ref("attn_weights", out.attn_weights);
-  const int64_t out_bytes = 4 * (out.output.numel() + out.attn_weights.numel());
+  if (opt.need_lse) writer.add_ref("lse", out.lse);
+  const int64_t out_bytes = 4 * (out.output.numel() + out.attn_weights.numel() + out.lse.numel());
   io::SafetensorsWriter::Progress progress;
   if (out_bytes >= kProgressBytes) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -62,9 +63,12 @@ static void add_forward_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "forward",
       "Run the module forward on inputs from a safetensors file and write `output` (and `attn_weights` when the "
-      "weights file's metadata says need_weights=true) to a float32 safetensors file.\n"
+      "weights file's metadata says need_weights=true, and `lse` (B, h, T_q) when need_lse=true) to a float32 "
+      "safetensors file.\n"
       "The configuration comes from the weights file's __metadata__ (embed_dim, num_heads, num_kv_heads, kdim, "
-      "vdim, bias, add_bias_kv, add_zero_attn, batch_first, need_weights, average_attn_weights, is_causal); "
+      "vdim, bias, add_bias_kv, add_zero_attn, batch_first, need_weights, average_attn_weights, is_causal, "
+      "need_lse, scale, softcap, alibi_slopes (comma-separated, one per head), attention_sinks (then the "
+      "weights hold `sinks`, one logit per head)); "
       "weights under PyTorch or Hugging Face names. Inputs: query, key, value, and optional attn_mask (BOOL: true "
       "= may NOT attend, PyTorch's convention; F32: added) and key_padding_mask (BOOL: true = padding; F32: added).\n"
       "Packed variable-length batch: 2-D query (total_q, E) / key / value (total_k, ·) with I32 or I64 offset "

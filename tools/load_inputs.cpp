@@ -99,6 +99,7 @@ LoadedInputs load_inputs(const io::SafetensorsFile& weights, const std::string& 
   }
   in.need_weights = metadata_flag(meta, "need_weights", false);
   in.average = metadata_flag(meta, "average_attn_weights", true);
+  opt.need_lse = metadata_flag(meta, "need_lse", false);
   return in;
 }
 

@@ -23,6 +23,7 @@
 #include <span>
 #include <vector>
 
+#include "mha/masks.h"
 #include "mha/tensor.h"
 
 namespace mha {
@@ -121,7 +122,10 @@ struct CacheAttentionOptions {
   /// (max, sum, partial output) are merged exactly by log-sum-exp. 0 = chosen from the shapes
   /// alone. The result depends on the split count but never on the thread count.
   int splits = 0;
-  int threads = 0;  ///< 0 = mha::num_threads()
+  int threads = 0;         ///< 0 = mha::num_threads()
+  Alibi alibi{};           ///< ALiBi slopes per query head, by absolute positions (mha/masks.h)
+  float softcap = 0.0f;    ///< c > 0: s → c·tanh(s/c); 0 = off
+  AttentionSinks sinks{};  ///< sink logit per query head (the returned lse includes it)
 };
 
 /// Causal attention of q (B, h, T_q, d) against everything `cache` holds: row t of batch b is at

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,16 @@ struct MhaConfig {
   /// d; 0 means embed_dim / num_heads (which must then divide). Set when h·d ≠ E, e.g. after
   /// prune_heads (mha/prune.h); W_Q is then (h·d, E) and W_O (E, h·d).
   int64_t head_dim_override = 0;
+  /// Softmax scale; default 1/√d (d of Q/K).
+  std::optional<float> scale{};
+  /// ALiBi slopes, one per query head (alibi_slopes(num_heads) for the standard schedule); empty =
+  /// off. Not with add_bias_kv / add_zero_attn (their appended keys have no position).
+  std::vector<float> alibi_slopes{};
+  /// Logit softcap c > 0: scores s → c·tanh(s/c) after scaling, before masks (Gemma 2); 0 = off.
+  float softcap = 0.0f;
+  /// Learned attention sinks (gpt-oss): one logit per query head, the parameter `sinks` (h), that
+  /// joins every row's softmax denominator without a value.
+  bool attention_sinks = false;
 
   int64_t head_dim() const {
     if (head_dim_override > 0) return head_dim_override;
@@ -69,6 +80,7 @@ struct MhaParameters {
   Tensor bias_v;           ///< (1, 1, kv·d) when add_bias_kv
   Tensor out_proj_weight;  ///< (E, h·d)
   Tensor out_proj_bias;    ///< (E) when bias
+  Tensor sinks{};          ///< (h) when attention_sinks: sink logit per query head (zeros at init)
 };
 
 /// attn_mask: (T_q, T_k) or (B·h, T_q, T_k). Exactly one of the two members is set.
@@ -109,6 +121,9 @@ struct MhaForwardOptions {
   /// another sequence, `causal` is aligned per sequence, RoPE positions restart at 0 in each.
   /// Not with attn_mask, key_padding_mask, weights, add_bias_kv / add_zero_attn or dropout.
   std::optional<VarlenBatch> packed;
+  /// Also return each row's log-sum-exp of the (scaled, edited, masked) scores in MhaOutput::lse;
+  /// it includes the sink when attention_sinks is set.
+  bool need_lse = false;
 };
 
 struct IncrementalOptions {
@@ -126,6 +141,8 @@ struct MhaOutput {
   Tensor output;        ///< same layout as query: (T_q, B, E), (B, T_q, E) or (T_q, E)
   Tensor attn_weights;  ///< (B, h, T_q, S) per head or (B, T_q, S) averaged; no B when unbatched.
                         ///< S = T_k (+1 with add_bias_kv, +1 with add_zero_attn). Empty unless asked.
+  Tensor lse{};         ///< (B, h, T_q), or (h, T_q) unbatched, when need_lse: −inf for a fully
+                        ///< masked row without sinks. Empty unless asked.
 };
 
 namespace detail {
@@ -156,6 +173,11 @@ class MultiheadAttention {
   /// Throws mha::Error if a parameter tensor is missing or has the wrong shape for the config.
   void check_params() const;
   int64_t parameter_count() const;
+  /// Always true: every forward and backward path of this library gives bitwise the same results
+  /// run after run and for any thread count (docs/semantics.md, 'Determinism'); there is no
+  /// faster non-deterministic mode to opt out of. For code written against PyTorch's
+  /// use_deterministic_algorithms.
+  static constexpr bool deterministic() { return true; }
 
   /// query (T_q, B, E) / (B, T_q, E) / (T_q, E); key (…, T_k, kdim); value (…, T_k, vdim).
   MhaOutput forward(const Tensor& query, const Tensor& key, const Tensor& value,

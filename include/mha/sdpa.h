@@ -2,6 +2,9 @@
 //
 //   out[b, i, q, :] = Σ_k P[b, i, q, k] · V[b, g(i), k, :]
 //   P = softmax_k( scale · Q[b,i,q,:]·K[b,g(i),k,:] + bias + key_bias , masked )
+// with the optional score edits (softcap c·tanh(·/c) of the scaled product, ALiBi −m_h·(q_pos −
+// k_pos), a sink logit per head in the denominator; docs/semantics.md, 'Score edits'):
+//   P = softmax_k∪sink( softcap(scale·q·k) + bias + key_bias + alibi , masked ), sink column dropped
 //
 // Shapes: Q (B, h, T_q, d), K (B, kv, T_k, d), V (B, kv, T_k, d_v), out (B, h, T_q, d_v);
 // h must be a multiple of kv and query head i reads K/V head g(i) = i / (h / kv)
@@ -42,7 +45,10 @@ struct SdpaOptions {
   Masks masks;
   Dropout dropout;
   Backend backend = Backend::Auto;
-  int threads = 0;  ///< 0 = library default (mha/threads.h)
+  int threads = 0;         ///< 0 = library default (mha/threads.h)
+  Alibi alibi{};           ///< ALiBi slopes, one per query head (mha/masks.h); off when empty
+  float softcap = 0.0f;    ///< c > 0: scores s → c·tanh(s/c) after scaling, before masks; 0 = off
+  AttentionSinks sinks{};  ///< learned sink logit per query head (mha/masks.h); off when empty
 };
 
 /// Where the results go. `out` is required; `weights` (B, h, T_q, T_k) and `lse` (B, h, T_q, 1)

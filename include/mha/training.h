@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,9 @@ struct SdpaGrads {
   View4<float> dq;
   View4<float> dk;
   View4<float> dv;
+  /// (h): ∂loss/∂(sink logit) per head, summed over batches and rows; written when opt.sinks is
+  /// set and this is not empty (then it must have h entries).
+  std::span<float> dsinks = {};
 };
 
 /// Gradients of sdpa() with respect to q, k and v, given d_out = ∂loss/∂out.
@@ -46,6 +50,7 @@ std::string sdpa_backward_dispatch_reason(View4<const float> q, View4<const floa
 /// lse (B, h, T_q) as sdpa(…, Want::Lse) returns it.
 struct SdpaGradTensors {
   Tensor dq, dk, dv;
+  Tensor dsinks = {};  ///< (h) when opt.sinks is set, else empty
 };
 SdpaGradTensors sdpa_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& d_out,
                               const Tensor& lse, const SdpaOptions& opt = {});

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -121,6 +121,31 @@ def _float_mask(name: str, m: Any, fn: str) -> np.ndarray:
     return _in_place(_broadcast4(name, _float_array(name, m, fn), fn))
 
 
+def _per_head(name: str, x: Any, fn: str) -> List[float]:
+    a = np.asarray(x)
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.number) or a.ndim != 1:
+        raise TypeError(f"{fn}: {name} must be a 1-D sequence of numbers (one per query head), got "
+                        f"{a.dtype} with shape {a.shape}")
+    return [float(v) for v in a]
+
+
+def _score_edits(fn: str, args: "_core.SdpaArgs", alibi_slopes: Any, softcap: Any, sinks: Any) -> None:
+    """ALiBi slopes, softcap and sinks onto ``args`` (lengths and values are checked by the library)."""
+    if alibi_slopes is not None:
+        args.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, fn)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{fn}: softcap must be a number, got {type(softcap).__name__}")
+    args.softcap = float(softcap)
+    if sinks is not None:
+        args.sinks = _per_head("sinks", sinks, fn)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The standard ALiBi slopes for ``num_heads`` heads (Press et al.; BLOOM's recipe when
+    ``num_heads`` is not a power of two), float32."""
+    return np.asarray(_core.alibi_slopes(int(num_heads)), dtype=np.float32)
+
+
 def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, window, dropout_p, seed,
           threads) -> "_core.SdpaArgs":
     a = _core.SdpaArgs()
@@ -199,7 +224,8 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] 
          bias: Optional[np.ndarray] = None, key_padding_mask: Optional[np.ndarray] = None,
          causal: Optional[Causal] = None, window: int = 0, dropout_p: float = 0.0, seed: int = 0,
          return_weights: bool = False, return_lse: bool = False, threads: Optional[int] = None,
-         dtype: str = "f32") -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
+         dtype: str = "f32", alibi_slopes: Optional[Any] = None, softcap: float = 0.0,
+         sinks: Optional[Any] = None) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """Scaled dot-product attention: ``softmax(scale · q kᵀ + masks) v`` per head.
 
     Args:
@@ -222,6 +248,14 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] 
         threads: worker threads for this call; None = the library default (:func:`mha.set_num_threads`).
         dtype: ``"f32"`` (default) or ``"bf16"``: q/k/v are rounded to bfloat16 on entry (a copy;
             numpy has no bfloat16), products accumulate in float32; outputs are float32.
+        alibi_slopes: ALiBi, one slope per query head (``mha.alibi_slopes(h)`` is the standard
+            schedule): adds ``−m_h·(q_pos − k_pos)`` to the scores, positions aligned like ``causal``
+            (bottom-right without it). Computed in the kernel, no (T_q, T_k) tensor.
+        softcap: ``c > 0`` caps the scaled scores, ``s → c·tanh(s/c)``, before masks/ALiBi (Gemma 2);
+            0 = off.
+        sinks: one learned sink logit per query head (gpt-oss): joins each row's softmax
+            denominator without a value; the returned lse includes it, and a fully masked row
+            gives zeros with lse = the sink.
 
     Returns:
         ``out`` (B, h, T_q, d_v) float32, or a tuple ``(out, weights?, lse?)`` with the requested extras.
@@ -242,6 +276,7 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] 
     if dtype == "bf16":
         qa, ka, va = _bf16(qa), _bf16(ka), _bf16(va)
     args = _args(fn, scale, attn_mask, allowed, bias, key_padding_mask, causal, window, dropout_p, seed, threads)
+    _score_edits(fn, args, alibi_slopes, softcap, sinks)
     out, weights, lse = _core.sdpa(qa, ka, va, args, bool(return_weights), bool(return_lse), dtype == "bf16")
     if not return_weights and not return_lse:
         return out
@@ -304,13 +339,16 @@ def sdpa_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
                   attn_mask: Union[None, Allowed, Additive, np.ndarray] = None, allowed: Optional[np.ndarray] = None,
                   bias: Optional[np.ndarray] = None, key_padding_mask: Optional[np.ndarray] = None,
                   causal: Optional[Causal] = None, window: int = 0, dropout_p: float = 0.0, seed: int = 0,
-                  threads: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  threads: Optional[int] = None, alibi_slopes: Optional[Any] = None, softcap: float = 0.0,
+                  sinks: Optional[Any] = None) -> Tuple[np.ndarray, ...]:
     """Gradients of :func:`sdpa` with respect to q, k and v, given ``d_out = ∂loss/∂out``.
 
     ``out`` and ``lse`` are what ``sdpa(q, k, v, …, return_lse=True)`` returned for the same inputs;
     every keyword (masks, causal, scale, dropout_p and seed) must be the forward's. Returns
     ``(dq, dk, dv)`` with the shapes of q, k, v (float32). For grouped-query attention dk/dv are
-    summed over each group's query heads. Same memory, GIL and error rules as :func:`sdpa`.
+    summed over each group's query heads. With ``sinks``, returns ``(dq, dk, dv, dsinks)``:
+    ``dsinks`` (h,) is the gradient of each sink logit, summed over batches and rows. Same memory,
+    GIL and error rules as :func:`sdpa`.
     """
     fn = "sdpa_backward"
     arrays = []
@@ -322,4 +360,5 @@ def sdpa_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
                          f"got shape {la.shape}")
     la = _in_place(la[..., None])
     args = _args(fn, scale, attn_mask, allowed, bias, key_padding_mask, causal, window, dropout_p, seed, threads)
+    _score_edits(fn, args, alibi_slopes, softcap, sinks)
     return _core.sdpa_backward(*arrays, la, args)

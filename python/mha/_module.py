@@ -151,7 +151,9 @@ class MultiheadAttention:
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device: Any = None, dtype: Any = None, *,
-                 num_kv_heads: Optional[int] = None, rope: Optional[Rope] = None, seed: int = 0):
+                 num_kv_heads: Optional[int] = None, rope: Optional[Rope] = None, seed: int = 0,
+                 scale: Optional[float] = None, alibi_slopes: Optional[Any] = None, softcap: float = 0.0,
+                 attention_sinks: bool = False):
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
                 raise TypeError(f"MultiheadAttention: {name} must be an int, got {type(val).__name__}")
@@ -166,6 +168,12 @@ class MultiheadAttention:
                                bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
                                int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
                                int(seed))
+        if scale is not None or alibi_slopes is not None or softcap or attention_sinks:
+            # Softmax scale (default 1/sqrt(d)), ALiBi slopes (mha.alibi_slopes(h) for the standard
+            # schedule), logit softcap c > 0, learned sink logits (parameter "sinks", zeros at init).
+            slopes = [] if alibi_slopes is None else [float(x) for x in np.asarray(alibi_slopes).ravel()]
+            self._m = self._m.with_score_options(slopes, float(softcap), bool(attention_sinks),
+                                                 None if scale is None else float(scale))
         self.training = True
         self.dropout_seed = 0
 
@@ -178,6 +186,12 @@ class MultiheadAttention:
         return m
 
     # ---- configuration, like torch's attributes ----------------------------------------------
+    @property
+    def deterministic(self) -> bool:
+        """Always True: every path gives bitwise the same results run after run and for any
+        thread count (docs/semantics.md, 'Determinism'); there is no non-deterministic mode."""
+        return True
+
     @property
     def config(self) -> Dict[str, Any]:
         """The configuration as a dict (embed_dim, num_heads, num_kv_heads, kdim, vdim, …)."""

@@ -114,6 +114,8 @@ struct SdpaArgs {
   float dropout_p = 0.0f;
   uint64_t seed = 0;
   int threads = 0;
+  std::vector<float> alibi_slopes, sinks;  // empty = off
+  float softcap = 0.0f;
 };
 
 mha::SdpaOptions make_options(const SdpaArgs& a) {
@@ -126,6 +128,9 @@ mha::SdpaOptions make_options(const SdpaArgs& a) {
   opt.masks.causal = make_causal(a.causal, a.causal_offset, a.window);
   opt.dropout = {a.dropout_p, a.seed};
   opt.threads = a.threads;
+  opt.alibi.slopes = a.alibi_slopes;  // views into `a`, which outlives the call
+  opt.softcap = a.softcap;
+  opt.sinks.logits = a.sinks;
   return opt;
 }
 
@@ -175,11 +180,16 @@ py::tuple py_sdpa_backward(const py::array& q, const py::array& k, const py::arr
   py::array_t<float> dq({qv.shape[0], qv.shape[1], qv.shape[2], qv.shape[3]});
   py::array_t<float> dk({kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[3]});
   py::array_t<float> dv({vv.shape[0], vv.shape[1], vv.shape[2], vv.shape[3]});
-  const mha::SdpaGrads grads{view_of<float>(dq, "dq"), view_of<float>(dk, "dk"), view_of<float>(dv, "dv")};
+  py::array_t<float> dsinks(static_cast<py::ssize_t>(args.sinks.size()));
+  const mha::SdpaGrads grads{view_of<float>(dq, "dq"),
+                             view_of<float>(dk, "dk"),
+                             view_of<float>(dv, "dv"),
+                             {dsinks.mutable_data(), args.sinks.size()}};
   {
     py::gil_scoped_release release;
     mha::sdpa_backward(qv, kv, vv, ov, gv, lv, opt, grads);
   }
+  if (!args.sinks.empty()) return py::make_tuple(dq, dk, dv, dsinks);
   return py::make_tuple(dq, dk, dv);
 }
 
@@ -234,14 +244,15 @@ mha::Tensor* param_slot(mha::MhaParameters& p, const std::string& name) {
   if (name == "in_proj_bias") return &p.in_proj_bias;
   if (name == "bias_k") return &p.bias_k;
   if (name == "bias_v") return &p.bias_v;
+  if (name == "sinks") return &p.sinks;
   if (name == "out_proj.weight") return &p.out_proj_weight;
   if (name == "out_proj.bias") return &p.out_proj_bias;
   mha::fail("unknown parameter name '", name, "'");
 }
 
-const std::vector<std::string> kParamNames = {"in_proj_weight", "q_proj_weight",   "k_proj_weight",
-                                              "v_proj_weight",  "in_proj_bias",    "bias_k",
-                                              "bias_v",         "out_proj.weight", "out_proj.bias"};
+const std::vector<std::string> kParamNames = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                                              "in_proj_bias",   "bias_k",        "bias_v",        "out_proj.weight",
+                                              "out_proj.bias",  "sinks"};
 
 /// The forward options, from the Python half's already-converted masks (mha polarity).
 struct ForwardArgs {
@@ -311,6 +322,10 @@ py::dict config_dict(const mha::MhaConfig& c) {
   d["dropout"] = c.dropout;
   d["batch_first"] = c.layout == mha::Layout::BatchFirst;
   d["head_dim"] = c.head_dim();
+  d["scale"] = c.scale ? py::cast(*c.scale) : py::none();
+  d["alibi_slopes"] = c.alibi_slopes.empty() ? py::none() : py::cast(c.alibi_slopes);
+  d["softcap"] = c.softcap;
+  d["attention_sinks"] = c.attention_sinks;
   if (c.rope.enabled) {
     py::dict r;
     r["theta"] = c.rope.theta;
@@ -390,7 +405,11 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("window", &SdpaArgs::window)
       .def_readwrite("dropout_p", &SdpaArgs::dropout_p)
       .def_readwrite("seed", &SdpaArgs::seed)
-      .def_readwrite("threads", &SdpaArgs::threads);
+      .def_readwrite("threads", &SdpaArgs::threads)
+      .def_readwrite("alibi_slopes", &SdpaArgs::alibi_slopes)
+      .def_readwrite("sinks", &SdpaArgs::sinks)
+      .def_readwrite("softcap", &SdpaArgs::softcap);
+  m.def("alibi_slopes", &mha::alibi_slopes);
   m.def("sdpa", &py_sdpa);
   m.def("sdpa_backward", &py_sdpa_backward);
   m.def("sdpa_varlen", &py_sdpa_varlen);
@@ -458,6 +477,20 @@ PYBIND11_MODULE(_core, m) {
             seed);
       }))
       .def("config", [](const mha::MultiheadAttention& self) { return config_dict(self.config()); })
+      // The same module with scale / ALiBi / softcap / sinks set (sinks start at 0 when added).
+      .def("with_score_options",
+           [](const mha::MultiheadAttention& self, std::vector<float> slopes, float softcap, bool sinks,
+              std::optional<float> scale) {
+             mha::MhaConfig c = self.config();
+             c.alibi_slopes = std::move(slopes);
+             c.softcap = softcap;
+             c.attention_sinks = sinks;
+             c.scale = scale;
+             mha::MhaParameters p = self.params();
+             if (!sinks) p.sinks = mha::Tensor();
+             if (sinks && p.sinks.numel() != c.num_heads) p.sinks = mha::Tensor({c.num_heads});
+             return mha::MultiheadAttention(c, std::move(p));
+           })
       .def("parameter_count", &mha::MultiheadAttention::parameter_count)
       .def("param_names",
            [](mha::MultiheadAttention& self) {

@@ -96,6 +96,11 @@ MultiheadAttention prune_heads(const MultiheadAttention& module, const std::vect
   c2.num_heads = H2;
   c2.num_kv_heads = KV2 == H2 ? 0 : KV2;
   c2.head_dim_override = d;
+  // Per-head score edits follow their heads: ALiBi slopes and sink logits of the kept heads.
+  if (!c.alibi_slopes.empty()) {
+    c2.alibi_slopes.clear();
+    for (int64_t h : q_heads) c2.alibi_slopes.push_back(c.alibi_slopes[static_cast<size_t>(h)]);
+  }
   MultiheadAttention result(c2);
   MhaParameters& q = result.params();
 
@@ -117,6 +122,8 @@ MultiheadAttention prune_heads(const MultiheadAttention& module, const std::vect
     q.in_proj_bias = gathered(p.in_proj_bias.reshaped({p.in_proj_bias.numel(), 1}), d, blocks, {(H2 + 2 * KV2) * d});
     q.out_proj_bias = p.out_proj_bias;
   }
+  if (c.attention_sinks)
+    for (int64_t n = 0; n < H2; ++n) q.sinks.data()[n] = p.sinks.data()[q_heads[static_cast<size_t>(n)]];
   if (c.add_bias_kv) {
     q.bias_k = gathered(p.bias_k.reshaped({KV * d, 1}), d, kv_heads, {1, 1, KV2 * d});
     q.bias_v = gathered(p.bias_v.reshaped({KV * d, 1}), d, kv_heads, {1, 1, KV2 * d});

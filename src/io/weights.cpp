@@ -70,6 +70,7 @@ struct Names {
   // Shared by both schemes: Hugging Face has no equivalent of PyTorch's add_bias_kv.
   static constexpr const char* bias_k = "bias_k";
   static constexpr const char* bias_v = "bias_v";
+  static constexpr const char* sinks = "sinks";  // learned attention sinks, gpt-oss's name
   // Hugging Face names.
   static constexpr const char* hf_q_weight = "q_proj.weight";
   static constexpr const char* hf_k_weight = "k_proj.weight";
@@ -173,6 +174,18 @@ MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadat
   }
   if (const auto* v = find_key(metadata, "rope_theta")) c.rope.theta = parse_real<double>(label, "rope_theta", *v);
   if (const auto* v = find_key(metadata, "rope_dims")) c.rope.dims = parse_int(label, "rope_dims", *v);
+  if (const auto* v = find_key(metadata, "scale")) c.scale = parse_real<float>(label, "scale", *v);
+  if (const auto* v = find_key(metadata, "softcap")) c.softcap = parse_real<float>(label, "softcap", *v);
+  if (const auto* v = find_key(metadata, "attention_sinks"))
+    c.attention_sinks = parse_bool(label, "attention_sinks", *v);
+  if (const auto* v = find_key(metadata, "alibi_slopes")) {  // comma-separated, one per head
+    size_t at = 0;
+    while (at <= v->size() && c.alibi_slopes.size() <= static_cast<size_t>(std::max<int64_t>(c.num_heads, 0))) {
+      const size_t comma = std::min(v->find(',', at), v->size());
+      c.alibi_slopes.push_back(parse_real<float>(label, "alibi_slopes", v->substr(at, comma - at)));
+      at = comma + 1;
+    }
+  }
   try {
     c.validate();
   } catch (const Error& e) {
@@ -198,6 +211,17 @@ std::map<std::string, std::string> metadata_from_config(const MhaConfig& config)
   if (config.kv_heads() != config.num_heads) m["num_kv_heads"] = std::to_string(config.kv_heads());
   if (config.dropout != 0.0f) m["dropout"] = shortest(config.dropout);
   if (config.head_dim_override > 0) m["head_dim"] = std::to_string(config.head_dim());
+  if (config.scale) m["scale"] = shortest(*config.scale);
+  if (config.softcap != 0.0f) m["softcap"] = shortest(config.softcap);
+  if (config.attention_sinks) m["attention_sinks"] = "true";
+  if (!config.alibi_slopes.empty()) {
+    std::string s;
+    for (float x : config.alibi_slopes) {
+      if (!s.empty()) s += ',';
+      s += shortest(x);
+    }
+    m["alibi_slopes"] = s;
+  }
   if (config.rope.enabled) {
     m["rope"] = config.rope.pairing == RopePairing::Interleaved ? "interleaved" : "half_split";
     m["rope_theta"] = shortest(config.rope.theta);
@@ -282,6 +306,10 @@ MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
   } else {
     for (const char* n : {Names::bias_k, Names::bias_v}) r.reject(n, "the configuration has add_bias_kv=false");
   }
+  if (c.attention_sinks)
+    p.sinks = r.get(Names::sinks, {h});
+  else
+    r.reject(Names::sinks, "the configuration has attention_sinks=false");
   return p;
 }
 
@@ -342,6 +370,7 @@ void add_weights(SafetensorsWriter& writer, const MultiheadAttention& module, We
     writer.add(Names::bias_k, p.bias_k);
     writer.add(Names::bias_v, p.bias_v);
   }
+  if (c.attention_sinks) writer.add(Names::sinks, p.sinks);
 }
 
 void save_module(const std::string& path, const MultiheadAttention& module, WeightNames names) {

@@ -13,6 +13,7 @@
 
 #include "kernels/common.h"
 #include "kernels/masking.h"
+#include "kernels/score_edits.h"
 #include "mha/masks.h"
 
 namespace mha::kernels {
@@ -53,6 +54,7 @@ struct SdpaParams {
   float scale = 1.0f;
   Masks masks;  // broadcast to full extents (see above)
   Dropout dropout;
+  ScoreEdits edits;          // softcap, ALiBi, sinks (kernels/score_edits.h); off by default
   View4<float> out;          // (B, h, T_q, d_v), required
   View4<float> weights;      // (B, h, T_q, T_k), optional
   View4<float> lse;          // (B, h, T_q, 1), optional
@@ -95,6 +97,12 @@ inline float additive_terms(const SdpaParams& p, int64_t b, int64_t h, int64_t i
   if (p.masks.bias.view.defined()) add += p.masks.bias.view(b, h, i, j);
   if (p.masks.key_bias.view.defined()) add += p.masks.key_bias.view(b, 0, 0, j);
   return add;
+}
+
+/// Query row i's position minus its key row index's position offset, for ALiBi: q_pos = i + this,
+/// k_pos = j. Aligned like the causal rule in use; bottom-right (T_k − T_q) without one.
+inline int64_t alibi_offset(const SdpaParams& p) {
+  return p.masks.causal.enabled() ? p.masks.causal.offset_for(p.t_q(), p.t_k()) : p.t_k() - p.t_q();
 }
 
 // ---- the reference oracle ------------------------------------------------------------------

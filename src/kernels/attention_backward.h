@@ -9,6 +9,9 @@
 //   dv_j += p̃_j do_i            dp̃_j = do_i·v_j         dp_j = dp̃_j · keep_ij / (1 − p_drop)
 //   D_i   = Σ_j p_j dp_j = do_i·o_i
 //   ds_j  = p_j (dp_j − D_i)    dq_i = scale Σ_j ds_j k_j     dk_j += scale ds_j q_i
+// Score edits (kernels/score_edits.h): with softcap, ds_j is multiplied by 1 − tanh²(t_j / c)
+// before the two products; ALiBi is an additive term (no gradient); a sink z (in lse) gives
+//   dz = −Σ_{b,i} exp(z − lse_i) · D_i.
 // Same masks, broadcast rules and workspace conventions as kernels/attention.h.
 #pragma once
 
@@ -27,6 +30,7 @@ struct SdpaBackwardParams {
   View4<float> dq;          // (B, h, T_q, d)
   View4<float> dk;          // (B, kv, T_k, d)
   View4<float> dv;          // (B, kv, T_k, d_v)
+  float* dsinks = nullptr;  // (h): ∂L/∂(sink logit) when fwd.edits.sinks is set, else unused (may be null)
 };
 
 // ---- the reference oracle: plain loops, double accumulation, single-threaded ----------------

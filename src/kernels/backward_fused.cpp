@@ -64,16 +64,17 @@ inline int64_t block_rows(const SdpaParams& f) {
 
 /// One thread's scratch (offsets in floats, each region 64-byte aligned).
 struct Scratch {
-  int64_t s = 0, p = 0, pt = 0, k = 0, v = 0, dk = 0, dv = 0, total = 0;
+  int64_t s = 0, p = 0, pt = 0, cap = 0, k = 0, v = 0, dk = 0, dv = 0, total = 0;
 };
 
 inline Scratch scratch_for(const SdpaParams& f) {
   Scratch L;
   ScratchCarver c;
   const int64_t br = block_rows(f);
-  L.s = c.take(br * kBc);   // scores, then dS
-  L.p = c.take(br * kBc);   // P (before dropout)
-  L.pt = c.take(br * kBc);  // P̃ (after dropout) and dP
+  L.s = c.take(br * kBc);                           // scores, then dS
+  L.p = c.take(br * kBc);                           // P (before dropout)
+  L.pt = c.take(br * kBc);                          // P̃ (after dropout) and dP
+  L.cap = c.take(f.edits.capped() ? br * kBc : 0);  // softcap: 1 − tanh²(t / c) per score
   L.k = c.take(kBc * f.d());
   L.v = c.take(kBc * f.d_v());
   L.dk = c.take(kBc * f.d());
@@ -95,6 +96,8 @@ struct Ctx {
   int64_t br = 64, n_qblocks = 0, n_kblocks = 0;
   CausalRule causal;
   bool element_masks = false;  // allowed / bias / key_bias: every block is masked element by element
+  bool edit_scores = false;    // softcap or ALiBi: every score is edited (kernels/score_edits.h)
+  int64_t alibi_offset = 0;
   float keep_scale = 1.0f;
   const float* rowdot = nullptr;  // D = rowsum(dO ∘ O), (B, h, T_q) contiguous
 };
@@ -232,13 +235,38 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd).
   sgemm(Trans::No, Trans::Yes, nr, nc, D, f.scale, q, ldq, job.k, job.ldk, 0.0f, s, kBc, /*threads=*/1);
   for (int64_t r = 0; r < nr; ++r) std::fill(s + r * kBc + nc, s + r * kBc + cols, kNegInf);
-  if (vis == TileVis::Partial || cx.element_masks || job.padded)
+  const bool masked = vis == TileVis::Partial || cx.element_masks || job.padded;
+  if (masked && !cx.edit_scores)
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t i = job.i0 + r, j = job.j0 + c;
         float& x = s[r * kBc + c];
         x = key_hidden(f, job.b, job.h, i, j, cx.causal.offset) ? kNegInf : x + additive_terms(f, job.b, job.h, i, j);
       }
+  // Score edits, as the forward forms them: s = c·tanh(t/c) + additive terms + ALiBi, keeping
+  // ds/dt = 1 − tanh²(t/c) for the softcap's backward below (0 for hidden keys).
+  float* cap = ws + cx.L.cap;
+  if (cx.edit_scores) {
+    const float c_cap = f.edits.softcap;
+    const float slope = f.edits.alibi() ? f.edits.alibi_slopes[job.h] : 0.0f;
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t i = job.i0 + r, j = job.j0 + c;
+        float& x = s[r * kBc + c];
+        if (masked && key_hidden(f, job.b, job.h, i, j, cx.causal.offset)) {
+          x = kNegInf;
+          if (f.edits.capped()) cap[r * kBc + c] = 0.0f;
+          continue;
+        }
+        if (f.edits.capped()) {
+          const float u = std::tanh(x / c_cap);
+          cap[r * kBc + c] = 1.0f - u * u;
+          x = c_cap * u;
+        }
+        if (masked) x += additive_terms(f, job.b, job.h, i, j);
+        if (f.edits.alibi()) x += alibi_bias(slope, i + cx.alibi_offset, j);
+      }
+  }
   // Forward "softmax": P = exp(S − lse).
   probabilities(s, lse, nr, cols, prob);
   // Forward "out = P̃ V": dP̃ = dO Vᵀ (into pt), then dropout's keep/(1 − p) on both P̃ and dP.
@@ -259,6 +287,10 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   if (dv_acc) sgemm(Trans::Yes, Trans::No, nc, Dv, nr, 1.0f, p_used, kBc, dout, lddo, 1.0f, dv_acc, Dv, /*threads=*/1);
   // Softmax backward: dS = P ∘ (dP − D) (into s: P̃ has been used).
   score_grads(prob, pt, cx.rowdot + (job.b * f.heads() + job.h) * f.t_q() + job.i0, nr, cols, s);
+  // Softcap: s = c·tanh(t/c)  ⇒  dT = dS ∘ (1 − tanh²(t/c)), the gradient the products need.
+  if (f.edits.capped())
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < nc; ++c) s[r * kBc + c] *= cap[r * kBc + c];
   // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
   if (dk_acc) sgemm(Trans::Yes, Trans::No, nc, D, nr, f.scale, s, kBc, q, ldq, 1.0f, dk_acc, D, /*threads=*/1);
   if (want_dq)
@@ -353,11 +385,25 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   cx.causal = CausalRule::of(f.masks.causal, Tq, Tk);
   cx.element_masks = f.masks.allowed.view.defined() || f.masks.bias.view.defined() || f.masks.key_bias.view.defined();
   cx.keep_scale = f.dropout.active() ? 1.0f / (1.0f - f.dropout.p) : 1.0f;
+  cx.edit_scores = f.edits.capped() || f.edits.alibi();
+  cx.alibi_offset = alibi_offset(f);
   float* rowdot = plan.shared_part(workspace);
   cx.rowdot = rowdot;
   row_dots(p, rowdot, threads);
+  // The sink z_h: dz_h = −Σ_{b,i} exp(z_h − lse_i) · D_i, summed in a fixed order (any thread
+  // count gives the same bits). A fully masked row has D = 0; a NaN row gives NaN.
+  if (f.edits.sinks && p.dsinks)
+    for (int64_t h = 0; h < H; ++h) {
+      double acc = 0.0;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < Tq; ++i) {
+          const double pz = std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(b, h, i, 0));
+          acc -= pz * rowdot[(b * H + h) * Tq + i];
+        }
+      p.dsinks[h] = static_cast<float>(acc);
+    }
 
-  // dQ accumulates over key blocks: start from 0 (fully masked rows stay 0).
+    // dQ accumulates over key blocks: start from 0 (fully masked rows stay 0).
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t i = 0; i < Tq; ++i) std::fill(p.dq.row(bh / H, bh % H, i), p.dq.row(bh / H, bh % H, i) + D, 0.0f);

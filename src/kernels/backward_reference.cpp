@@ -9,6 +9,7 @@
 // softmax is recomputed from scratch in double exactly as kernels/reference.cpp forms it, so this
 // path needs neither out nor lse and stays independent of the kernel it checks. Steps cite the
 // forward lines (reference.cpp) they differentiate.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -22,7 +23,7 @@ namespace mha::kernels {
 
 size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
   const SdpaParams& f = p.fwd;
-  return static_cast<size_t>(f.t_k() * (2 + f.d() + f.d_v()));
+  return static_cast<size_t>(f.t_k() * (3 + f.d() + f.d_v()) + f.heads());
 }
 
 void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
@@ -39,10 +40,14 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
   const int64_t group = f.group();
   const int64_t causal_offset = f.masks.causal.offset_for(Tq, Tk);
   const double keep_scale = f.dropout.active() ? 1.0 / (1.0 - static_cast<double>(f.dropout.p)) : 1.0;
-  double* prob = workspace;          // (T_k): p_j of the current row, before dropout
-  double* dprob = prob + Tk;         // (T_k): dp_j = ∂L/∂p_j
-  double* dk_acc = dprob + Tk;       // (T_k, d)
-  double* dv_acc = dk_acc + Tk * D;  // (T_k, d_v)
+  double* prob = workspace;             // (T_k): p_j of the current row, before dropout
+  double* dprob = prob + Tk;            // (T_k): dp_j = ∂L/∂p_j
+  double* dk_acc = dprob + Tk;          // (T_k, d)
+  double* dv_acc = dk_acc + Tk * D;     // (T_k, d_v)
+  double* cap_grad = dv_acc + Tk * Dv;  // (T_k): 1 − tanh²(t_j / c) with softcap
+  double* dsink_acc = cap_grad + Tk;    // (h): d(sink logit), summed over batches and rows
+  const int64_t alibi_off = alibi_offset(f);
+  for (int64_t h = 0; h < f.heads(); ++h) dsink_acc[h] = 0.0;
 
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < KV; ++g) {
@@ -59,7 +64,16 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             if (key_hidden(f, b, h, i, j, causal_offset)) continue;
             double dot = 0.0;
             for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
-            prob[j] = static_cast<double>(f.scale) * dot + additive_terms(f, b, h, i, j);
+            // Score edits as in the forward: t = scale·q·k, s = c·tanh(t/c), + biases, + ALiBi.
+            double t = static_cast<double>(f.scale) * dot;
+            if (f.edits.capped()) {
+              const double u = std::tanh(t / static_cast<double>(f.edits.softcap));
+              t = static_cast<double>(f.edits.softcap) * u;
+              cap_grad[j] = 1.0 - u * u;  // ds/dt
+            }
+            prob[j] = t + additive_terms(f, b, h, i, j);
+            if (f.edits.alibi())
+              prob[j] += static_cast<double>(f.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
             row_max = std::max(row_max, prob[j]);
             row_nan = row_nan || std::isnan(prob[j]);
           }
@@ -71,7 +85,10 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             for (int64_t c = 0; c < D; ++c) p.dq(b, h, i, c) = 0.0f;
             continue;
           }
-          double sum = 0.0;
+          // A sink z joins the denominator: p_j = exp(s_j) / (exp(z) + Σ_k exp(s_k)).
+          const double sink = f.edits.sinks ? static_cast<double>(f.edits.sinks[h]) : kNegInfDouble;
+          row_max = std::max(row_max, sink);
+          double sum = f.edits.sinks ? std::exp(sink - row_max) : 0.0;
           for (int64_t j = 0; j < Tk; ++j)
             if (prob[j] != kNegInfDouble) sum += std::exp(prob[j] - row_max);
           for (int64_t j = 0; j < Tk; ++j) prob[j] = prob[j] == kNegInfDouble ? 0.0 : std::exp(prob[j] - row_max) / sum;
@@ -96,16 +113,23 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             row_dot += prob[j] * dprob[j];
           }
           // Softmax (step 3): p_j = exp(s_j) / Σ_k exp(s_k)  ⇒  ds_j = p_j (dp_j − Σ_k p_k dp_k).
-          // Step 1: s_j = scale · q_i·k_j + add  ⇒  dq_i = scale Σ_j ds_j k_j,  dk_j += scale ds_j q_i.
+          // The sink has no value (dp_sink = 0): dz = p_sink (0 − Σ_k p_k dp_k).
+          if (f.edits.sinks && p.dsinks) dsink_acc[h] -= std::exp(sink - row_max) / sum * row_dot;
+          // Softcap: s = c·tanh(t/c)  ⇒  dt_j = ds_j (1 − tanh²(t_j/c)).
+          const auto dt = [&](int64_t j) {
+            const double ds = prob[j] * (dprob[j] - row_dot);
+            return f.edits.capped() ? ds * cap_grad[j] : ds;
+          };
+          // Step 1: t_j = scale · q_i·k_j  ⇒  dq_i = scale Σ_j dt_j k_j,  dk_j += scale dt_j q_i.
           for (int64_t c = 0; c < D; ++c) {
             double acc = 0.0;
             for (int64_t j = 0; j < Tk; ++j)
-              if (prob[j] != 0.0) acc += prob[j] * (dprob[j] - row_dot) * k(b, g, j, c);
+              if (prob[j] != 0.0) acc += dt(j) * k(b, g, j, c);
             p.dq(b, h, i, c) = static_cast<float>(static_cast<double>(f.scale) * acc);
           }
           for (int64_t j = 0; j < Tk; ++j) {
             if (prob[j] == 0.0) continue;
-            const double ds = static_cast<double>(f.scale) * prob[j] * (dprob[j] - row_dot);
+            const double ds = static_cast<double>(f.scale) * dt(j);
             for (int64_t c = 0; c < D; ++c) dk_acc[j * D + c] += ds * q(b, h, i, c);
           }
         }
@@ -116,6 +140,8 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
       }
     }
   }
+  if (p.dsinks)
+    for (int64_t h = 0; h < f.heads(); ++h) p.dsinks[h] = static_cast<float>(dsink_acc[h]);
 }
 
 }  // namespace mha::kernels

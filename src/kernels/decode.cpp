@@ -302,6 +302,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   const T* keys[kBlock];
   const T* vals[kBlock];
   const auto neg_inf = hn::Set(df, kNegInf);
+  const bool edit_scores = p.edits.capped() || p.edits.alibi();
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
     const int64_t nb = std::min(kBlock, it.hi - p0);
     for (int64_t j = 0; j < nb; ++j) {
@@ -326,6 +327,16 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
+      if (edit_scores) {
+        // Score edits (kernels/score_edits.h): c·tanh(t/c), then ALiBi's m·(k_pos − q_pos) by
+        // absolute positions; hidden keys become −inf below.
+        const auto vslope = hn::Set(df, p.edits.alibi() ? p.edits.alibi_slopes[it.g * G + rr / it.tq] : 0.0f);
+        const float dist0 = static_cast<float>(p0 - qpos);
+        if (p.edits.capped())
+          for (int64_t j = 0; j < nb; ++j) s[j] = softcap_score(s[j], p.edits.softcap);
+        for (int64_t j = 0; j < nb; j += L)
+          hn::StoreU(hn::MulAdd(vslope, hn::Iota(df, dist0 + static_cast<float>(j)), hn::LoadU(df, s + j)), df, s + j);
+      }
       if (!all_visible)
         for (int64_t j = 0; j < nb; ++j) {
           if (!causal.sees(qpos, p0 + j)) s[j] = kNegInf;
@@ -413,6 +424,9 @@ void decode_attention(const DecodeParams& p, float* workspace) {
         const int64_t head = it.g * pl.group + r / it.tq, query = it.t0 + r % it.tq;
         float M = kNegInf;
         for (int64_t s = 0; s < pl.splits; ++s) M = std::max(M, first[s * part + r]);
+        // A sink z joins the merge as one more term with l = 1 and no value.
+        const float sink = p.edits.sinks ? p.edits.sinks[head] : kNegInf;
+        M = std::max(M, sink);
         float* out = p.out.row(it.b, head, query);
         const int64_t os = p.out.stride[3];
         if (M == kNegInf) {  // no visible key: zeros, lse −inf (docs/semantics.md, 'Fully masked rows')
@@ -420,7 +434,7 @@ void decode_attention(const DecodeParams& p, float* workspace) {
           if (p.lse.defined()) p.lse(it.b, head, query, 0) = kNegInf;
           continue;
         }
-        double Lsum = 0.0;
+        double Lsum = p.edits.sinks ? static_cast<double>(std::exp(sink - M)) : 0.0;
         for (int64_t x = 0; x < p.d_v; ++x) out[x * os] = 0.0f;
         for (int64_t s = 0; s < pl.splits; ++s) {
           const float* ps = first + s * part;

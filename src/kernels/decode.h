@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/common.h"
+#include "kernels/score_edits.h"
 #include "mha/rope.h"
 #include "mha/tensor.h"
 
@@ -44,7 +45,8 @@ struct DecodeParams {
   // which then starts at or after `sinks`) and visible to every later query whatever the window.
   int64_t sinks = 0;
   float scale = 1.0f;
-  int splits = 1;  // ≥ 1, independent of threads
+  ScoreEdits edits;  // softcap, ALiBi (by absolute positions), sinks (kernels/score_edits.h)
+  int splits = 1;    // ≥ 1, independent of threads
   int threads = 1;
   View4<float> out;  // (B, h, T_q, d_v)
   View4<float> lse;  // (B, h, T_q, 1), optional

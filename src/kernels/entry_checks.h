@@ -22,7 +22,7 @@ int64_t numel(const View& v) {
 /// Data present unless the view has no elements.
 template <class View>
 bool has_data(const View& v) {
-  return numel(v) == 0 || !v.empty();
+  return numel(v) == 0 || v.data != nullptr;
 }
 
 template <class View>

@@ -23,6 +23,9 @@
 // rows times the keys they may see and taken longest first (run_varlen): work is Σ T_q·T_k over
 // the sequences, never the padded B·max². Padded keys (and keys whose key_bias is −inf) are
 // packed as zeros without reading K or V, and their scores are −inf.
+// Score edits (kernels/score_edits.h) cost nothing when off: softcap and ALiBi take a second
+// vector loop over S (a vector tanh; ALiBi's distances from an iota), and a sink enters only the
+// final normalisation of each row (m, l and O rescaled once).
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
@@ -122,7 +125,9 @@ struct Ctx {
   CausalRule causal;
   int64_t q_blocks = 0;
   float keep_scale = 1.0f;
-  bool weights = false;  // weights (per head and/or averaged) are written: two passes per item
+  bool weights = false;      // weights (per head and/or averaged) are written: two passes per item
+  bool edit_scores = false;  // softcap or ALiBi: the scores take the edited path
+  int64_t alibi_offset = 0;  // q_pos = row + this (kernels/attention.h, alibi_offset)
 };
 
 }  // namespace mha::kernels::fused
@@ -139,6 +144,7 @@ struct Ctx {
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/exp-inl.h"
+#include "hwy/contrib/math/math-inl.h"
 // clang-format on
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -366,13 +372,31 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     float* row = s + r * kBk;
     const int64_t i = i0 + r;
     VF vmax = vneg_inf;
-    for (int64_t v = 0; v < nvec; ++v) {
-      // A key never read (kb = −inf: padding, key_bias −inf, or past the block) scores exactly −inf,
-      // even when Q holds NaN or ±inf (their product with its zero-packed K row would be NaN).
-      const VF kbv = hn::LoadU(df, kb + v * N);
-      const VF x = hn::IfThenElse(hn::Eq(kbv, vneg_inf), kbv, hn::MulAdd(hn::LoadU(df, row + v * N), vscale, kbv));
-      vmax = hn::Max(vmax, x);
-      hn::StoreU(x, df, row + v * N);
+    if (HWY_LIKELY(!cx.edit_scores)) {
+      for (int64_t v = 0; v < nvec; ++v) {
+        // A key never read (kb = −inf: padding, key_bias −inf, or past the block) scores exactly −inf,
+        // even when Q holds NaN or ±inf (their product with its zero-packed K row would be NaN).
+        const VF kbv = hn::LoadU(df, kb + v * N);
+        const VF x = hn::IfThenElse(hn::Eq(kbv, vneg_inf), kbv, hn::MulAdd(hn::LoadU(df, row + v * N), vscale, kbv));
+        vmax = hn::Max(vmax, x);
+        hn::StoreU(x, df, row + v * N);
+      }
+    } else {
+      // Score edits (kernels/score_edits.h): c·tanh(t/c) of the scaled product, then the key
+      // bias and ALiBi's m·(k_pos − q_pos), the distance formed exactly in float lanes.
+      const bool capped = p.edits.capped();
+      const VF vcap = hn::Set(df, capped ? p.edits.softcap : 1.0f);
+      const VF vslope = hn::Set(df, p.edits.alibi() ? p.edits.alibi_slopes[h] : 0.0f);
+      const float dist0 = static_cast<float>(j0 - (i + cx.alibi_offset));
+      for (int64_t v = 0; v < nvec; ++v) {
+        const VF kbv = hn::LoadU(df, kb + v * N);
+        VF t = hn::Mul(hn::LoadU(df, row + v * N), vscale);
+        if (capped) t = hn::Mul(vcap, hn::Tanh(df, hn::Div(t, vcap)));
+        t = hn::MulAdd(vslope, hn::Iota(df, dist0 + static_cast<float>(v * N)), hn::Add(t, kbv));
+        const VF x = hn::IfThenElse(hn::Eq(kbv, vneg_inf), kbv, t);
+        vmax = hn::Max(vmax, x);
+        hn::StoreU(x, df, row + v * N);
+      }
     }
     if (elementwise) {
       const bool has_bias = p.masks.bias.view.defined();
@@ -416,6 +440,16 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     std::memset(s + r * kBk, 0, sizeof(float) * static_cast<size_t>(kBk));
     alpha[r] = 0.0f;
   }
+}
+
+/// The sink z joins a row's softmax denominator: m' = max(m, z), l' = l·e^{m−m'} + e^{z−m'}, and
+/// an output accumulated against m is rescaled by e^{m−m'}. A row that saw no key gets l' = 1
+/// (output 0, lse = z); a NaN row stays NaN.
+inline void add_sink(float z, float& m, float& l, float& rescale) {
+  const float m_new = std::max(m, z);
+  rescale = m == kNegInf ? 0.0f : std::exp(m - m_new);
+  l = l * rescale + std::exp(z - m_new);
+  m = std::isnan(l) ? m : m_new;
 }
 
 // ---- attention weights (second pass) -------------------------------------------------------
@@ -615,6 +649,16 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       }
     }
   }
+  // With weights and sinks, the sink joins m and l now, so that the second pass writes the final
+  // probabilities and accumulates P·V with them.
+  if (cx.weights && p.edits.sinks) {
+    for (int64_t hh = 0; hh < group; ++hh) {
+      float* m = ws + L.m + hh * kRowsPad;
+      float* l = ws + L.l + hh * kRowsPad;
+      float rescale = 1.0f;
+      for (int64_t r = 0; r < nq; ++r) add_sink(p.edits.sinks[g * group + hh], m[r], l[r], rescale);
+    }
+  }
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
     const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
     pack_block(j0, nk, true);
@@ -655,17 +699,20 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     for (int64_t r = 0; r < nq; ++r) {
       float* dst = cx.out.row(b, h, i0 + r);
       const int64_t os = cx.out.stride[3];
-      const bool empty_row = l[r] == 0.0f;
-      if (cx.weights) {  // P was normalised in the second pass
+      if (cx.weights) {  // P was normalised in the second pass, by an l that holds the sink already
+        const bool empty_row = l[r] == 0.0f;
         finish_weights_row(cx, b, h, i0 + r, keys, l[r]);
         const float fill = std::isnan(l[r]) ? kNaN : 0.0f;
         for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row || fill != 0.0f ? fill : oh[r * ldv + c];
         if (cx.lse.defined()) cx.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
         continue;
       }
-      const float inv = empty_row ? 0.0f : cx.keep_scale / l[r];
+      float mr = m[r], lr = l[r], rescale = 1.0f;
+      if (p.edits.sinks) add_sink(p.edits.sinks[h], mr, lr, rescale);
+      const bool empty_row = lr == 0.0f;
+      const float inv = empty_row ? 0.0f : cx.keep_scale * rescale / lr;
       for (int64_t c = 0; c < Dv; ++c) dst[c * os] = empty_row ? 0.0f : oh[r * ldv + c] * inv;
-      if (cx.lse.defined()) cx.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : m[r] + std::log(l[r]);
+      if (cx.lse.defined()) cx.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : mr + std::log(lr);
     }
   }
 }
@@ -709,6 +756,8 @@ Ctx<T> sequence_ctx(const Ctx<T>& whole, int64_t s) {
   cx.lse = rows_of(whole.lse, q0, cx.t_q);
   cx.causal = CausalRule::of(p.masks.causal, cx.t_q, cx.t_k);
   cx.q_blocks = (cx.t_q + kBq - 1) / kBq;
+  // ALiBi's query positions follow the causal alignment of this sequence's own lengths.
+  cx.alibi_offset = p.masks.causal.enabled() ? p.masks.causal.offset_for(cx.t_q, cx.t_k) : cx.t_k - cx.t_q;
   return cx;
 }
 
@@ -768,6 +817,8 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.q_blocks = (p.t_q() + kBq - 1) / kBq;
   cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
   cx.weights = p.weights.defined() || p.weights_avg.defined();
+  cx.edit_scores = p.edits.capped() || p.edits.alibi();
+  cx.alibi_offset = alibi_offset(p);
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
   const bool dot = kMayDot && cpu_has_bf16_dot();
   if (p.varlen.defined()) return run_varlen(cx, workspace, dot);  // no weights with a packed batch

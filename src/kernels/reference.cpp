@@ -5,6 +5,7 @@
 // gives ('Scores and the order of operations'): scale, add the additive terms, mask, softmax
 // (max subtracted), dropout, weighted sum.
 // Dot products and sums accumulate in double so this stays the most accurate path we have.
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/attention.h"
@@ -25,6 +26,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
   const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k(), D = p.d(), Dv = p.d_v();
   const int64_t group = p.group();
   const int64_t causal_offset = p.masks.causal.offset_for(Tq, Tk);
+  const int64_t alibi_off = alibi_offset(p);
   float* scores = workspace;  // (T_k): one row of scores, then of probabilities
 
   for (int64_t b = 0; b < B; ++b) {
@@ -44,7 +46,12 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           double dot = 0.0;
           for (int64_t c = 0; c < D; ++c)
             dot += static_cast<double>(to_f32(q_row[c * q.stride[3]])) * to_f32(k_row[c * k.stride[3]]);
-          const double s = static_cast<double>(p.scale) * dot + additive_terms(p, b, h, i, j);
+          // Score edits (kernels/score_edits.h): softcap the scaled product, then add the biases.
+          double s = static_cast<double>(p.scale) * dot;
+          if (p.edits.capped()) s = softcap_score(s, static_cast<double>(p.edits.softcap));
+          s += additive_terms(p, b, h, i, j);
+          if (p.edits.alibi())
+            s += static_cast<double>(p.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
           scores[j] = static_cast<float>(s);
           if (scores[j] > row_max) row_max = scores[j];
           row_nan = row_nan || std::isnan(scores[j]);
@@ -59,16 +66,19 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           if (p.lse.defined()) p.lse(b, h, i, 0) = kNaN;
           continue;
         }
-        // 2. A row with no visible key gives zeros and lse = −inf (docs/semantics.md, 'Fully masked rows').
+        // 2. A row with no visible key gives zeros and lse = −inf (docs/semantics.md, 'Fully masked
+        // rows'); with a sink, the sink takes all the mass: zeros and lse = the sink logit.
+        const double sink = p.edits.sinks ? static_cast<double>(p.edits.sinks[h]) : kNegInfDouble;
         if (row_max == kNegInfDouble) {
           for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = 0.0f;
           if (p.weights.defined())
             for (int64_t j = 0; j < Tk; ++j) p.weights(b, h, i, j) = 0.0f;
-          if (p.lse.defined()) p.lse(b, h, i, 0) = kNegInf;
+          if (p.lse.defined()) p.lse(b, h, i, 0) = static_cast<float>(sink);
           continue;
         }
-        // 3. Softmax with the maximum subtracted.
-        double sum = 0.0;
+        // 3. Softmax with the maximum subtracted; a sink joins the denominator only.
+        row_max = std::max(row_max, sink);
+        double sum = p.edits.sinks ? std::exp(sink - row_max) : 0.0;
         for (int64_t j = 0; j < Tk; ++j) {
           if (scores[j] == kNegInf) continue;
           sum += std::exp(static_cast<double>(scores[j]) - row_max);

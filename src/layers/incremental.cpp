@@ -76,6 +76,10 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   const View4<float> out = call.q_rows.heads(heads.data(), H * d, 0, H, d);
   SdpaOptions sopt;
   sopt.masks.causal = Causal::top_left().with_window(options.window);
+  // Scale, ALiBi (relative distance: top-left among the new tokens, absolute positions over the
+  // cache) and softcap on both parts; the sinks join the new part only, so that the merge below
+  // counts each sink once.
+  detail::set_score_options(c, params_, sopt);
   sopt.backend = options.backend;
   sopt.threads = options.threads;
   BoolTensor padding, sink_allowed;
@@ -116,6 +120,9 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
     copt.window = options.window;
     copt.splits = options.splits;
     copt.threads = options.threads;
+    copt.scale = c.scale;
+    copt.alibi = sopt.alibi;
+    copt.softcap = c.softcap;
     attend_cache(View4<const float>(Q), cache, start, copt, out_cached.view4(),
                  contiguous_view(lse_cached.data(), B, H, T, 1));
     for (int64_t b = 0; b < B; ++b)

@@ -224,6 +224,8 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   if (options.window < 0) fail("attend_cache: window must be ≥ 0 (0 = unlimited), got ", options.window);
   if (options.splits < 0) fail("attend_cache: splits must be ≥ 0 (0 = auto), got ", options.splits);
   if (options.scale && !std::isfinite(*options.scale)) fail("attend_cache: scale must be finite, got ", *options.scale);
+  const kernels::ScoreEdits edits =
+      detail::check_score_edits("attend_cache", H, options.alibi, options.softcap, options.sinks);
   if (B * H * Tq == 0) return;
   if (!q.defined() || !out.defined()) fail("attend_cache: query or output has no data");
 
@@ -252,6 +254,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.q_start = start.data();
   p.window = options.window;
   p.scale = detail::resolve_scale(options.scale, d);
+  p.edits = edits;
   p.splits = options.splits > 0 ? options.splits : auto_cache_splits(B, c.kv_heads, (H / c.kv_heads) * Tq, longest);
   p.threads = resolve_threads(options.threads);
   p.out = out;

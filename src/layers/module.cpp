@@ -42,6 +42,7 @@ int64_t checked_parameter_count(const MhaConfig& c) {
   (void)checked_mul(rows, E, what);  // the packed in_proj_weight
   if (c.bias) n = checked_add(n, checked_add(rows, E, what), what);
   if (c.add_bias_kv) n = checked_add(n, checked_mul(2, kvd, what), what);
+  if (c.attention_sinks) n = checked_add(n, h, what);
   return n;
 }
 
@@ -62,6 +63,17 @@ void MhaConfig::validate() const {
   if (vdim < 0) fail("MhaConfig: vdim must be ≥ 1 (or 0 for embed_dim), got ", vdim);
   if (!(dropout >= 0.0f && dropout < 1.0f)) fail("MhaConfig: dropout must be in [0, 1), got ", dropout);
   if (rope.enabled) rope.validate(head_dim());
+  if (scale && !std::isfinite(*scale)) fail("MhaConfig: scale must be finite, got ", *scale);
+  if (!std::isfinite(softcap) || softcap < 0.0f)
+    fail("MhaConfig: softcap must be a finite c > 0 (or 0 = off), got ", softcap);
+  if (!alibi_slopes.empty()) {
+    if (static_cast<int64_t>(alibi_slopes.size()) != num_heads)
+      fail("MhaConfig: alibi_slopes has ", alibi_slopes.size(), " entries, expected one per head (", num_heads, ")");
+    for (float m : alibi_slopes)
+      if (!std::isfinite(m)) fail("MhaConfig: alibi slope ", m, " is not finite");
+    if (add_bias_kv || add_zero_attn)
+      fail("MhaConfig: ALiBi needs key positions; add_bias_kv / add_zero_attn append keys that have none");
+  }
   // Configurations come from files' metadata too: every size the module derives from one must fit
   // in int64, so that in_proj_rows(), the parameter shapes and parameter_count() need no checks.
   (void)checked_parameter_count(*this);
@@ -120,6 +132,7 @@ MultiheadAttention::MultiheadAttention(const MhaConfig& config, uint64_t init_se
     for (float& x : params_.bias_k.values()) x = static_cast<float>(rng.normal() * sd);
     for (float& x : params_.bias_v.values()) x = static_cast<float>(rng.normal() * sd);
   }
+  if (config_.attention_sinks) params_.sinks = Tensor({h});  // zeros: every sink starts at logit 0
 }
 
 MultiheadAttention::MultiheadAttention(const MhaConfig& config, MhaParameters params)
@@ -147,6 +160,7 @@ void MultiheadAttention::check_params() const {
     check_shape(params_.bias_k, {1, 1, kv * d}, "bias_k");
     check_shape(params_.bias_v, {1, 1, kv * d}, "bias_v");
   }
+  if (c.attention_sinks) check_shape(params_.sinks, {h}, "sinks");
 }
 
 int64_t MultiheadAttention::parameter_count() const { return mha::parameter_count(config_); }
@@ -156,9 +170,12 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
   detail::PassOutputs keep;
   keep.weights = options.need_weights == NeedWeights::PerHead;
   keep.averaged_weights = options.need_weights == NeedWeights::Averaged;
+  keep.lse = options.need_lse;
   detail::ModulePass pass = detail::run_module(kFwd, *this, query, key, value, options, keep, scratch_.pool.get());
   MhaOutput result;
   result.output = std::move(pass.output);
+  if (options.need_lse)
+    result.lse = pass.call.unbatched ? pass.lse.reshaped({config_.num_heads, pass.call.t_q()}) : std::move(pass.lse);
 
   // Attention weights, per head or averaged over heads.
   const int64_t B = pass.call.batch(), Tq = pass.call.t_q(), H = config_.num_heads;

@@ -56,6 +56,7 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
   ctx.key_bias = std::move(pass.masks.key_bias);
   ctx.sdpa_options = pass.sdpa_options;
   ctx.packed = options.packed;
+  ctx.sdpa_options.alibi.slopes = ctx.config.alibi_slopes;  // the context's own copy
   return result;
 }
 
@@ -98,8 +99,13 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   float* dk_rows = dqkv.data() + plan.k;
   float* dv_rows = dqkv.data() + plan.v;
   Tensor dk_ext, dv_ext;
-  SdpaGrads grads{plan.q_heads(dqkv.data(), call, c), plan.k_heads(dqkv.data(), call, c),
-                  plan.v_heads(dqkv.data(), call, c)};
+  SdpaGrads grads{
+      plan.q_heads(dqkv.data(), call, c), plan.k_heads(dqkv.data(), call, c), plan.v_heads(dqkv.data(), call, c), {}};
+  // Sinks: p_j = e^{s_j} / (e^{z_h} + Σ e^{s_k})  ⇒  d sinks from the SDPA backward.
+  if (c.attention_sinks) {
+    gp.sinks = Tensor({H});
+    grads.dsinks = {gp.sinks.data(), static_cast<size_t>(H)};
+  }
   if (extra > 0) {
     dk_ext = Tensor({B, KV, S, d});
     dv_ext = Tensor({B, KV, S, d});

@@ -274,9 +274,18 @@ void check_packed(const char* fn, const MhaConfig& c, const ModuleCall& call, co
          ": a packed batch takes no attn_mask or key_padding_mask (the sequences' offsets say what each token sees)");
   if (options.need_weights != NeedWeights::None) fail(fn, ": attention weights are not returned for a packed batch");
   if (c.add_bias_kv || c.add_zero_attn) fail(fn, ": add_bias_kv / add_zero_attn are not supported with a packed batch");
+  if (!c.alibi_slopes.empty() || c.softcap != 0.0f || c.attention_sinks)
+    fail(fn, ": ALiBi, softcap and attention sinks are not supported with a packed batch yet");
   if (options.mode == Mode::Training && c.dropout > 0.0f)
     fail(fn, ": dropout is not supported with a packed batch (the module's dropout is ", c.dropout, ")");
   check_varlen(fn, *options.packed, call.t_q(), call.t_k());
+}
+
+void set_score_options(const MhaConfig& c, const MhaParameters& params, SdpaOptions& sopt) {
+  sopt.scale = c.scale;
+  sopt.alibi.slopes = c.alibi_slopes;
+  sopt.softcap = c.softcap;
+  if (c.attention_sinks) sopt.sinks.logits = {params.sinks.data(), static_cast<size_t>(params.sinks.numel())};
 }
 
 ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
@@ -309,6 +318,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   sopt.backend = options.backend;
   sopt.threads = options.threads;
   if (options.mode == Mode::Training && c.dropout > 0.0f) sopt.dropout = {c.dropout, options.dropout_seed};
+  set_score_options(c, params, sopt);
   widen_module_masks(options, B, H, Tq, Tk, extra, pass.masks, sopt);
 
   // Attention: heads land directly in (N_q, h·d) rows, in the query's layout (sdpa writes every one).

@@ -149,6 +149,10 @@ void rope_per_sequence(View4<float> x, const Rope& rope, const SeqOffsets& cu,
 /// Checks a packed module call (MhaForwardOptions::packed) against the config and options.
 void check_packed(const char* fn, const MhaConfig& c, const ModuleCall& call, const MhaForwardOptions& options);
 
+/// The config's scale, ALiBi slopes, softcap and the sink parameters as SdpaOptions (views into
+/// `c` and `params`, which must outlive the options).
+void set_score_options(const MhaConfig& c, const MhaParameters& params, SdpaOptions& sopt);
+
 /// The whole module forward: checks, projections, RoPE at positions 0 … T − 1, extra positions,
 /// masks widened to S keys, attention, output projection. With a pool, the projections and heads
 /// live in buffers checked out of it (returned when the pass ends); without, the pass owns them.

@@ -41,6 +41,11 @@ kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float>
 
   p.out = out, p.dout = d_out, p.lse = lse;
   p.dq = grads.dq, p.dk = grads.dk, p.dv = grads.dv;
+  if (opt.sinks.enabled() && !grads.dsinks.empty()) {
+    if (static_cast<int64_t>(grads.dsinks.size()) != q.shape[1])
+      fail(kBwd, ": dsinks has ", grads.dsinks.size(), " entries, expected one per query head (", q.shape[1], ")");
+    p.dsinks = grads.dsinks.data();
+  }
   return p;
 }
 
@@ -106,7 +111,7 @@ std::string sdpa_backward_dispatch_reason(View4<const float> q, View4<const floa
   const auto like = [&](const View4<const float>& x) {
     return contiguous_view(&dummy, x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
   };
-  const SdpaGrads g{like(q), like(k), like(v)};
+  const SdpaGrads g{like(q), like(k), like(v), {}};
   const kernels::SdpaBackwardParams p = make_params(q, k, v, o, o, l, opt, g);
   std::string why;
   use_fused(p, opt.backend, &why);
@@ -122,10 +127,15 @@ SdpaGradTensors sdpa_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   const Shape want_lse{q.size(0), q.size(1), q.size(2)};
   if (lse.shape() != want_lse)
     fail(kBwd, ": lse has shape ", shape_str(lse.shape()), ", expected ", shape_str(want_lse), " (B, h, T_q)");
-  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape())};
+  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape()), Tensor()};
+  std::span<float> dsinks;
+  if (opt.sinks.enabled()) {
+    g.dsinks = Tensor({static_cast<int64_t>(opt.sinks.logits.size())});
+    dsinks = {g.dsinks.data(), static_cast<size_t>(g.dsinks.numel())};
+  }
   const View4<const float> lse_view = contiguous_view(lse.data(), want_lse[0], want_lse[1], want_lse[2], int64_t{1});
   sdpa_backward(q.view4(), k.view4(), v.view4(), out.view4(), d_out.view4(), lse_view, opt,
-                {g.dq.view4(), g.dk.view4(), g.dv.view4()});
+                {g.dq.view4(), g.dk.view4(), g.dv.view4(), dsinks});
   return g;
 }
 

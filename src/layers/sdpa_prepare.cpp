@@ -90,6 +90,7 @@ kernels::SdpaParams prepare(const char* fn, View4<const T> q, View4<const T> k, 
   p.masks.key_padding.view = broadcast_to(fn, opt.masks.key_padding.view, per_key, "key padding");
   p.masks.key_bias.view = broadcast_to(fn, opt.masks.key_bias.view, per_key, "key bias");
   p.dropout = opt.dropout;
+  p.edits = check_score_edits(fn, q.shape[1], opt.alibi, opt.softcap, opt.sinks);
   p.out = outputs.out;
   p.weights = outputs.weights;
   p.lse = outputs.lse;
@@ -126,7 +127,10 @@ void attach_varlen(const char* fn, kernels::SdpaParams& p, const VarlenBatch& se
          ": a packed batch takes only a causal mask (allowed, additive, key padding and key bias masks index a "
          "padded (B, T) layout)");
   if (opt.dropout.active()) fail(fn, ": dropout is not supported on a packed batch (p = ", opt.dropout.p, ")");
-  if (p.weights.defined()) fail(fn, ": attention weights are not returned for a packed batch");
+  if (p.weights.defined() || p.weights_avg.defined())
+    fail(fn, ": attention weights are not returned for a packed batch");
+  if (opt.alibi.enabled() || opt.softcap != 0.0f || opt.sinks.enabled())
+    fail(fn, ": ALiBi, softcap and attention sinks are not supported on a packed batch yet");
   check_varlen(fn, seqs, p.q.shape[2], p.k.shape[2]);
   p.varlen.cu_q = seqs.cu_seqlens_q.values().data();
   p.varlen.cu_k = seqs.cu_seqlens_k.values().data();

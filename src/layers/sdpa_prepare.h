@@ -31,6 +31,11 @@ kernels::SdpaParams prepare_sdpa(const char* fn, View4<const bf16> q, View4<cons
 /// weights are asked for; then points p.varlen at the offsets (which must outlive p).
 void attach_varlen(const char* fn, kernels::SdpaParams& p, const VarlenBatch& seqs, const SdpaOptions& opt);
 
+/// Checks ALiBi slopes, softcap and sinks against `heads` query heads (lengths, finiteness, c ≥ 0)
+/// and returns them as the kernels take them. Throws mha::Error prefixed with `fn`.
+kernels::ScoreEdits check_score_edits(const char* fn, int64_t heads, const Alibi& alibi, float softcap,
+                                      const AttentionSinks& sinks);
+
 /// Whether to run the fused kernel: false for Backend::Reference; for Auto, whether the fused
 /// kernel supports the request (`fused_ok`, else `reason` says what it lacks); Backend::Fused on
 /// an unsupported request throws. *why (if given) gets "fused: supported" or "reference: …".

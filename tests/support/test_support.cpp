@@ -65,6 +65,7 @@ std::vector<std::pair<std::string, const Tensor*>> named_parameters(const MhaPar
           {"in_proj_bias", &p.in_proj_bias},
           {"bias_k", &p.bias_k},
           {"bias_v", &p.bias_v},
+          {"sinks", &p.sinks},
           {"out_proj.weight", &p.out_proj_weight},
           {"out_proj.bias", &p.out_proj_bias}};
 }
