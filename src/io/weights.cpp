@@ -8,6 +8,7 @@
 #include <charconv>
 #include <sstream>
 #include <system_error>
+#include <type_traits>
 
 namespace mha::io {
 
@@ -20,14 +21,21 @@ const std::string* find_key(const std::map<std::string, std::string>& metadata, 
   return it == metadata.end() ? nullptr : &it->second;
 }
 
-int64_t parse_int(const std::string& label, const std::string& key, const std::string& value) {
-  int64_t out = 0;
+/// An integer or floating-point metadata value; the whole string must be the number.
+template <class T>
+T parse_number(const std::string& label, const std::string& key, const std::string& value) {
+  T out = 0;
   const char* first = value.data();
   const char* last = first + value.size();
   const auto [ptr, ec] = std::from_chars(first, last, out);
   if (ec != std::errc() || ptr != last || value.empty())
-    fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not an integer");
+    fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not ",
+         std::is_integral_v<T> ? "an integer" : "a number");
   return out;
+}
+
+int64_t parse_int(const std::string& label, const std::string& key, const std::string& value) {
+  return parse_number<int64_t>(label, key, value);
 }
 
 bool parse_bool(const std::string& label, const std::string& key, const std::string& value) {
@@ -35,17 +43,6 @@ bool parse_bool(const std::string& label, const std::string& key, const std::str
   if (value == "true" || value == "True" || value == "1") return true;
   if (value == "false" || value == "False" || value == "0") return false;
   fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not true or false");
-}
-
-template <class T>
-T parse_real(const std::string& label, const std::string& key, const std::string& value) {
-  T out = 0;
-  const char* first = value.data();
-  const char* last = first + value.size();
-  const auto [ptr, ec] = std::from_chars(first, last, out);
-  if (ec != std::errc() || ptr != last || value.empty())
-    fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not a number");
-  return out;
 }
 
 /// The shortest decimal form that reads back as exactly `v`.
@@ -160,7 +157,7 @@ MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadat
   if (const auto* v = find_key(metadata, "add_zero_attn")) c.add_zero_attn = parse_bool(label, "add_zero_attn", *v);
   if (const auto* v = find_key(metadata, "batch_first"))
     c.layout = parse_bool(label, "batch_first", *v) ? Layout::BatchFirst : Layout::SeqFirst;
-  if (const auto* v = find_key(metadata, "dropout")) c.dropout = parse_real<float>(label, "dropout", *v);
+  if (const auto* v = find_key(metadata, "dropout")) c.dropout = parse_number<float>(label, "dropout", *v);
   if (const auto* v = find_key(metadata, "head_dim")) c.head_dim_override = parse_int(label, "head_dim", *v);
   // RoPE changes what the weights compute, so a file that had it must bring it back.
   if (const auto* v = find_key(metadata, "rope")) {
@@ -172,17 +169,17 @@ MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadat
       fail("config_from_metadata: ", label, ": metadata 'rope' = '", *v,
            "' is not one of none, half_split, interleaved");
   }
-  if (const auto* v = find_key(metadata, "rope_theta")) c.rope.theta = parse_real<double>(label, "rope_theta", *v);
+  if (const auto* v = find_key(metadata, "rope_theta")) c.rope.theta = parse_number<double>(label, "rope_theta", *v);
   if (const auto* v = find_key(metadata, "rope_dims")) c.rope.dims = parse_int(label, "rope_dims", *v);
-  if (const auto* v = find_key(metadata, "scale")) c.scale = parse_real<float>(label, "scale", *v);
-  if (const auto* v = find_key(metadata, "softcap")) c.softcap = parse_real<float>(label, "softcap", *v);
+  if (const auto* v = find_key(metadata, "scale")) c.scale = parse_number<float>(label, "scale", *v);
+  if (const auto* v = find_key(metadata, "softcap")) c.softcap = parse_number<float>(label, "softcap", *v);
   if (const auto* v = find_key(metadata, "attention_sinks"))
     c.attention_sinks = parse_bool(label, "attention_sinks", *v);
   if (const auto* v = find_key(metadata, "alibi_slopes")) {  // comma-separated, one per head
     size_t at = 0;
     while (at <= v->size() && c.alibi_slopes.size() <= static_cast<size_t>(std::max<int64_t>(c.num_heads, 0))) {
       const size_t comma = std::min(v->find(',', at), v->size());
-      c.alibi_slopes.push_back(parse_real<float>(label, "alibi_slopes", v->substr(at, comma - at)));
+      c.alibi_slopes.push_back(parse_number<float>(label, "alibi_slopes", v->substr(at, comma - at)));
       at = comma + 1;
     }
   }

@@ -48,6 +48,16 @@ _DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.bool_): "BOOL"}
 _NP = {"F32": np.dtype("<f4"), "BOOL": np.dtype(np.bool_)}
 
 
+def write_small_case(out_dir, name, tensors, meta, limit=20 * 1024):
+    """Writes torch tensors to out_dir/name.safetensors, reads them back and checks the file stays small."""
+    path = os.path.join(out_dir, name + ".safetensors")
+    write_safetensors(path, {k: v.contiguous().numpy() for k, v in tensors.items()}, meta)
+    _, back = read_safetensors(path)
+    for k, v in tensors.items():
+        assert (back[k] == v.numpy()).all(), (name, k)
+    assert os.path.getsize(path) < limit, path
+
+
 def write_safetensors(path, tensors, metadata):
     header = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     chunks, offset = [], 0
@@ -697,35 +707,44 @@ def sdpa_loops(q, k, v, allowed, bias, causal, scale):
     return out, lse
 
 
+def sdpa_inputs(c, rng):
+    """q, k, v and the case's mask / bias drawn from rng, as a dict of named tensors plus allowed and
+    bias (None when the case has none). generate_grad.py draws the same stream for its gradients."""
+    B, h, kv, Tq, Tk, d, dv = c["B"], c["h"], c["kv"], c["Tq"], c["Tk"], c["d"], c["dv"]
+    q, k, v = rng.normal(B, h, Tq, d), rng.normal(B, kv, Tk, d), rng.normal(B, kv, Tk, dv)
+    T = {"q": q, "k": k, "v": v}
+    allowed = bias = None
+    if c["allowed"]:
+        pat = c["allowed"]
+        shape = bshape(pat, B, h, Tq, Tk)
+        if pat.endswith("pad"):  # per-batch key padding, same for every query
+            allowed = torch.ones(shape, dtype=torch.bool)
+            for b in range(B):
+                n = max(1, Tk - b - 1 - rng.randint(0, 1)) if b > 0 else Tk
+                allowed[b, :, :, n:] = False
+                allowed[b, :, :, 0] = True
+        else:
+            allowed = ~rng.bern(*shape, p=0.3)
+        if c["full_row"]:
+            allowed[0, 0, 1, :] = False
+            allowed[0, shape[1] - 1, 3, :] = False
+        T["allowed"] = allowed
+    if c["bias"]:
+        shape = bshape(c["bias"], B, h, Tq, Tk)
+        bias = rng.normal(*shape, std=1.0)
+        bias[rng.bern(*shape, p=0.2)] = float("-inf")
+        T["bias"] = bias
+    return T, allowed, bias
+
+
 def gen_sdpa():
     os.makedirs(SDPA_DIR, exist_ok=True)
     report = []
     for c in SDPA_CASES:
         rng = Rng("sdpa/" + c["name"])
         B, h, kv, Tq, Tk, d, dv = c["B"], c["h"], c["kv"], c["Tq"], c["Tk"], c["d"], c["dv"]
-        q, k, v = rng.normal(B, h, Tq, d), rng.normal(B, kv, Tk, d), rng.normal(B, kv, Tk, dv)
-        T = {"q": q, "k": k, "v": v}
-        allowed = bias = None
-        if c["allowed"]:
-            pat = c["allowed"]
-            shape = bshape(pat, B, h, Tq, Tk)
-            if pat.endswith("pad"):  # per-batch key padding, same for every query
-                allowed = torch.ones(shape, dtype=torch.bool)
-                for b in range(B):
-                    n = max(1, Tk - b - 1 - rng.randint(0, 1)) if b > 0 else Tk
-                    allowed[b, :, :, n:] = False
-                    allowed[b, :, :, 0] = True
-            else:
-                allowed = ~rng.bern(*shape, p=0.3)
-            if c["full_row"]:
-                allowed[0, 0, 1, :] = False
-                allowed[0, shape[1] - 1, 3, :] = False
-            T["allowed"] = allowed
-        if c["bias"]:
-            shape = bshape(c["bias"], B, h, Tq, Tk)
-            bias = rng.normal(*shape, std=1.0)
-            bias[rng.bern(*shape, p=0.2)] = float("-inf")
-            T["bias"] = bias
+        T, allowed, bias = sdpa_inputs(c, rng)
+        q, k, v = T["q"], T["k"], T["v"]
         scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(d)
         q64, k64, v64 = q.double(), k.double(), v.double()
         b64 = bias.double() if bias is not None else None

@@ -151,29 +151,8 @@ def gen_sdpa():
         c = by_name[name]
         rng = G.Rng("sdpa/" + c["name"])  # same stream as generate.py: same q, k, v, masks
         B, h, kv, Tq, Tk, d, dv = c["B"], c["h"], c["kv"], c["Tq"], c["Tk"], c["d"], c["dv"]
-        q, k, v = rng.normal(B, h, Tq, d), rng.normal(B, kv, Tk, d), rng.normal(B, kv, Tk, dv)
-        T = {"q": q, "k": k, "v": v}
-        allowed = bias = None
-        if c["allowed"]:
-            pat = c["allowed"]
-            shape = G.bshape(pat, B, h, Tq, Tk)
-            if pat.endswith("pad"):
-                allowed = torch.ones(shape, dtype=torch.bool)
-                for b in range(B):
-                    n = max(1, Tk - b - 1 - rng.randint(0, 1)) if b > 0 else Tk
-                    allowed[b, :, :, n:] = False
-                    allowed[b, :, :, 0] = True
-            else:
-                allowed = ~rng.bern(*shape, p=0.3)
-            if c["full_row"]:
-                allowed[0, 0, 1, :] = False
-                allowed[0, shape[1] - 1, 3, :] = False
-            T["allowed"] = allowed
-        if c["bias"]:
-            shape = G.bshape(c["bias"], B, h, Tq, Tk)
-            bias = rng.normal(*shape, std=1.0)
-            bias[rng.bern(*shape, p=0.2)] = float("-inf")
-            T["bias"] = bias
+        T, allowed, bias = G.sdpa_inputs(c, rng)
+        q, k, v = T["q"], T["k"], T["v"]
         scale = c["scale"] if c["scale"] is not None else 1.0 / (d ** 0.5)
         dO = G.Rng("grad/sdpa/" + name).normal(B, h, Tq, dv)
         leaves = [t.double().clone().requires_grad_(True) for t in (q, k, v)]
