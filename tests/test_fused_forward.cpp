@@ -4,6 +4,7 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -307,6 +308,52 @@ TEST(FusedForward, ThreadCountDoesNotChangeABit) {
       EXPECT_TRUE(bitwise_equal(many.lse, one.lse)) << threads << " threads";
     }
   });
+}
+
+/// Rows [i0, i0 + n) of a request as a request of their own (n ≤ one query block, so the kernel
+/// packs K/V per item instead of once per call), with the causal rule shifted to match.
+Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {
+  Case part = c;
+  part.Tq = n;
+  part.q = Tensor({c.B, c.H, n, c.D});
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t x = 0; x < c.D; ++x) part.q.view4()(b, h, i, x) = c.q.view4()(b, h, i0 + i, x);
+  part.opt.masks.causal = causal;
+  return run(part, Backend::Fused);
+}
+
+// With more than one query block the kernel packs each K/V block once per call (prepacked) and
+// every item reads it; a single block packs per item. Both must give the same bits, including
+// a causal diagonal cutting a key block short, odd T_k, key padding and a key bias.
+TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
+  for (bool causal : {false, true}) {
+    Case c;
+    c.B = 2, c.H = 4, c.KV = 2, c.Tq = 3 * kQBlock + 5, c.Tk = 3 * kQBlock + 5 + 70, c.D = 24, c.Dv = 40;
+    c.make_inputs(causal ? 31 : 37);
+    set_key_padding(c);  // NaN in the padded K/V rows: a prepacked block must not read them either
+    set_key_bias(c);
+    const int64_t offset = c.Tk - c.Tq;  // bottom-right alignment
+    c.opt.masks.causal = causal ? Causal::bottom_right() : Causal::none();
+    for_each_fused_target([&] {
+      const Result whole = run(c, Backend::Fused);
+      for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
+        const int64_t n = std::min(kQBlock, c.Tq - i0);
+        const Result part = rows_alone(c, i0, n, causal ? Causal::with_offset(offset + i0) : Causal::none());
+        for (int64_t b = 0; b < c.B; ++b)
+          for (int64_t h = 0; h < c.H; ++h)
+            for (int64_t i = 0; i < n; ++i) {
+              for (int64_t x = 0; x < c.Dv; ++x)
+                ASSERT_EQ(std::bit_cast<uint32_t>(part.out.view4()(b, h, i, x)),
+                          std::bit_cast<uint32_t>(whole.out.view4()(b, h, i0 + i, x)))
+                    << "causal " << causal << " b " << b << " h " << h << " row " << i0 + i;
+              ASSERT_EQ(std::bit_cast<uint32_t>(part.lse.view4()(b, h, i, 0)),
+                        std::bit_cast<uint32_t>(whole.lse.view4()(b, h, i0 + i, 0)));
+            }
+      }
+    });
+  }
 }
 
 // ---- bfloat16 ------------------------------------------------------------------------------

@@ -8,9 +8,12 @@
 // dealt round-robin to OpenMP threads (static schedule, chunk 1, which also balances the
 // triangular causal work). One item owns the Q rows of every query head of its group, and per
 // head a running max m, running sum l and an output accumulator O (kBq × d_v, float32) in the
-// thread's scratch. It walks the keys in blocks of kBk = 64: each K/V block is read from memory
-// once per item, packed into scratch — K transposed (d × kBk) so that S = Q·Kᵀ loads contiguous
-// key vectors, V as contiguous rows (kBk × d_v) — and then used by all `group` query heads.
+// thread's scratch. It walks the keys in blocks of kBk = 64. Each K/V block is packed — K
+// transposed (d × kBk) so that S = Q·Kᵀ loads contiguous key vectors, V as contiguous rows
+// (kBk × d_v) — and then used by all `group` query heads. With more than one query block the
+// whole call's K/V is packed once, before the items, into the shared workspace (the size of K
+// and V: memory stays linear in T) and every item reads it; with one query block (and for packed
+// batches) each item packs the blocks it uses into its own scratch.
 // For each head: S (kBq × kBk, 32 KiB, stays in L1/L2) = scale·Q·Kᵀ + masks; online softmax
 // (m' = max(m, rowmax S), P = exp(S − m'), l = l·e^{m−m'} + ΣP); O = e^{m−m'}·O + P·V. Both
 // products are register-blocked micro-GEMMs (kMR rows × kNV vectors of accumulators). So K and V
@@ -100,10 +103,39 @@ inline int64_t varlen_items(const SdpaParams& p) {
   return n * p.kv_heads();
 }
 
-/// The whole workspace: a packed batch's item list, then one ScratchPlan per thread.
+/// K/V packed once per call, before the work items (PrepackPlan::used): the transposed K block,
+/// the V block and the key-only masks of every (batch, kv-head, key block), laid out exactly as
+/// one thread's scratch holds them when an item packs for itself. Worth it when a K/V block
+/// would otherwise be packed by several items (more than one query block): at T_q = 4096 that
+/// is 32 times per block, which cost ~18% of the kernel's time. A packed batch keeps per-item
+/// packing (its key blocks start at each sequence's own offset).
+struct PrepackPlan {
+  bool used = false;
+  int64_t blocks = 0;                         // key blocks per (batch, kv-head)
+  int64_t kt = 0, v = 0, kb = 0, stride = 0;  // offsets within one block, floats per block
+
+  int64_t total(const SdpaParams& p) const { return used ? p.batch() * p.kv_heads() * blocks * stride : 0; }
+};
+
+inline PrepackPlan prepack_plan(const SdpaParams& p) {
+  PrepackPlan P;
+  P.used = !p.varlen.defined() && p.t_q() > kBq && p.t_k() > 0;
+  if (!P.used) return P;
+  const ScratchPlan L = scratch_plan(p);
+  ScratchCarver c;
+  P.blocks = (p.t_k() + kBk - 1) / kBk;
+  P.kt = c.take(L.ldq * kBk);
+  P.v = c.take(kBk * L.ldv);
+  P.kb = c.take(kBk);
+  P.stride = c.total();
+  return P;
+}
+
+/// The whole workspace: a packed batch's item list or the prepacked K/V, then one ScratchPlan
+/// per thread.
 inline WorkspacePlan workspace_plan(const SdpaParams& p) {
   const int64_t list = varlen_items(p) * static_cast<int64_t>(sizeof(VarlenItem) / sizeof(float));
-  return {list, scratch_plan(p).total, std::max(1, p.threads)};
+  return {std::max(list, prepack_plan(p).total(p)), scratch_plan(p).total, std::max(1, p.threads)};
 }
 
 /// Two bf16 values as one 32-bit word, `lo` in the low half (the first in memory).
@@ -128,6 +160,8 @@ struct Ctx {
   bool weights = false;      // weights (per head and/or averaged) are written: two passes per item
   bool edit_scores = false;  // softcap or ALiBi: the scores take the edited path
   int64_t alibi_offset = 0;  // q_pos = row + this (kernels/attention.h, alibi_offset)
+  PrepackPlan prepack;
+  const float* prepacked = nullptr;  // the prepacked K/V blocks when prepack.used
 };
 
 }  // namespace mha::kernels::fused
@@ -414,7 +448,7 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     const float m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(df, vmax)));
     // With nothing visible yet, m stays −inf; subtracting 0 instead keeps exp(−inf − m) = 0, not NaN.
     const float m_use = m_new == kNegInf ? 0.0f : m_new;
-    alpha[r] = std::exp(m_old - m_use);
+    alpha[r] = m_old == m_use ? 1.0f : std::exp(m_old - m_use);  // most blocks leave the max as it was
     const VF vm = hn::Set(df, m_use);
     VF vsum = hn::Zero(df);
     auto any_nan = hn::MaskFromVec(hn::Zero(df));  // Max and exp_nonpositive may drop a NaN score: note it here
@@ -511,6 +545,71 @@ void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRa
   }
 }
 
+// ---- packing one K/V block ------------------------------------------------------------------
+// Key block [j0, j0 + nk) of (batch b, kv-head g): the key-only masks into kb (−inf for padded keys,
+// keys with key_bias −inf and lanes ≥ nk), K transposed into kt (d × kBk; bf16 pairs with kDot)
+// and, with_v, V into vp (nk rows of ldv; pairs of rows with kDot). A key kb marks −inf is never
+// read: its K column and V row are zeros.
+template <class T, bool kDot>
+void pack_kv_block(const Ctx<T>& cx, int64_t b, int64_t g, int64_t j0, int64_t nk, bool with_v, float* kt, float* vp,
+                   float* kb) {
+  const SdpaParams& p = *cx.p;
+  const int64_t D = p.d(), Dv = p.d_v(), d2 = (D + 1) / 2, ldv = cx.L.ldv;
+  const bool has_pad = p.masks.key_padding.view.defined(), has_kbias = p.masks.key_bias.view.defined();
+  const int64_t ks = cx.k.stride[3], vs = cx.v.stride[3];
+  auto* const kt2 = reinterpret_cast<uint32_t*>(kt);
+  auto* const v2 = reinterpret_cast<uint32_t*>(vp);
+  // Key-only masks first: a padded key (or one with key_bias −inf) is never read.
+  for (int64_t jj = 0; jj < kBk; ++jj) {
+    float add = kNegInf;
+    if (jj < nk && !(has_pad && p.masks.key_padding.view(b, 0, 0, j0 + jj)))
+      add = has_kbias ? p.masks.key_bias.view(b, 0, 0, j0 + jj) : 0.0f;
+    kb[jj] = add;
+  }
+  if constexpr (kDot) {
+    const int64_t n2 = (nk + 1) / 2;
+    for (int64_t jj = 0; jj < kBk; ++jj) {
+      const T* src = kb[jj] != kNegInf ? cx.k.row(b, g, j0 + jj) : nullptr;
+      if (src && ks == 1 && D % 2 == 0) {  // contiguous pairs are already the words we need
+        for (int64_t c = 0; c < d2; ++c) std::memcpy(kt2 + c * kBk + jj, src + 2 * c, sizeof(uint32_t));
+        continue;
+      }
+      for (int64_t c = 0; c < d2; ++c)
+        kt2[c * kBk + jj] =
+            src ? bf16_pair(src[2 * c * ks], 2 * c + 1 < D ? src[(2 * c + 1) * ks] : bf16{}) : uint32_t{0};
+    }
+    for (int64_t j2 = 0; j2 < (with_v ? n2 : 0); ++j2) {
+      const T* lo = kb[2 * j2] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2) : nullptr;
+      const T* hi = 2 * j2 + 1 < nk && kb[2 * j2 + 1] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2 + 1) : nullptr;
+      uint32_t* dst = v2 + j2 * ldv;
+      if (lo && hi && vs == 1)  // the common case, in a loop the compiler vectorises
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo[c], hi[c]);
+      else
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo ? lo[c * vs] : bf16{}, hi ? hi[c * vs] : bf16{});
+      std::fill(dst + Dv, dst + ldv, uint32_t{0});
+    }
+  } else {
+    for (int64_t jj = 0; jj < kBk; ++jj) {
+      const bool live = kb[jj] != kNegInf;
+      const T* src = live ? cx.k.row(b, g, j0 + jj) : nullptr;
+      for (int64_t c = 0; c < D; ++c) kt[c * kBk + jj] = live ? to_f32(src[c * ks]) : 0.0f;
+    }
+    for (int64_t jj = 0; jj < (with_v ? nk : 0); ++jj) {
+      float* dst = vp + jj * ldv;
+      if (kb[jj] == kNegInf) {
+        std::fill(dst, dst + ldv, 0.0f);
+        continue;
+      }
+      const T* src = cx.v.row(b, g, j0 + jj);
+      if (vs == 1)
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c]);
+      else
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c * vs]);
+      std::fill(dst + Dv, dst + ldv, 0.0f);
+    }
+  }
+}
+
 // ---- (batch b, kv-head g, query block qb) for every query head of the group ----------------
 // Without weights: one pass over the keys with the online softmax. With weights: a first pass
 // finds each row's max m and sum l (no P·V, no dropout); a second recomputes the scores block by
@@ -525,7 +624,6 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
   const bool per_element_masks = p.masks.allowed.view.defined() || p.masks.bias.view.defined();
-  const bool has_pad = p.masks.key_padding.view.defined(), has_kbias = p.masks.key_bias.view.defined();
   float* const qp = ws + L.q;
   float* const kt = ws + L.kt;
   float* const vp = ws + L.v;
@@ -533,8 +631,6 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   float* const o = ws + L.o;
   float* const kb = ws + L.kb;
   auto* const q2 = reinterpret_cast<uint32_t*>(qp);
-  auto* const kt2 = reinterpret_cast<uint32_t*>(kt);
-  auto* const v2 = reinterpret_cast<uint32_t*>(vp);
   auto* const p2 = reinterpret_cast<uint32_t*>(ws + L.p2);
 
   // Q of every head of the group, rows ≥ nq zero.
@@ -568,57 +664,30 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const KeyRange keys = cx.causal.visible_keys(i0, i0 + nq, 0, Tk);
   const int64_t j_begin = keys.lo, j_end = keys.hi;
   const int64_t ks = cx.k.stride[3], vs = cx.v.stride[3];
-  // Packs key block [j0, j0 + nk): the key-only masks into kb, K (transposed) and, with_v, V.
+  // Key block [j0, j0 + nk) ready for the products: from the prepacked blocks when the call
+  // packed them (a block this item uses in full, else one whose tail lanes the item must not see:
+  // its masks are copied with those lanes −inf), else packed into this thread's scratch.
+  const float *kt_use = kt, *vp_use = vp, *kb_use = kb;
   const auto pack_block = [&](int64_t j0, int64_t nk, bool with_v) {
-    // Key-only masks first: a padded key (or one with key_bias −inf) is never read.
-    for (int64_t jj = 0; jj < kBk; ++jj) {
-      float add = kNegInf;
-      if (jj < nk && !(has_pad && p.masks.key_padding.view(b, 0, 0, j0 + jj)))
-        add = has_kbias ? p.masks.key_bias.view(b, 0, 0, j0 + jj) : 0.0f;
-      kb[jj] = add;
+    const int64_t width = std::min(kBk, Tk - j0);
+    // bf16 pairs: an odd nk short of the packed width would pair the last key with one no row may
+    // see (its V row would enter a product), so that block is packed here.
+    if (cx.prepacked && j0 % kBk == 0 && (!kDot || nk == width || nk % 2 == 0)) {
+      const float* block = cx.prepacked + ((b * p.kv_heads() + g) * cx.prepack.blocks + j0 / kBk) * cx.prepack.stride;
+      kt_use = block + cx.prepack.kt;
+      vp_use = block + cx.prepack.v;
+      kb_use = block + cx.prepack.kb;
+      if (nk < width) {
+        std::copy(kb_use, kb_use + nk, kb);
+        std::fill(kb + nk, kb + kBk, kNegInf);
+        kb_use = kb;
+      }
+      return;
     }
-    if constexpr (kDot) {
-      const int64_t n2 = (nk + 1) / 2;
-      for (int64_t jj = 0; jj < kBk; ++jj) {
-        const T* src = kb[jj] != kNegInf ? cx.k.row(b, g, j0 + jj) : nullptr;
-        if (src && ks == 1 && D % 2 == 0) {  // contiguous pairs are already the words we need
-          for (int64_t c = 0; c < d2; ++c) std::memcpy(kt2 + c * kBk + jj, src + 2 * c, sizeof(uint32_t));
-          continue;
-        }
-        for (int64_t c = 0; c < d2; ++c)
-          kt2[c * kBk + jj] =
-              src ? bf16_pair(src[2 * c * ks], 2 * c + 1 < D ? src[(2 * c + 1) * ks] : bf16{}) : uint32_t{0};
-      }
-      for (int64_t j2 = 0; j2 < (with_v ? n2 : 0); ++j2) {
-        const T* lo = kb[2 * j2] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2) : nullptr;
-        const T* hi = 2 * j2 + 1 < nk && kb[2 * j2 + 1] != kNegInf ? cx.v.row(b, g, j0 + 2 * j2 + 1) : nullptr;
-        uint32_t* dst = v2 + j2 * ldv;
-        if (lo && hi && vs == 1)  // the common case, in a loop the compiler vectorises
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo[c], hi[c]);
-        else
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16_pair(lo ? lo[c * vs] : bf16{}, hi ? hi[c * vs] : bf16{});
-        std::fill(dst + Dv, dst + ldv, uint32_t{0});
-      }
-    } else {
-      for (int64_t jj = 0; jj < kBk; ++jj) {
-        const bool live = kb[jj] != kNegInf;
-        const T* src = live ? cx.k.row(b, g, j0 + jj) : nullptr;
-        for (int64_t c = 0; c < D; ++c) kt[c * kBk + jj] = live ? to_f32(src[c * ks]) : 0.0f;
-      }
-      for (int64_t jj = 0; jj < (with_v ? nk : 0); ++jj) {
-        float* dst = vp + jj * ldv;
-        if (kb[jj] == kNegInf) {
-          std::fill(dst, dst + ldv, 0.0f);
-          continue;
-        }
-        const T* src = cx.v.row(b, g, j0 + jj);
-        if (vs == 1)
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c]);
-        else
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = to_f32(src[c * vs]);
-        std::fill(dst + Dv, dst + ldv, 0.0f);
-      }
-    }
+    pack_kv_block<T, kDot>(cx, b, g, j0, nk, with_v, kt, vp, kb);
+    kt_use = kt;
+    vp_use = vp;
+    kb_use = kb;
     // Ask for the next K/V block now: packing reads it from L3 or memory, and the products
     // below give the prefetches time to land. (A prefetch reads no value; padded rows stay unread.)
     if (j0 + kBk < j_end) {
@@ -641,10 +710,10 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       for (int64_t hh = 0; hh < group; ++hh) {
         const int64_t h = g * group + hh;
         if constexpr (kDot)
-          score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, kt2, nvec, s);
+          score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s);
         else
-          score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt, nvec, s);
-        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
+          score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt_use, nvec, s);
+        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
                       ws + L.l + hh * kRowsPad, ws + L.alpha, /*apply_dropout=*/false);
       }
     }
@@ -669,23 +738,23 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       float* oh = o + hh * kRowsPad * ldv;
       float* alpha = ws + L.alpha;
       if constexpr (kDot)
-        score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, kt2, nvec, s);
+        score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s);
       else
-        score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt, nvec, s);
+        score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt_use, nvec, s);
       if (cx.weights) {
         // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
         std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
-        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
+        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
                       ws + L.l2, alpha);
         write_weights(cx, b, h, i0, nq, j0, nk, ws + L.l + hh * kRowsPad, s);
       } else {
-        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb, ws + L.m + hh * kRowsPad,
+        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
                       ws + L.l + hh * kRowsPad, alpha);
       }
       if constexpr (kDot)
-        out_block_dp(s, p2, alpha, rows, v2, ldv, nk, nvec_o, oh);
+        out_block_dp(s, p2, alpha, rows, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk, nvec_o, oh);
       else
-        out_block(s, alpha, rows, vp, ldv, nk, nvec_o, oh);
+        out_block(s, alpha, rows, vp_use, ldv, nk, nvec_o, oh);
     }
   }
 
@@ -826,6 +895,23 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   if (items == 0) return;
   const WorkspacePlan plan = workspace_plan(p);
   const int threads = plan.threads;
+  cx.prepack = prepack_plan(p);
+  if (cx.prepack.used) {
+    float* const packed = plan.shared_part(workspace);
+    const int64_t KV = p.kv_heads(), blocks = cx.prepack.blocks, stride = cx.prepack.stride, Tk = cx.t_k;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t at = 0; at < p.batch() * KV * blocks; ++at) {
+      const int64_t j0 = (at % blocks) * kBk, b = at / (KV * blocks), g = (at / blocks) % KV;
+      float* block = packed + at * stride;
+      if (dot)
+        pack_kv_block<T, kMayDot>(cx, b, g, j0, std::min(kBk, Tk - j0), true, block + cx.prepack.kt,
+                                  block + cx.prepack.v, block + cx.prepack.kb);
+      else
+        pack_kv_block<T, false>(cx, b, g, j0, std::min(kBk, Tk - j0), true, block + cx.prepack.kt, block + cx.prepack.v,
+                                block + cx.prepack.kb);
+    }
+    cx.prepacked = packed;
+  }
   // Chunk 1: items are dealt round-robin, which evens out the triangular causal work. Every
   // output row belongs to exactly one item, so the thread count cannot change any result.
 #pragma omp parallel for schedule(static, 1) num_threads(threads)

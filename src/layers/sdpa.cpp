@@ -20,8 +20,15 @@ bool use_fused(const kernels::SdpaParams& p, Backend backend, std::string* why) 
   return detail::choose_fused(kSdpa, backend, ok, reason, why);
 }
 
-/// Scratch the kernel fully overwrites before reading: allocated without zero-filling.
-std::unique_ptr<float[]> scratch(size_t floats) { return std::make_unique_for_overwrite<float[]>(floats); }
+/// Scratch the kernel fully overwrites before reading: allocated without zero-filling, and a large
+/// one (the fused kernel's prepacked K/V is the size of K and V) on huge pages where the OS allows,
+/// since faulting it in 4 KiB at a time costs more than packing it.
+std::unique_ptr<float[]> scratch(size_t floats) {
+  auto buf = std::make_unique_for_overwrite<float[]>(floats);
+  if (floats * sizeof(float) >= detail::kHugePageAdviceBytes)
+    detail::advise_huge_pages(buf.get(), floats * sizeof(float));
+  return buf;
+}
 
 /// The reference oracle writes per-head weights only: averaged weights are formed here from a
 /// per-head intermediate, summed over heads in double (as nn.MultiheadAttention's average).
