@@ -355,6 +355,10 @@ TEST(SdpaBackwardFused, MatchesReferenceOnEveryTarget) {
   c.name = "allowed_bias_dead_row", c.H = 3, c.KV = 1, c.Tq = 33, c.Tk = 70, c.D = 9, c.Dv = 7;
   c.allowed = c.bias = c.dead_row = true;
   cases.push_back(c);
+  c = {};  // wide heads: products wider than one register tile, d not a whole number of vectors,
+  // query blocks of 51 rows (not a multiple of the tile's rows)
+  c.name = "wide_heads", c.H = 2, c.KV = 1, c.Tq = 70, c.Tk = 67, c.D = 80, c.Dv = 72, c.causal = Causal::top_left();
+  cases.push_back(c);
 
   hwy::SetSupportedTargetsForTest(0);
   const int64_t supported = hwy::SupportedTargets();

@@ -9,12 +9,14 @@
 //   dP̃ = dO_i V_jᵀ                           dP = dP̃ ∘ keep/(1 − p)   (forward step "dropout")
 //   dS = P ∘ (dP − D),  D = rowsum(dO ∘ O)                          (softmax backward)
 //   dV_j += P̃ᵀ dO_i    dK_j += scale · dSᵀ Q_i    dQ_i += scale · dS K_j
-// The five products are oneDNN sgemm calls (kernels/gemm.h) on the strided rows, each asked for
-// one thread so that it runs on its caller's OpenMP thread; the elementwise steps are Highway
-// vectors, dispatched once per call. Block sizes are chosen for L2, not for the GEMM library: a
-// block's operands — kBr rows of Q and dO, kBc rows of K and V, three kBr × kBc score buffers and
-// the kBc-row dK/dV accumulators — come to about 150 KiB at d = 64 and 190 KiB at d = 128, so
-// all five products of a block run from L2 (1 MiB per core on the Zen 4 this project targets).
+// The five products are register-tiled Highway micro-GEMMs (block_gemm: kMR rows × 4 vectors of
+// accumulators, one call per product, no library call overhead or packing of its own); each key
+// block's K and V are transposed once into scratch (for S = Q·Kᵀ and dP̃ = dO·Vᵀ) and reused by
+// every query block and head of the group. The elementwise steps are Highway vectors too, all
+// dispatched once per call. Block sizes are chosen for L2: a block's operands — kBr rows of Q
+// and dO, kBc rows of K and V and their transposes, three kBr × kBc score buffers and the kBc-row
+// dK/dV accumulators — come to about 180 KiB at d = 64 and 250 KiB at d = 128, so all five
+// products of a block run from L2 (1 MiB per core on the Zen 4 this project targets).
 //
 // Ownership and determinism. Work item = (batch, kv-head, key block): it owns its dK/dV rows,
 // accumulating over every query head of the group (GQA) and every query block, in order. dQ is
@@ -44,7 +46,6 @@
 #include "kernels/common.h"
 #include "kernels/dropout_rng.h"
 #include "kernels/entry_checks.h"
-#include "kernels/gemm.h"
 #include "kernels/masking.h"
 #include "kernels/varlen.h"
 
@@ -63,22 +64,36 @@ inline int64_t block_rows(const SdpaParams& f) {
 }
 
 /// One thread's scratch (offsets in floats, each region 64-byte aligned).
+constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512): padded rows are a multiple
+
+/// One thread's scratch (offsets in floats, each region 64-byte aligned). ldk / ldv: the padded
+/// row length of d / d_v floats (a multiple of every target's vector), used by the transposed
+/// and padded copies of the block's operands and by the dK/dV accumulators.
 struct Scratch {
-  int64_t s = 0, p = 0, pt = 0, cap = 0, k = 0, v = 0, dk = 0, dv = 0, total = 0;
+  int64_t s = 0, p = 0, pt = 0, cap = 0, k = 0, v = 0, kt = 0, vt = 0, kp = 0, qp = 0, dop = 0, dk = 0, dv = 0,
+          total = 0;
+  int64_t ldk = 0, ldv = 0;
 };
 
 inline Scratch scratch_for(const SdpaParams& f) {
   Scratch L;
   ScratchCarver c;
   const int64_t br = block_rows(f);
+  L.ldk = round_up(f.d(), kMaxLanes);
+  L.ldv = round_up(f.d_v(), kMaxLanes);
   L.s = c.take(br * kBc);                           // scores, then dS
   L.p = c.take(br * kBc);                           // P (before dropout)
   L.pt = c.take(br * kBc);                          // P̃ (after dropout) and dP
   L.cap = c.take(f.edits.capped() ? br * kBc : 0);  // softcap: 1 − tanh²(t / c) per score
-  L.k = c.take(kBc * f.d());
+  L.k = c.take(kBc * f.d());                        // K/V rows with zeros for padded keys
   L.v = c.take(kBc * f.d_v());
-  L.dk = c.take(kBc * f.d());
-  L.dv = c.take(kBc * f.d_v());
+  L.kt = c.take(f.d() * kBc);  // Kᵀ and Vᵀ of the key block (d × kBc, zero past the block's keys)
+  L.vt = c.take(f.d_v() * kBc);
+  L.kp = c.take(kBc * L.ldk);  // K, Q and dO rows padded to whole vectors (when d is not a multiple)
+  L.qp = c.take(br * L.ldk);
+  L.dop = c.take(br * L.ldv);
+  L.dk = c.take(kBc * L.ldk);
+  L.dv = c.take(kBc * L.ldv);
   L.total = c.total();
   return L;
 }
@@ -205,6 +220,119 @@ HWY_INLINE void score_grads(const float* HWY_RESTRICT prob, const float* HWY_RES
   }
 }
 
+// ---- the block products: register-tiled micro-GEMMs ------------------------------------------
+// C (m × n) = alpha · A·B, or C += alpha · A·B, with A(i, r) = a[i·sai + r·sar] (so Aᵀ costs
+// nothing) and B rows of whole vectors (ldb floats apart, readable up to n rounded up to a vector:
+// the operands are padded copies or rows whose length is a multiple of the vector). Each element
+// is Σ_r in order in a register, then added to C once: the same operations whatever the thread.
+#if HWY_TARGET <= HWY_AVX3
+constexpr int kMR = 6;  // 6 rows × 4 vectors = 24 accumulators of the 32 registers
+#else
+constexpr int kMR = 3;  // 3 rows × 4 vectors, within 16 registers
+#endif
+constexpr int kNV = 4;
+
+struct Operands {
+  const float* a;
+  int64_t sai, sar;
+  const float* b;
+  int64_t ldb;
+  float* c;
+  int64_t ldc;
+};
+
+template <int MR, int NV>
+HWY_INLINE void gemm_tile(const Operands& o, int64_t k, float alpha, bool accumulate, int64_t cols) {
+  const hn::ScalableTag<float> df;
+  using V = hn::Vec<decltype(df)>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  V acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = hn::Zero(df);
+  for (int64_t r = 0; r < k; ++r) {
+    V bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = hn::LoadU(df, o.b + r * o.ldb + v * N);
+    for (int i = 0; i < MR; ++i) {
+      const V av = hn::Set(df, o.a[i * o.sai + r * o.sar]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = hn::MulAdd(av, bv[v], acc[i][v]);
+    }
+  }
+  const V al = hn::Set(df, alpha);
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) {
+      float* ci = o.c + i * o.ldc + v * N;
+      const int64_t valid = std::min<int64_t>(N, cols - v * N);
+      if (valid == N) {
+        hn::StoreU(accumulate ? hn::MulAdd(al, acc[i][v], hn::LoadU(df, ci)) : hn::Mul(al, acc[i][v]), df, ci);
+      } else {  // the last, partial vector of a row: through a vector-sized buffer
+        HWY_ALIGN float tmp[kMaxLanes] = {};
+        if (accumulate) std::copy(ci, ci + valid, tmp);
+        const V prev = hn::Load(df, tmp);
+        hn::Store(accumulate ? hn::MulAdd(al, acc[i][v], prev) : hn::Mul(al, acc[i][v]), df, tmp);
+        std::copy(tmp, tmp + valid, ci);
+      }
+    }
+}
+
+/// One tile of `rows` < kMR rows (the last rows of a product): MR chosen at run time.
+template <int MR, int NV>
+HWY_INLINE void gemm_rest(int64_t rows, const Operands& o, int64_t k, float alpha, bool accumulate, int64_t cols) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return gemm_tile<MR, NV>(o, k, alpha, accumulate, cols);
+    gemm_rest<MR - 1, NV>(rows, o, k, alpha, accumulate, cols);
+  }
+}
+
+template <int NV>
+HWY_INLINE void gemm_rows(const Operands& o, int64_t m, int64_t k, float alpha, bool accumulate, int64_t cols) {
+  const auto at = [&](int64_t i) {
+    Operands t = o;
+    t.a += i * o.sai, t.c += i * o.ldc;
+    return t;
+  };
+  int64_t i0 = 0;
+  for (; i0 + kMR <= m; i0 += kMR) gemm_tile<kMR, NV>(at(i0), k, alpha, accumulate, cols);
+  gemm_rest<kMR - 1, NV>(m - i0, at(i0), k, alpha, accumulate, cols);
+}
+
+/// A column strip of NV ≤ kNV vectors: NV chosen at run time.
+template <int NV>
+HWY_INLINE void gemm_strip(int64_t nv, const Operands& o, int64_t m, int64_t k, float alpha, bool accumulate,
+                           int64_t cols) {
+  if constexpr (NV > 0) {
+    if (nv == NV) return gemm_rows<NV>(o, m, k, alpha, accumulate, cols);
+    gemm_strip<NV - 1>(nv, o, m, k, alpha, accumulate, cols);
+  }
+}
+
+/// C (m × n) (+)= alpha · A·B over the operands above; k terms per element.
+HWY_NOINLINE void block_gemm(const Operands& o, int64_t m, int64_t n, int64_t k, float alpha, bool accumulate) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  for (int64_t j0 = 0; j0 < n; j0 += kNV * N) {
+    Operands t = o;
+    t.b += j0, t.c += j0;
+    const int64_t cols = std::min(kNV * N, n - j0);
+    gemm_strip<kNV>((cols + N - 1) / N, t, m, k, alpha, accumulate, cols);
+  }
+}
+
+/// rows × width floats (ld apart) as B operand rows: the rows themselves when width is a whole
+/// number of vectors, else a copy padded with zeros to ldp (a multiple of every vector).
+HWY_INLINE const float* whole_vectors(const float* src, int64_t ld, int64_t rows, int64_t width, float* pad,
+                                      int64_t ldp, int64_t* ld_out) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  if (width % N == 0) {
+    *ld_out = ld;
+    return src;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(src + r * ld, src + r * ld + width, pad + r * ldp);
+    std::fill(pad + r * ldp + width, pad + (r + 1) * ldp, 0.0f);
+  }
+  *ld_out = ldp;
+  return pad;
+}
+
 /// One (query block, key block) of head h: recompute P, form dS, and update whichever of
 /// dK/dV (accumulators, contiguous kBc rows) and dQ the caller asks for.
 struct BlockJob {
@@ -214,6 +342,10 @@ struct BlockJob {
   const float* v;
   int64_t ldv;
   bool padded;
+  const float* kt;  // Kᵀ and Vᵀ of the block (d × kBc), and K as rows of whole vectors
+  const float* vt;
+  const float* kb;
+  int64_t ldkb;
 };
 
 HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, float* ws, float* dk_acc, float* dv_acc,
@@ -233,7 +365,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   for (int64_t r = 0; r < nr; ++r) lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
 
   // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd).
-  sgemm(Trans::No, Trans::Yes, nr, nc, D, f.scale, q, ldq, job.k, job.ldk, 0.0f, s, kBc, /*threads=*/1);
+  block_gemm({q, ldq, 1, job.kt, kBc, s, kBc}, nr, cols, D, f.scale, false);
   for (int64_t r = 0; r < nr; ++r) std::fill(s + r * kBc + nc, s + r * kBc + cols, kNegInf);
   const bool masked = vis == TileVis::Partial || cx.element_masks || job.padded;
   if (masked && !cx.edit_scores)
@@ -270,7 +402,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   // Forward "softmax": P = exp(S − lse).
   probabilities(s, lse, nr, cols, prob);
   // Forward "out = P̃ V": dP̃ = dO Vᵀ (into pt), then dropout's keep/(1 − p) on both P̃ and dP.
-  sgemm(Trans::No, Trans::Yes, nr, nc, Dv, 1.0f, dout, lddo, job.v, job.ldv, 0.0f, pt, kBc, /*threads=*/1);
+  block_gemm({dout, lddo, 1, job.vt, kBc, pt, kBc}, nr, cols, Dv, 1.0f, false);
   const float* p_used = prob;  // P̃
   if (f.dropout.active()) {
     // P̃ goes into s (free until dS is formed); dP stays in pt.
@@ -284,7 +416,11 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     p_used = s;
   }
   // dV_j += P̃ᵀ dO_i.
-  if (dv_acc) sgemm(Trans::Yes, Trans::No, nc, Dv, nr, 1.0f, p_used, kBc, dout, lddo, 1.0f, dv_acc, Dv, /*threads=*/1);
+  if (dv_acc) {
+    int64_t ldb = 0;
+    const float* b = whole_vectors(dout, lddo, nr, Dv, ws + cx.L.dop, cx.L.ldv, &ldb);
+    block_gemm({p_used, 1, kBc, b, ldb, dv_acc, cx.L.ldv}, nc, Dv, nr, 1.0f, true);
+  }
   // Softmax backward: dS = P ∘ (dP − D) (into s: P̃ has been used).
   score_grads(prob, pt, cx.rowdot + (job.b * f.heads() + job.h) * f.t_q() + job.i0, nr, cols, s);
   // Softcap: s = c·tanh(t/c)  ⇒  dT = dS ∘ (1 − tanh²(t/c)), the gradient the products need.
@@ -292,13 +428,26 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < nc; ++c) s[r * kBc + c] *= cap[r * kBc + c];
   // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
-  if (dk_acc) sgemm(Trans::Yes, Trans::No, nc, D, nr, f.scale, s, kBc, q, ldq, 1.0f, dk_acc, D, /*threads=*/1);
+  if (dk_acc) {
+    int64_t ldb = 0;
+    const float* b = whole_vectors(q, ldq, nr, D, ws + cx.L.qp, cx.L.ldk, &ldb);
+    block_gemm({s, 1, kBc, b, ldb, dk_acc, cx.L.ldk}, nc, D, nr, f.scale, true);
+  }
   if (want_dq)
-    sgemm(Trans::No, Trans::No, nr, D, nc, f.scale, s, kBc, job.k, job.ldk, 1.0f, p.dq.row(job.b, job.h, job.i0),
-          p.dq.stride[2], /*threads=*/1);
+    block_gemm({s, kBc, 1, job.kb, job.ldkb, p.dq.row(job.b, job.h, job.i0), p.dq.stride[2]}, nr, D, nc, f.scale, true);
 }
 
-/// The K/V rows of key block [j0, j1): the view's rows, or an unpadded copy in scratch.
+/// xt (width × kBc) = xᵀ for rows × width floats x (ld apart), zero past the block's rows.
+HWY_INLINE void transpose_block(const float* x, int64_t ld, int64_t rows, int64_t width, float* xt) {
+  for (int64_t c = 0; c < width; ++c) {
+    float* t = xt + c * kBc;
+    for (int64_t j = 0; j < rows; ++j) t[j] = x[j * ld + c];
+    std::fill(t + rows, t + kBc, 0.0f);
+  }
+}
+
+/// The K/V rows of key block [j0, j1): the view's rows, or an unpadded copy in scratch; their
+/// transposes and K as whole-vector rows for the products.
 HWY_INLINE BlockJob key_block(const Ctx& cx, int64_t b, int64_t g, int64_t j0, int64_t j1, float* ws) {
   const SdpaParams& f = cx.p->fwd;
   BlockJob job{b,
@@ -312,13 +461,20 @@ HWY_INLINE BlockJob key_block(const Ctx& cx, int64_t b, int64_t g, int64_t j0, i
                f.k.stride[2],
                f.v.as<float>().row(b, g, j0),
                f.v.stride[2],
-               false};
+               false,
+               ws + cx.L.kt,
+               ws + cx.L.vt,
+               nullptr,
+               0};
   if (has_padding(f, b, j0, j1)) {
     copy_unpadded(f, b, g, j0, j1, ws + cx.L.k, ws + cx.L.v);
     job.k = ws + cx.L.k, job.ldk = f.d();
     job.v = ws + cx.L.v, job.ldv = f.d_v();
     job.padded = true;
   }
+  transpose_block(job.k, job.ldk, j1 - j0, f.d(), ws + cx.L.kt);
+  transpose_block(job.v, job.ldv, j1 - j0, f.d_v(), ws + cx.L.vt);
+  job.kb = whole_vectors(job.k, job.ldk, j1 - j0, f.d(), ws + cx.L.kp, cx.L.ldk, &job.ldkb);
   return job;
 }
 
@@ -331,8 +487,9 @@ HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb
   const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
   float* dk_acc = ws + cx.L.dk;
   float* dv_acc = ws + cx.L.dv;
-  std::fill(dk_acc, dk_acc + (j1 - j0) * D, 0.0f);
-  std::fill(dv_acc, dv_acc + (j1 - j0) * Dv, 0.0f);
+  const int64_t ldk = cx.L.ldk, ldv = cx.L.ldv;
+  std::fill(dk_acc, dk_acc + (j1 - j0) * ldk, 0.0f);
+  std::fill(dv_acc, dv_acc + (j1 - j0) * ldv, 0.0f);
   BlockJob job = key_block(cx, b, g, j0, j1, ws);
   for (int64_t h = g * group; h < (g + 1) * group; ++h)
     for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
@@ -347,12 +504,12 @@ HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb
   if (job.padded)
     for (int64_t j = j0; j < j1; ++j)
       if (key_dropped(f.masks, b, j)) {
-        std::fill(dk_acc + (j - j0) * D, dk_acc + (j - j0 + 1) * D, 0.0f);
-        std::fill(dv_acc + (j - j0) * Dv, dv_acc + (j - j0 + 1) * Dv, 0.0f);
+        std::fill(dk_acc + (j - j0) * ldk, dk_acc + (j - j0) * ldk + D, 0.0f);
+        std::fill(dv_acc + (j - j0) * ldv, dv_acc + (j - j0) * ldv + Dv, 0.0f);
       }
   for (int64_t j = j0; j < j1; ++j) {
-    std::memcpy(p.dk.row(b, g, j), dk_acc + (j - j0) * D, static_cast<size_t>(D) * sizeof(float));
-    std::memcpy(p.dv.row(b, g, j), dv_acc + (j - j0) * Dv, static_cast<size_t>(Dv) * sizeof(float));
+    std::memcpy(p.dk.row(b, g, j), dk_acc + (j - j0) * ldk, static_cast<size_t>(D) * sizeof(float));
+    std::memcpy(p.dv.row(b, g, j), dv_acc + (j - j0) * ldv, static_cast<size_t>(Dv) * sizeof(float));
   }
 }
 

@@ -84,8 +84,16 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   if (c.bias) gp.out_proj_bias = Tensor({E});
   kernels::linear_backward_params(d_output.data(), Nq, E, E, ctx.heads.data(), H * d, H * d, gp.out_proj_weight.data(),
                                   H * d, c.bias ? gp.out_proj_bias.data() : nullptr);
-  std::vector<float> d_heads(static_cast<size_t>(Nq * H * d));
-  kernels::linear_backward_input(d_output.data(), Nq, E, E, params.out_proj_weight.data(), H * d, H * d, d_heads.data(),
+  // The working buffers d_heads and dQ/dK/dV rows are fully overwritten before they are read: they
+  // come from the module's scratch pool (reused across steps, never zero-filled; concurrent calls
+  // each get their own), as the forward's do.
+  const auto take = [&module](int64_t floats) {
+    const auto& pool = module.workspace_pool();
+    return pool ? pool->take(static_cast<size_t>(floats)) : detail::ScratchPool::fresh(static_cast<size_t>(floats));
+  };
+  const detail::ScratchPool::Lease d_heads_buf = take(Nq * H * d);
+  float* d_heads = d_heads_buf.data();
+  kernels::linear_backward_input(d_output.data(), Nq, E, E, params.out_proj_weight.data(), H * d, H * d, d_heads,
                                  H * d);
 
   // heads = sdpa(Q, K, V)  ⇒  dQ, dK, dV. They land in row buffers shaped like the forward's
@@ -94,13 +102,13 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   const detail::ProjectionPlan plan = detail::ProjectionPlan::make(c, call, ctx.packed_self_attention);
   const bool packed = plan.packed;
   const int64_t ldq = plan.ld_q, ldkv = plan.ld_kv;
-  std::vector<float> dqkv(static_cast<size_t>(plan.floats));
-  float* dq_rows = dqkv.data() + plan.q;
-  float* dk_rows = dqkv.data() + plan.k;
-  float* dv_rows = dqkv.data() + plan.v;
+  const detail::ScratchPool::Lease dqkv_buf = take(plan.floats);
+  float* const dqkv = dqkv_buf.data();
+  float* dq_rows = dqkv + plan.q;
+  float* dk_rows = dqkv + plan.k;
+  float* dv_rows = dqkv + plan.v;
   Tensor dk_ext, dv_ext;
-  SdpaGrads grads{
-      plan.q_heads(dqkv.data(), call, c), plan.k_heads(dqkv.data(), call, c), plan.v_heads(dqkv.data(), call, c), {}};
+  SdpaGrads grads{plan.q_heads(dqkv, call, c), plan.k_heads(dqkv, call, c), plan.v_heads(dqkv, call, c), {}};
   // Sinks: p_j = e^{s_j} / (e^{z_h} + Σ e^{s_k})  ⇒  d sinks from the SDPA backward.
   if (c.attention_sinks) {
     gp.sinks = Tensor({H});
@@ -113,7 +121,7 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
     grads.dv = dv_ext.view4();
   }
   const View4<float> heads_view = call.q_rows.heads(const_cast<float*>(ctx.heads.data()), H * d, 0, H, d);
-  const View4<const float> d_heads_view = call.q_rows.heads(d_heads.data(), H * d, 0, H, d);
+  const View4<const float> d_heads_view = call.q_rows.heads(d_heads, H * d, 0, H, d);
   const View4<const float> lse_view = contiguous_view(ctx.lse.data(), B, H, Tq, int64_t{1});
   if (ctx.packed)
     sdpa_backward_varlen(View4<const float>(ctx.q_heads), View4<const float>(ctx.k_heads),
@@ -125,8 +133,8 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
 
   // K_S = [K; bias_k; 0]  ⇒  dK = dK_S[:, :, :T_k], d bias_k = Σ_b dK_S[b, :, T_k] (V likewise).
   if (extra > 0) {
-    const View4<float> dk_real = plan.k_heads(dqkv.data(), call, c);
-    const View4<float> dv_real = plan.v_heads(dqkv.data(), call, c);
+    const View4<float> dk_real = plan.k_heads(dqkv, call, c);
+    const View4<float> dv_real = plan.v_heads(dqkv, call, c);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t gk = 0; gk < KV; ++gk)
         for (int64_t t = 0; t < Tk; ++t)
@@ -150,13 +158,11 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   // Q ← rope(Q), K ← rope(K) (real positions only)  ⇒  dQ ← ropeᵀ(dQ), dK ← ropeᵀ(dK): the
   // transpose of a rotation is the rotation by −angle, the same primitive run Unrotate.
   if (c.rope.enabled && ctx.packed) {
-    detail::rope_per_sequence(plan.q_heads(dqkv.data(), call, c), c.rope, ctx.packed->cu_seqlens_q,
-                              RopeDirection::Unrotate);
-    detail::rope_per_sequence(plan.k_heads(dqkv.data(), call, c), c.rope, ctx.packed->cu_seqlens_k,
-                              RopeDirection::Unrotate);
+    detail::rope_per_sequence(plan.q_heads(dqkv, call, c), c.rope, ctx.packed->cu_seqlens_q, RopeDirection::Unrotate);
+    detail::rope_per_sequence(plan.k_heads(dqkv, call, c), c.rope, ctx.packed->cu_seqlens_k, RopeDirection::Unrotate);
   } else if (c.rope.enabled) {
-    apply_rope(plan.q_heads(dqkv.data(), call, c), c.rope, nullptr, RopeDirection::Unrotate);
-    apply_rope(plan.k_heads(dqkv.data(), call, c), c.rope, nullptr, RopeDirection::Unrotate);
+    apply_rope(plan.q_heads(dqkv, call, c), c.rope, nullptr, RopeDirection::Unrotate);
+    apply_rope(plan.k_heads(dqkv, call, c), c.rope, nullptr, RopeDirection::Unrotate);
   }
 
   // Q = query · W_Qᵀ + b_Q  ⇒  dW_Q = dQᵀ · query, db_Q = Σ dQ, d query = dQ · W_Q (K, V alike).
@@ -176,7 +182,7 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   }
   if (packed) {
     // One input for all three: the packed weight's gradient is one GEMM over the whole block.
-    kernels::linear_backward_params(dqkv.data(), Nq, c.in_proj_rows(), ldq, query.data(), E, E, dwq, E, db);
+    kernels::linear_backward_params(dqkv, Nq, c.in_proj_rows(), ldq, query.data(), E, E, dwq, E, db);
   } else {
     kernels::linear_backward_params(dq_rows, Nq, H * d, ldq, query.data(), E, E, dwq, lddq, db);
     kernels::linear_backward_params(dk_rows, Nk, KV * d, ldkv, key.data(), kdim, kdim, dwk, lddk,
