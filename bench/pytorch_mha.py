@@ -140,10 +140,9 @@ def make_core(a, dtype):
         return torch.softmax(s, dim=-1) @ v
 
     impls = {"math": math}
-    sdpa = getattr(torch.nn.functional, "_scaled_dot_product_attention", None)
-    if sdpa is not None:  # 1.13's private SDPA: (out, weights)
-        impls["sdpa"] = lambda: sdpa(q, k, v, attn_mask=None, dropout_p=0.0, need_attn_weights=False,
-                                     is_causal=a.causal)[0]
+    sdpa = functional_sdpa()  # torch 2.x: the CPU flash kernel; 1.13: its private SDPA
+    if sdpa is not None:
+        impls["sdpa"] = lambda: sdpa(q, k, v, a.causal)
     if a.core_impl == "best":
         return impls
     if a.core_impl not in impls:
