@@ -21,7 +21,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "dist/dist_internal.h"
 #include "mha/dist.h"
@@ -91,15 +93,24 @@ Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, c
   return d;
 }
 
-/// One rank's K/V block (and its padding) as it travels: contiguous (B, kv, L, ·) for its length L.
-struct Block {
-  std::vector<float> k, v;
-  std::vector<uint8_t> pad;
+/// A K/V block (and its padding) as a step sees it: contiguous (B, kv, L, ·) for its length L; this
+/// rank's own tensors in step 0, a receive buffer afterwards. pad is null without key padding.
+struct BlockRef {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const uint8_t* pad = nullptr;
+};
+
+/// A receive buffer for one block. Not zero-filled: a receive writes every element a step reads.
+struct BlockBuf {
+  std::unique_ptr<float[]> k, v;
+  std::unique_ptr<uint8_t[]> pad;
   void allocate(const Dims& d, int64_t max_rows, bool with_pad) {
-    k.assign(static_cast<size_t>(d.B * d.kv * max_rows * d.d), 0.0f);
-    v.assign(static_cast<size_t>(d.B * d.kv * max_rows * d.dv), 0.0f);
-    if (with_pad) pad.assign(static_cast<size_t>(d.B * max_rows), 0);
+    k = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(d.B * d.kv * max_rows * d.d));
+    v = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(d.B * d.kv * max_rows * d.dv));
+    if (with_pad) pad = std::make_unique_for_overwrite<uint8_t[]>(static_cast<size_t>(d.B * max_rows));
   }
+  BlockRef ref() const { return {k.get(), v.get(), pad.get()}; }
 };
 
 /// How a (query segment, key segment) pair relates under the causal mask (global positions).
@@ -122,6 +133,36 @@ Visibility classify(const Causal& c, int64_t G, const Segment& qs, const Segment
   }
   *local = Causal::with_offset(q0 - k0 + G).with_window(W);
   return Visibility::Partial;
+}
+
+/// Calls fn(qs, q_row, ks, k_row, local) for every (query segment, key segment) pair of this rank's
+/// rows and a block's that the causal mask does not hide entirely, in a fixed order; q_row and k_row
+/// are the segments' first local rows, local the causal rule of the pair (none when fully visible).
+template <class Fn>
+void for_each_visible_pair(const std::vector<Segment>& q_segs, const std::vector<Segment>& k_segs, const Causal& causal,
+                           int64_t G, RingStats* stats, Fn&& fn) {
+  int64_t q_row = 0;
+  for (const Segment& qs : q_segs) {
+    int64_t k_row = 0;
+    for (const Segment& ks : k_segs) {
+      Causal local;
+      if (classify(causal, G, qs, ks, &local) != Visibility::Hidden) {
+        fn(qs, q_row, ks, k_row, local);
+        if (stats) ++stats->blocks_computed;
+      } else if (qs.length > 0 && ks.length > 0 && stats) {
+        ++stats->blocks_skipped;
+      }
+      k_row += ks.length;
+    }
+    q_row += qs.length;
+  }
+}
+
+/// The key padding of rows [k_row, k_row + n) of a block of `rows` rows (none when it has none).
+KeyPadding block_padding(const BlockRef& blk, int64_t B, int64_t k_row, int64_t n, int64_t rows) {
+  KeyPadding kp;
+  if (blk.pad) kp.view = View4<const uint8_t>{blk.pad + k_row, {B, 1, 1, n}, {rows, 0, 0, 1}};
+  return kp;
 }
 
 /// Merges (o, l) — contiguous (B, h, n, dv) and (B, h, n) — into rows [row0, row0 + n) of the
@@ -167,57 +208,58 @@ struct Requests {
 
 /// Posts the exchange of K/V blocks: `send` (this rank's current block, `send_rows` rows) to the next
 /// rank, `recv` (the block of `recv_rows` rows) from the previous one.
-void post_block_exchange(MPI_Comm comm, const Dims& d, const Block& send, int64_t send_rows, Block& recv,
+void post_block_exchange(MPI_Comm comm, const Dims& d, const BlockRef& send, int64_t send_rows, BlockBuf& recv,
                          int64_t recv_rows, Requests& reqs, RingStats* stats) {
   const int P = comm_size(comm), me = comm_rank(comm);
   const int next = (me + 1) % P, prev = (me + P - 1) % P;
-  reqs.r.resize(reqs.r.size() + (send.pad.empty() ? 4 : 6));
-  MPI_Request* r = reqs.r.data() + reqs.r.size() - (send.pad.empty() ? 4 : 6);
+  const size_t n = send.pad ? 6 : 4;
+  reqs.r.resize(reqs.r.size() + n);
+  MPI_Request* r = reqs.r.data() + reqs.r.size() - n;
   const int nk_in = mpi_count(d.B * d.kv * recv_rows * d.d, "ring_attention"),
             nv_in = mpi_count(d.B * d.kv * recv_rows * d.dv, "ring_attention");
   const int nk_out = mpi_count(d.B * d.kv * send_rows * d.d, "ring_attention"),
             nv_out = mpi_count(d.B * d.kv * send_rows * d.dv, "ring_attention");
-  MPI_Irecv(recv.k.data(), nk_in, MPI_FLOAT, prev, kTagK, comm, r++);
-  MPI_Irecv(recv.v.data(), nv_in, MPI_FLOAT, prev, kTagV, comm, r++);
-  MPI_Isend(send.k.data(), nk_out, MPI_FLOAT, next, kTagK, comm, r++);
-  MPI_Isend(send.v.data(), nv_out, MPI_FLOAT, next, kTagV, comm, r++);
+  MPI_Irecv(recv.k.get(), nk_in, MPI_FLOAT, prev, kTagK, comm, r++);
+  MPI_Irecv(recv.v.get(), nv_in, MPI_FLOAT, prev, kTagV, comm, r++);
+  MPI_Isend(send.k, nk_out, MPI_FLOAT, next, kTagK, comm, r++);
+  MPI_Isend(send.v, nv_out, MPI_FLOAT, next, kTagV, comm, r++);
   int64_t bytes = 4 * (int64_t{nk_out} + nv_out);
-  if (!send.pad.empty()) {
+  if (send.pad) {
     const int np_in = mpi_count(d.B * recv_rows, "ring_attention"),
               np_out = mpi_count(d.B * send_rows, "ring_attention");
-    MPI_Irecv(recv.pad.data(), np_in, MPI_UNSIGNED_CHAR, prev, kTagPad, comm, r++);
-    MPI_Isend(send.pad.data(), np_out, MPI_UNSIGNED_CHAR, next, kTagPad, comm, r++);
+    MPI_Irecv(recv.pad.get(), np_in, MPI_UNSIGNED_CHAR, prev, kTagPad, comm, r++);
+    MPI_Isend(send.pad, np_out, MPI_UNSIGNED_CHAR, next, kTagPad, comm, r++);
     bytes += np_out;
   }
   if (stats) stats->bytes_sent += bytes;
 }
 
-/// The ring's shared skeleton: the local block first, then P − 1 blocks from the ring, each handed to
-/// `visit(block, src_rank, rows, step)` while the next one is in flight.
+/// The ring's shared skeleton: the local block first (read in place), then P − 1 blocks from the
+/// ring, each handed to `visit(block, src_rank, rows, step)` while the next one is in flight. Step s
+/// receives into buffer s mod 2 while it sends the block it holds (its own, or the buffer of step
+/// s − 1), so two buffers suffice, and one with two ranks.
 template <class Visit>
 void run_ring(MPI_Comm comm, const Dims& d, const Tensor& k, const Tensor& v, const BoolTensor& pad, int64_t seq_k,
               SeqLayout layout, bool skip_comm, RingStats* stats, Visit&& visit) {
   const int P = comm_size(comm), me = comm_rank(comm);
   int64_t max_rows = 0;
   for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, layout));
-  Block blocks[2];
-  for (Block& b : blocks) b.allocate(d, max_rows, pad.defined());
-  std::copy(k.values().begin(), k.values().end(), blocks[0].k.begin());
-  std::copy(v.values().begin(), v.values().end(), blocks[0].v.begin());
-  if (pad.defined()) std::copy(pad.values().begin(), pad.values().end(), blocks[0].pad.begin());
-  int cur = 0;
+  BlockBuf bufs[2];
+  if (!skip_comm)
+    for (int i = 0; i < std::min(P - 1, 2); ++i) bufs[i].allocate(d, max_rows, pad.defined());
+  BlockRef cur{k.data(), v.data(), pad.defined() ? pad.data() : nullptr};
   for (int s = 0; s < P; ++s) {
     const int src = (me - s + P) % P;
     const int64_t rows = local_length(seq_k, P, src, layout);
     Requests reqs;
-    if (s + 1 < P && !skip_comm) {
+    const bool exchange = s + 1 < P && !skip_comm;
+    if (exchange) {
       const int next_src = (me - s - 1 + 2 * P) % P;
-      post_block_exchange(comm, d, blocks[cur], rows, blocks[1 - cur], local_length(seq_k, P, next_src, layout), reqs,
-                          stats);
+      post_block_exchange(comm, d, cur, rows, bufs[s % 2], local_length(seq_k, P, next_src, layout), reqs, stats);
     }
-    visit(blocks[cur], src, rows, s);
+    visit(cur, src, rows, s);
     reqs.wait(stats);
-    if (!skip_comm) cur = 1 - cur;
+    if (exchange) cur = bufs[s % 2].ref();
   }
 }
 
@@ -247,36 +289,22 @@ RingResult ring_attention(MPI_Comm comm, const Tensor& q, const Tensor& k, const
   so.threads = options.threads;
   const View4<const float> qv = q.view4();
   run_ring(comm, d, k, v, key_padding, seq_k, options.layout, options.skip_communication, stats,
-           [&](const Block& blk, int src, int64_t rows, int) {
+           [&](const BlockRef& blk, int src, int64_t rows, int) {
              const double t0 = now_seconds();
-             const View4<const float> kb = contiguous_view<const float>(blk.k.data(), d.B, d.kv, rows, d.d);
-             const View4<const float> vb = contiguous_view<const float>(blk.v.data(), d.B, d.kv, rows, d.dv);
-             int64_t q_row = 0;
-             for (const Segment& qs : q_segs) {
-               int64_t k_row = 0;
-               for (const Segment& ks : sequence_segments(seq_k, P, src, options.layout)) {
-                 Causal local;
-                 const Visibility vis = classify(options.causal, G, qs, ks, &local);
-                 if (vis == Visibility::Hidden) {
-                   if (qs.length > 0 && ks.length > 0 && stats) ++stats->blocks_skipped;
-                 } else {
+             const View4<const float> kb = contiguous_view<const float>(blk.k, d.B, d.kv, rows, d.d);
+             const View4<const float> vb = contiguous_view<const float>(blk.v, d.B, d.kv, rows, d.dv);
+             for_each_visible_pair(
+                 q_segs, sequence_segments(seq_k, P, src, options.layout), options.causal, G, stats,
+                 [&](const Segment& qs, int64_t q_row, const Segment& ks, int64_t k_row, const Causal& local) {
                    so.masks.causal = local;
-                   so.masks.key_padding = {};
-                   if (!blk.pad.empty())
-                     so.masks.key_padding.view =
-                         View4<const uint8_t>{blk.pad.data() + k_row, {d.B, 1, 1, ks.length}, {rows, 0, 0, 1}};
+                   so.masks.key_padding = block_padding(blk, d.B, k_row, ks.length, rows);
                    SdpaOutputs outs;
                    outs.out = contiguous_view(part_o.data(), d.B, d.h, qs.length, d.dv);
                    outs.lse = contiguous_view(part_l.data(), d.B, d.h, qs.length, int64_t{1});
                    sdpa(rows_of(qv, q_row, qs.length), rows_of(kb, k_row, ks.length), rows_of(vb, k_row, ks.length), so,
                         outs);
                    merge_into(res.out, res.lse, q_row, part_o.data(), part_l.data(), qs.length);
-                   if (stats) ++stats->blocks_computed;
-                 }
-                 k_row += ks.length;
-               }
-               q_row += qs.length;
-             }
+                 });
              if (stats) stats->compute_seconds += now_seconds() - t0;
            });
   if (stats) stats->seconds = now_seconds() - t_start;
@@ -340,27 +368,18 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
   const View4<const float> qv = q.view4(), ov = out.view4(), dov = d_out.view4();
   const View4<const float> lv = contiguous_view<const float>(lse.data(), d.B, d.h, d.tq, int64_t{1});
   run_ring(comm, d, k, v, key_padding, seq_k, options.layout, options.skip_communication, stats,
-           [&](const Block& blk, int src, int64_t rows, int s) {
+           [&](const BlockRef& blk, int src, int64_t rows, int s) {
              if (comm_on && s > 0) post_acc_recv(rows);  // the accumulator of this block, from prev
              const double t0 = now_seconds();
-             const View4<const float> kb = contiguous_view<const float>(blk.k.data(), d.B, d.kv, rows, d.d);
-             const View4<const float> vb = contiguous_view<const float>(blk.v.data(), d.B, d.kv, rows, d.dv);
+             const View4<const float> kb = contiguous_view<const float>(blk.k, d.B, d.kv, rows, d.d);
+             const View4<const float> vb = contiguous_view<const float>(blk.v, d.B, d.kv, rows, d.dv);
              std::fill_n(part_k.begin(), d.B * d.kv * rows * d.d, 0.0f);
              std::fill_n(part_v.begin(), d.B * d.kv * rows * d.dv, 0.0f);
-             int64_t q_row = 0;
-             for (const Segment& qs : q_segs) {
-               int64_t k_row = 0;
-               for (const Segment& ks : sequence_segments(seq_k, P, src, options.layout)) {
-                 Causal local;
-                 const Visibility vis = classify(options.causal, G, qs, ks, &local);
-                 if (vis == Visibility::Hidden) {
-                   if (qs.length > 0 && ks.length > 0 && stats) ++stats->blocks_skipped;
-                 } else {
+             for_each_visible_pair(
+                 q_segs, sequence_segments(seq_k, P, src, options.layout), options.causal, G, stats,
+                 [&](const Segment& qs, int64_t q_row, const Segment& ks, int64_t k_row, const Causal& local) {
                    so.masks.causal = local;
-                   so.masks.key_padding = {};
-                   if (!blk.pad.empty())
-                     so.masks.key_padding.view =
-                         View4<const uint8_t>{blk.pad.data() + k_row, {d.B, 1, 1, ks.length}, {rows, 0, 0, 1}};
+                   so.masks.key_padding = block_padding(blk, d.B, k_row, ks.length, rows);
                    SdpaGrads gr;
                    gr.dq = contiguous_view(dq_t.data(), d.B, d.h, qs.length, d.d);
                    gr.dk = contiguous_view(dk_t.data(), d.B, d.kv, ks.length, d.d);
@@ -381,12 +400,7 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
                        part_v[static_cast<size_t>((bh * rows + k_row) * d.dv + i)] +=
                            dv_t[static_cast<size_t>(bh * ks.length * d.dv + i)];
                    }
-                   if (stats) ++stats->blocks_computed;
-                 }
-                 k_row += ks.length;
-               }
-               q_row += qs.length;
-             }
+                 });
              if (stats) stats->compute_seconds += now_seconds() - t0;
              const int64_t n_k = d.B * d.kv * rows * d.d, n_v = d.B * d.kv * rows * d.dv;
              if (!comm_on) {
