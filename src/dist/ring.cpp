@@ -94,11 +94,13 @@ Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, c
 }
 
 /// A K/V block (and its padding) as a step sees it: contiguous (B, kv, L, ·) for its length L; this
-/// rank's own tensors in step 0, a receive buffer afterwards. pad is null without key padding.
+/// rank's own tensors in step 0, a receive buffer afterwards. has_pad is the same on every rank
+/// (checked collectively); the pointers may be null where a block has no rows.
 struct BlockRef {
   const float* k = nullptr;
   const float* v = nullptr;
   const uint8_t* pad = nullptr;
+  bool has_pad = false;
 };
 
 /// A receive buffer for one block. A Tensor, so that it is backed by huge pages: the receive writes
@@ -112,7 +114,7 @@ struct BlockBuf {
     v = Tensor({d.B * d.kv * max_rows * d.dv});
     if (with_pad) pad = BoolTensor({d.B * max_rows});
   }
-  BlockRef ref() const { return {k.data(), v.data(), pad.defined() ? pad.data() : nullptr}; }
+  BlockRef ref() const { return {k.data(), v.data(), pad.data(), pad.defined()}; }
 };
 
 /// How a (query segment, key segment) pair relates under the causal mask (global positions).
@@ -163,7 +165,7 @@ void for_each_visible_pair(const std::vector<Segment>& q_segs, const std::vector
 /// The key padding of rows [k_row, k_row + n) of a block of `rows` rows (none when it has none).
 KeyPadding block_padding(const BlockRef& blk, int64_t B, int64_t k_row, int64_t n, int64_t rows) {
   KeyPadding kp;
-  if (blk.pad) kp.view = View4<const uint8_t>{blk.pad + k_row, {B, 1, 1, n}, {rows, 0, 0, 1}};
+  if (blk.has_pad) kp.view = View4<const uint8_t>{blk.pad + k_row, {B, 1, 1, n}, {rows, 0, 0, 1}};
   return kp;
 }
 
@@ -214,7 +216,7 @@ void post_block_exchange(MPI_Comm comm, const Dims& d, const BlockRef& send, int
                          int64_t recv_rows, Requests& reqs, RingStats* stats) {
   const int P = comm_size(comm), me = comm_rank(comm);
   const int next = (me + 1) % P, prev = (me + P - 1) % P;
-  const size_t n = send.pad ? 6 : 4;
+  const size_t n = send.has_pad ? 6 : 4;
   reqs.r.resize(reqs.r.size() + n);
   MPI_Request* r = reqs.r.data() + reqs.r.size() - n;
   const int nk_in = mpi_count(d.B * d.kv * recv_rows * d.d, "ring_attention"),
@@ -226,7 +228,7 @@ void post_block_exchange(MPI_Comm comm, const Dims& d, const BlockRef& send, int
   MPI_Isend(send.k, nk_out, MPI_FLOAT, next, kTagK, comm, r++);
   MPI_Isend(send.v, nv_out, MPI_FLOAT, next, kTagV, comm, r++);
   int64_t bytes = 4 * (int64_t{nk_out} + nv_out);
-  if (send.pad) {
+  if (send.has_pad) {
     const int np_in = mpi_count(d.B * recv_rows, "ring_attention"),
               np_out = mpi_count(d.B * send_rows, "ring_attention");
     MPI_Irecv(recv.pad.data(), np_in, MPI_UNSIGNED_CHAR, prev, kTagPad, comm, r++);
@@ -249,7 +251,7 @@ void run_ring(MPI_Comm comm, const Dims& d, const Tensor& k, const Tensor& v, co
   BlockBuf bufs[2];
   if (!skip_comm)
     for (int i = 0; i < std::min(P - 1, 2); ++i) bufs[i].allocate(d, max_rows, pad.defined());
-  BlockRef cur{k.data(), v.data(), pad.defined() ? pad.data() : nullptr};
+  BlockRef cur{k.data(), v.data(), pad.data(), pad.defined()};
   for (int s = 0; s < P; ++s) {
     const int src = (me - s + P) % P;
     const int64_t rows = local_length(seq_k, P, src, layout);
