@@ -21,7 +21,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "dist/dist_internal.h"
 #include "mha/dist.h"
@@ -91,15 +93,28 @@ Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, c
   return d;
 }
 
-/// One rank's K/V block (and its padding) as it travels: contiguous (B, kv, L, ·) for its length L.
-struct Block {
-  std::vector<float> k, v;
-  std::vector<uint8_t> pad;
+/// A K/V block (and its padding) as a step sees it: contiguous (B, kv, L, ·) for its length L; this
+/// rank's own tensors in step 0, a receive buffer afterwards. has_pad is the same on every rank
+/// (checked collectively); the pointers may be null where a block has no rows.
+struct BlockRef {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const uint8_t* pad = nullptr;
+  bool has_pad = false;
+};
+
+/// A receive buffer for one block. A Tensor, so that it is backed by huge pages: the receive writes
+/// it through the kernel's cross-process copy, which pays every 4 KiB page fault of a fresh buffer
+/// (a 32 MiB block took ~0.4 s of page faults on a loaded virtual machine, against ~0.06 s).
+struct BlockBuf {
+  Tensor k, v;
+  BoolTensor pad;
   void allocate(const Dims& d, int64_t max_rows, bool with_pad) {
-    k.assign(static_cast<size_t>(d.B * d.kv * max_rows * d.d), 0.0f);
-    v.assign(static_cast<size_t>(d.B * d.kv * max_rows * d.dv), 0.0f);
-    if (with_pad) pad.assign(static_cast<size_t>(d.B * max_rows), 0);
+    k = Tensor({d.B * d.kv * max_rows * d.d});
+    v = Tensor({d.B * d.kv * max_rows * d.dv});
+    if (with_pad) pad = BoolTensor({d.B * max_rows});
   }
+  BlockRef ref() const { return {k.data(), v.data(), pad.data(), pad.defined()}; }
 };
 
 /// How a (query segment, key segment) pair relates under the causal mask (global positions).
@@ -122,6 +137,36 @@ Visibility classify(const Causal& c, int64_t G, const Segment& qs, const Segment
   }
   *local = Causal::with_offset(q0 - k0 + G).with_window(W);
   return Visibility::Partial;
+}
+
+/// Calls fn(qs, q_row, ks, k_row, local) for every (query segment, key segment) pair of this rank's
+/// rows and a block's that the causal mask does not hide entirely, in a fixed order; q_row and k_row
+/// are the segments' first local rows, local the causal rule of the pair (none when fully visible).
+template <class Fn>
+void for_each_visible_pair(const std::vector<Segment>& q_segs, const std::vector<Segment>& k_segs, const Causal& causal,
+                           int64_t G, RingStats* stats, Fn&& fn) {
+  int64_t q_row = 0;
+  for (const Segment& qs : q_segs) {
+    int64_t k_row = 0;
+    for (const Segment& ks : k_segs) {
+      Causal local;
+      if (classify(causal, G, qs, ks, &local) != Visibility::Hidden) {
+        fn(qs, q_row, ks, k_row, local);
+        if (stats) ++stats->blocks_computed;
+      } else if (qs.length > 0 && ks.length > 0 && stats) {
+        ++stats->blocks_skipped;
+      }
+      k_row += ks.length;
+    }
+    q_row += qs.length;
+  }
+}
+
+/// The key padding of rows [k_row, k_row + n) of a block of `rows` rows (none when it has none).
+KeyPadding block_padding(const BlockRef& blk, int64_t B, int64_t k_row, int64_t n, int64_t rows) {
+  KeyPadding kp;
+  if (blk.has_pad) kp.view = View4<const uint8_t>{blk.pad + k_row, {B, 1, 1, n}, {rows, 0, 0, 1}};
+  return kp;
 }
 
 /// Merges (o, l) — contiguous (B, h, n, dv) and (B, h, n) — into rows [row0, row0 + n) of the
@@ -167,57 +212,58 @@ struct Requests {
 
 /// Posts the exchange of K/V blocks: `send` (this rank's current block, `send_rows` rows) to the next
 /// rank, `recv` (the block of `recv_rows` rows) from the previous one.
-void post_block_exchange(MPI_Comm comm, const Dims& d, const Block& send, int64_t send_rows, Block& recv,
+void post_block_exchange(MPI_Comm comm, const Dims& d, const BlockRef& send, int64_t send_rows, BlockBuf& recv,
                          int64_t recv_rows, Requests& reqs, RingStats* stats) {
   const int P = comm_size(comm), me = comm_rank(comm);
   const int next = (me + 1) % P, prev = (me + P - 1) % P;
-  reqs.r.resize(reqs.r.size() + (send.pad.empty() ? 4 : 6));
-  MPI_Request* r = reqs.r.data() + reqs.r.size() - (send.pad.empty() ? 4 : 6);
+  const size_t n = send.has_pad ? 6 : 4;
+  reqs.r.resize(reqs.r.size() + n);
+  MPI_Request* r = reqs.r.data() + reqs.r.size() - n;
   const int nk_in = mpi_count(d.B * d.kv * recv_rows * d.d, "ring_attention"),
             nv_in = mpi_count(d.B * d.kv * recv_rows * d.dv, "ring_attention");
   const int nk_out = mpi_count(d.B * d.kv * send_rows * d.d, "ring_attention"),
             nv_out = mpi_count(d.B * d.kv * send_rows * d.dv, "ring_attention");
   MPI_Irecv(recv.k.data(), nk_in, MPI_FLOAT, prev, kTagK, comm, r++);
   MPI_Irecv(recv.v.data(), nv_in, MPI_FLOAT, prev, kTagV, comm, r++);
-  MPI_Isend(send.k.data(), nk_out, MPI_FLOAT, next, kTagK, comm, r++);
-  MPI_Isend(send.v.data(), nv_out, MPI_FLOAT, next, kTagV, comm, r++);
+  MPI_Isend(send.k, nk_out, MPI_FLOAT, next, kTagK, comm, r++);
+  MPI_Isend(send.v, nv_out, MPI_FLOAT, next, kTagV, comm, r++);
   int64_t bytes = 4 * (int64_t{nk_out} + nv_out);
-  if (!send.pad.empty()) {
+  if (send.has_pad) {
     const int np_in = mpi_count(d.B * recv_rows, "ring_attention"),
               np_out = mpi_count(d.B * send_rows, "ring_attention");
     MPI_Irecv(recv.pad.data(), np_in, MPI_UNSIGNED_CHAR, prev, kTagPad, comm, r++);
-    MPI_Isend(send.pad.data(), np_out, MPI_UNSIGNED_CHAR, next, kTagPad, comm, r++);
+    MPI_Isend(send.pad, np_out, MPI_UNSIGNED_CHAR, next, kTagPad, comm, r++);
     bytes += np_out;
   }
   if (stats) stats->bytes_sent += bytes;
 }
 
-/// The ring's shared skeleton: the local block first, then P − 1 blocks from the ring, each handed to
-/// `visit(block, src_rank, rows, step)` while the next one is in flight.
+/// The ring's shared skeleton: the local block first (read in place), then P − 1 blocks from the
+/// ring, each handed to `visit(block, src_rank, rows, step)` while the next one is in flight. Step s
+/// receives into buffer s mod 2 while it sends the block it holds (its own, or the buffer of step
+/// s − 1), so two buffers suffice, and one with two ranks.
 template <class Visit>
 void run_ring(MPI_Comm comm, const Dims& d, const Tensor& k, const Tensor& v, const BoolTensor& pad, int64_t seq_k,
               SeqLayout layout, bool skip_comm, RingStats* stats, Visit&& visit) {
   const int P = comm_size(comm), me = comm_rank(comm);
   int64_t max_rows = 0;
   for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, layout));
-  Block blocks[2];
-  for (Block& b : blocks) b.allocate(d, max_rows, pad.defined());
-  std::copy(k.values().begin(), k.values().end(), blocks[0].k.begin());
-  std::copy(v.values().begin(), v.values().end(), blocks[0].v.begin());
-  if (pad.defined()) std::copy(pad.values().begin(), pad.values().end(), blocks[0].pad.begin());
-  int cur = 0;
+  BlockBuf bufs[2];
+  if (!skip_comm)
+    for (int i = 0; i < std::min(P - 1, 2); ++i) bufs[i].allocate(d, max_rows, pad.defined());
+  BlockRef cur{k.data(), v.data(), pad.data(), pad.defined()};
   for (int s = 0; s < P; ++s) {
     const int src = (me - s + P) % P;
     const int64_t rows = local_length(seq_k, P, src, layout);
     Requests reqs;
-    if (s + 1 < P && !skip_comm) {
+    const bool exchange = s + 1 < P && !skip_comm;
+    if (exchange) {
       const int next_src = (me - s - 1 + 2 * P) % P;
-      post_block_exchange(comm, d, blocks[cur], rows, blocks[1 - cur], local_length(seq_k, P, next_src, layout), reqs,
-                          stats);
+      post_block_exchange(comm, d, cur, rows, bufs[s % 2], local_length(seq_k, P, next_src, layout), reqs, stats);
     }
-    visit(blocks[cur], src, rows, s);
+    visit(cur, src, rows, s);
     reqs.wait(stats);
-    if (!skip_comm) cur = 1 - cur;
+    if (exchange) cur = bufs[s % 2].ref();
   }
 }
 
@@ -239,44 +285,30 @@ RingResult ring_attention(MPI_Comm comm, const Tensor& q, const Tensor& k, const
   res.lse = Tensor({d.B, d.h, d.tq}, -std::numeric_limits<float>::infinity());
   int64_t max_q = 0;
   for (const Segment& s : q_segs) max_q = std::max(max_q, s.length);
-  std::vector<float> part_o(static_cast<size_t>(d.B * d.h * max_q * d.dv)),
-      part_l(static_cast<size_t>(d.B * d.h * max_q));
+  // Scratch as Tensors (huge pages when large): see BlockBuf.
+  Tensor part_o({d.B * d.h * max_q * d.dv}), part_l({d.B * d.h * max_q});
 
   SdpaOptions so;
   so.scale = options.scale;
   so.threads = options.threads;
   const View4<const float> qv = q.view4();
   run_ring(comm, d, k, v, key_padding, seq_k, options.layout, options.skip_communication, stats,
-           [&](const Block& blk, int src, int64_t rows, int) {
+           [&](const BlockRef& blk, int src, int64_t rows, int) {
              const double t0 = now_seconds();
-             const View4<const float> kb = contiguous_view<const float>(blk.k.data(), d.B, d.kv, rows, d.d);
-             const View4<const float> vb = contiguous_view<const float>(blk.v.data(), d.B, d.kv, rows, d.dv);
-             int64_t q_row = 0;
-             for (const Segment& qs : q_segs) {
-               int64_t k_row = 0;
-               for (const Segment& ks : sequence_segments(seq_k, P, src, options.layout)) {
-                 Causal local;
-                 const Visibility vis = classify(options.causal, G, qs, ks, &local);
-                 if (vis == Visibility::Hidden) {
-                   if (qs.length > 0 && ks.length > 0 && stats) ++stats->blocks_skipped;
-                 } else {
+             const View4<const float> kb = contiguous_view<const float>(blk.k, d.B, d.kv, rows, d.d);
+             const View4<const float> vb = contiguous_view<const float>(blk.v, d.B, d.kv, rows, d.dv);
+             for_each_visible_pair(
+                 q_segs, sequence_segments(seq_k, P, src, options.layout), options.causal, G, stats,
+                 [&](const Segment& qs, int64_t q_row, const Segment& ks, int64_t k_row, const Causal& local) {
                    so.masks.causal = local;
-                   so.masks.key_padding = {};
-                   if (!blk.pad.empty())
-                     so.masks.key_padding.view =
-                         View4<const uint8_t>{blk.pad.data() + k_row, {d.B, 1, 1, ks.length}, {rows, 0, 0, 1}};
+                   so.masks.key_padding = block_padding(blk, d.B, k_row, ks.length, rows);
                    SdpaOutputs outs;
                    outs.out = contiguous_view(part_o.data(), d.B, d.h, qs.length, d.dv);
                    outs.lse = contiguous_view(part_l.data(), d.B, d.h, qs.length, int64_t{1});
                    sdpa(rows_of(qv, q_row, qs.length), rows_of(kb, k_row, ks.length), rows_of(vb, k_row, ks.length), so,
                         outs);
                    merge_into(res.out, res.lse, q_row, part_o.data(), part_l.data(), qs.length);
-                   if (stats) ++stats->blocks_computed;
-                 }
-                 k_row += ks.length;
-               }
-               q_row += qs.length;
-             }
+                 });
              if (stats) stats->compute_seconds += now_seconds() - t0;
            });
   if (stats) stats->seconds = now_seconds() - t_start;
@@ -316,13 +348,12 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
 
   RingGrads g;
   g.dq = Tensor(q.shape());
-  std::vector<float> dq_t(static_cast<size_t>(d.B * d.h * max_q * d.d)),
-      dk_t(static_cast<size_t>(d.B * d.kv * max_k * d.d)), dv_t(static_cast<size_t>(d.B * d.kv * max_k * d.dv));
+  // Scratch as Tensors (huge pages when large): see BlockBuf.
+  Tensor dq_t({d.B * d.h * max_q * d.d}), dk_t({d.B * d.kv * max_k * d.d}), dv_t({d.B * d.kv * max_k * d.dv});
   // This rank's share of the current block's dK/dV, the accumulator arriving from the previous rank
   // and the one leaving for the next.
-  const size_t nk = static_cast<size_t>(d.B * d.kv * max_rows * d.d),
-               nv = static_cast<size_t>(d.B * d.kv * max_rows * d.dv);
-  std::vector<float> part_k(nk), part_v(nv), in_k(nk), in_v(nv), acc_k(nk), acc_v(nv);
+  const int64_t nk = d.B * d.kv * max_rows * d.d, nv = d.B * d.kv * max_rows * d.dv;
+  Tensor part_k({nk}), part_v({nv}), in_k({nk}), in_v({nv}), acc_k({nk}), acc_v({nv});
   Requests acc_send, acc_recv;
   const bool comm_on = !options.skip_communication && P > 1;
   const auto post_acc_recv = [&](int64_t rows) {
@@ -340,27 +371,18 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
   const View4<const float> qv = q.view4(), ov = out.view4(), dov = d_out.view4();
   const View4<const float> lv = contiguous_view<const float>(lse.data(), d.B, d.h, d.tq, int64_t{1});
   run_ring(comm, d, k, v, key_padding, seq_k, options.layout, options.skip_communication, stats,
-           [&](const Block& blk, int src, int64_t rows, int s) {
+           [&](const BlockRef& blk, int src, int64_t rows, int s) {
              if (comm_on && s > 0) post_acc_recv(rows);  // the accumulator of this block, from prev
              const double t0 = now_seconds();
-             const View4<const float> kb = contiguous_view<const float>(blk.k.data(), d.B, d.kv, rows, d.d);
-             const View4<const float> vb = contiguous_view<const float>(blk.v.data(), d.B, d.kv, rows, d.dv);
-             std::fill_n(part_k.begin(), d.B * d.kv * rows * d.d, 0.0f);
-             std::fill_n(part_v.begin(), d.B * d.kv * rows * d.dv, 0.0f);
-             int64_t q_row = 0;
-             for (const Segment& qs : q_segs) {
-               int64_t k_row = 0;
-               for (const Segment& ks : sequence_segments(seq_k, P, src, options.layout)) {
-                 Causal local;
-                 const Visibility vis = classify(options.causal, G, qs, ks, &local);
-                 if (vis == Visibility::Hidden) {
-                   if (qs.length > 0 && ks.length > 0 && stats) ++stats->blocks_skipped;
-                 } else {
+             const View4<const float> kb = contiguous_view<const float>(blk.k, d.B, d.kv, rows, d.d);
+             const View4<const float> vb = contiguous_view<const float>(blk.v, d.B, d.kv, rows, d.dv);
+             std::fill_n(part_k.data(), d.B * d.kv * rows * d.d, 0.0f);
+             std::fill_n(part_v.data(), d.B * d.kv * rows * d.dv, 0.0f);
+             for_each_visible_pair(
+                 q_segs, sequence_segments(seq_k, P, src, options.layout), options.causal, G, stats,
+                 [&](const Segment& qs, int64_t q_row, const Segment& ks, int64_t k_row, const Causal& local) {
                    so.masks.causal = local;
-                   so.masks.key_padding = {};
-                   if (!blk.pad.empty())
-                     so.masks.key_padding.view =
-                         View4<const uint8_t>{blk.pad.data() + k_row, {d.B, 1, 1, ks.length}, {rows, 0, 0, 1}};
+                   so.masks.key_padding = block_padding(blk, d.B, k_row, ks.length, rows);
                    SdpaGrads gr;
                    gr.dq = contiguous_view(dq_t.data(), d.B, d.h, qs.length, d.d);
                    gr.dk = contiguous_view(dk_t.data(), d.B, d.kv, ks.length, d.d);
@@ -371,42 +393,32 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
                    // dQ rows of this query segment, dK/dV rows of this key segment of the block.
                    for (int64_t bh = 0; bh < d.B * d.h; ++bh)
                      for (int64_t i = 0; i < qs.length * d.d; ++i)
-                       g.dq.data()[(bh * d.tq + q_row) * d.d + i] +=
-                           dq_t[static_cast<size_t>(bh * qs.length * d.d + i)];
+                       g.dq.data()[(bh * d.tq + q_row) * d.d + i] += dq_t.data()[bh * qs.length * d.d + i];
                    for (int64_t bh = 0; bh < d.B * d.kv; ++bh) {
                      for (int64_t i = 0; i < ks.length * d.d; ++i)
-                       part_k[static_cast<size_t>((bh * rows + k_row) * d.d + i)] +=
-                           dk_t[static_cast<size_t>(bh * ks.length * d.d + i)];
+                       part_k.data()[(bh * rows + k_row) * d.d + i] += dk_t.data()[bh * ks.length * d.d + i];
                      for (int64_t i = 0; i < ks.length * d.dv; ++i)
-                       part_v[static_cast<size_t>((bh * rows + k_row) * d.dv + i)] +=
-                           dv_t[static_cast<size_t>(bh * ks.length * d.dv + i)];
+                       part_v.data()[(bh * rows + k_row) * d.dv + i] += dv_t.data()[bh * ks.length * d.dv + i];
                    }
-                   if (stats) ++stats->blocks_computed;
-                 }
-                 k_row += ks.length;
-               }
-               q_row += qs.length;
-             }
+                 });
              if (stats) stats->compute_seconds += now_seconds() - t0;
              const int64_t n_k = d.B * d.kv * rows * d.d, n_v = d.B * d.kv * rows * d.dv;
              if (!comm_on) {
                // One rank (or the benchmark's no-communication run): this block's gradient is its share.
                if (s == 0) {
-                 std::copy_n(part_k.begin(), n_k, acc_k.begin());
-                 std::copy_n(part_v.begin(), n_v, acc_v.begin());
+                 std::copy_n(part_k.data(), n_k, acc_k.data());
+                 std::copy_n(part_v.data(), n_v, acc_v.data());
                }
                return;
              }
              acc_send.wait(stats);  // the previous accumulator has left: acc may be overwritten
              if (s > 0) {
                acc_recv.wait(stats);
-               for (int64_t i = 0; i < n_k; ++i)
-                 acc_k[static_cast<size_t>(i)] = in_k[static_cast<size_t>(i)] + part_k[static_cast<size_t>(i)];
-               for (int64_t i = 0; i < n_v; ++i)
-                 acc_v[static_cast<size_t>(i)] = in_v[static_cast<size_t>(i)] + part_v[static_cast<size_t>(i)];
+               for (int64_t i = 0; i < n_k; ++i) acc_k.data()[i] = in_k.data()[i] + part_k.data()[i];
+               for (int64_t i = 0; i < n_v; ++i) acc_v.data()[i] = in_v.data()[i] + part_v.data()[i];
              } else {
-               std::copy_n(part_k.begin(), n_k, acc_k.begin());
-               std::copy_n(part_v.begin(), n_v, acc_v.begin());
+               std::copy_n(part_k.data(), n_k, acc_k.data());
+               std::copy_n(part_v.data(), n_v, acc_v.data());
              }
              acc_send.r.resize(2);
              MPI_Isend(acc_k.data(), static_cast<int>(n_k), MPI_FLOAT, next, kTagDk, comm, &acc_send.r[0]);
@@ -420,11 +432,11 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
     post_acc_recv(d.tk);
     acc_recv.wait(stats);
     acc_send.wait(stats);
-    std::copy_n(in_k.begin(), g.dk.numel(), g.dk.data());
-    std::copy_n(in_v.begin(), g.dv.numel(), g.dv.data());
+    std::copy_n(in_k.data(), g.dk.numel(), g.dk.data());
+    std::copy_n(in_v.data(), g.dv.numel(), g.dv.data());
   } else {
-    std::copy_n(acc_k.begin(), g.dk.numel(), g.dk.data());
-    std::copy_n(acc_v.begin(), g.dv.numel(), g.dv.data());
+    std::copy_n(acc_k.data(), g.dk.numel(), g.dk.data());
+    std::copy_n(acc_v.data(), g.dv.numel(), g.dv.data());
   }
   if (stats) stats->seconds = now_seconds() - t_start;
   return g;

@@ -186,6 +186,11 @@ TEST(Ring, ForwardTinySequencesLeaveRanksEmpty) {
   check_ring_forward(c);
   c.layout = SeqLayout::Contiguous;
   check_ring_forward(c);
+  // With key padding, every rank must exchange padding even when its own shard is empty.
+  c.padding = true;
+  check_ring_forward(c);
+  c.layout = SeqLayout::Zigzag;
+  check_ring_forward(c);
 }
 
 void check_ring_backward(const Case& c) {

@@ -1,5 +1,5 @@
 # Installs the built library into a scratch prefix, then configures, builds and runs a consumer
-# project that uses find_package(mha) and links mha::mha.
+# project that uses find_package(mha) and links mha::mha (and, with WITH_DIST, mha::dist).
 file(REMOVE_RECURSE ${WORK_DIR})
 execute_process(COMMAND ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${WORK_DIR}/prefix
   RESULT_VARIABLE rc OUTPUT_QUIET)
@@ -7,7 +7,7 @@ if(NOT rc EQUAL 0)
   message(FATAL_ERROR "install failed: ${rc}")
 endif()
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/find_package/consumer -B ${WORK_DIR}/build -G Ninja
-  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix RESULT_VARIABLE rc)
+  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DWITH_DIST=${WITH_DIST} RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "consumer configure failed: ${rc}")
 endif()
@@ -19,4 +19,11 @@ execute_process(COMMAND ${WORK_DIR}/build/consumer RESULT_VARIABLE rc OUTPUT_VAR
 message(STATUS "${out}")
 if(NOT rc EQUAL 0 OR NOT out MATCHES "consumer ok")
   message(FATAL_ERROR "consumer run failed: ${rc}")
+endif()
+if(WITH_DIST)
+  execute_process(COMMAND ${WORK_DIR}/build/consumer_dist RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+  message(STATUS "${out}")
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "dist consumer ok")
+    message(FATAL_ERROR "mha::dist consumer run failed: ${rc}")
+  endif()
 endif()

@@ -7,7 +7,9 @@
 //   local_ms: the same local kernels on the same block shapes with no communication at all;
 //   comm_ms: the communication alone (ring: the P − 1 block exchanges; others: time − local);
 //   comm_hidden_fraction (ring): (local + comm − time) / comm, clamped to [0, 1];
-//   busy_ms per rank (ring): time inside the kernels, and busy_balance = min / max of those.
+//   busy_ms per rank (ring): time inside the kernels, and busy_balance = min / max of those;
+//   wait_ms / wall_ms per rank (ring): blocked in MPI_Wait*, and the call's own wall time (last run);
+//   local_busy_ms per rank (ring): the no-communication run's time inside the kernels.
 // `pingpong` sends messages of 8 B … 64 MiB between ranks 0 and 1 and reports half the round trip.
 #include "dist/bench_parallel.h"
 
@@ -155,7 +157,7 @@ void run_parallel_bench_mpi(const ParallelBenchArgs& args) {
                  static_cast<long long>(d), c.causal ? "yes" : "no", a.backward ? " backward" : "", threads, a.repeat);
 
   std::vector<double> ms, local_ms;
-  double comm_ms = 0, busy = 0, bytes = 0;
+  double comm_ms = 0, busy = 0, bytes = 0, wait = 0, wall = 0, local_busy = 0;
   c.pass = a.backward ? bench::Pass::Backward : bench::Pass::Forward;
   c.target = s == "heads" ? bench::Target::Module : bench::Target::Core;
   if (s == "ring" || s == "ulysses") {
@@ -185,6 +187,8 @@ void run_parallel_bench_mpi(const ParallelBenchArgs& args) {
       };
       ms = time_collective(comm, a.repeat, run);
       busy = st.compute_seconds * 1e3;
+      wait = st.wait_seconds * 1e3;
+      wall = st.seconds * 1e3;
       bytes = static_cast<double>(st.bytes_sent);
       dist::RingOptions lo = o;
       lo.skip_communication = true;
@@ -198,6 +202,7 @@ void run_parallel_bench_mpi(const ParallelBenchArgs& args) {
           dist::ring_attention(comm, q, k, v, none, T, T, lo);
       };
       local_ms = time_collective(comm, a.repeat, run_local);
+      local_busy = lst.compute_seconds * 1e3;
       // The communication alone: the same P − 1 K/V exchanges (and, backward, P accumulator hops).
       int64_t max_rows = 0;
       for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, dist::local_length(T, P, r, layout));
@@ -242,7 +247,9 @@ void run_parallel_bench_mpi(const ParallelBenchArgs& args) {
     bytes = 4.0 * 2.0 * static_cast<double>(P - 1) / P * static_cast<double>(B * T * c.embed_dim);  // ring allreduce
     comm_ms = std::max(0.0, bench::median(ms) - bench::median(local_ms));
   }
-  const std::vector<double> busy_all = gather_to_all(comm, busy), bytes_all = gather_to_all(comm, bytes);
+  const std::vector<double> busy_all = gather_to_all(comm, busy), bytes_all = gather_to_all(comm, bytes),
+                            wait_all = gather_to_all(comm, wait), wall_all = gather_to_all(comm, wall),
+                            local_busy_all = gather_to_all(comm, local_busy);
   if (me != 0) return;
   const double med = bench::median(ms), local = bench::median(local_ms);
   const double flops = bench::total_flops(c);
@@ -264,6 +271,8 @@ void run_parallel_bench_mpi(const ParallelBenchArgs& args) {
     if (s == "ring") {
       j["busy_ms_per_rank"] = busy_all;
       j["busy_balance"] = bmax > 0 ? bmin / bmax : 1.0;
+      j["wait_ms_per_rank"] = wait_all, j["wall_ms_per_rank"] = wall_all;
+      j["local_busy_ms_per_rank"] = local_busy_all;
     }
     std::printf("%s\n", j.dump().c_str());
     return;
