@@ -228,6 +228,7 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   if (options.window < 0) fail(fn, ": window must be ≥ 0 (0 = unlimited), got ", options.window);
   if (options.splits < 0) fail(fn, ": splits must be ≥ 0 (0 = auto), got ", options.splits);
   if (options.scale && !std::isfinite(*options.scale)) fail(fn, ": scale must be finite, got ", *options.scale);
+  const kernels::ScoreEdits edits = detail::check_score_edits(fn, H, options.alibi, options.softcap, options.sinks);
   std::vector<int64_t> first(static_cast<size_t>(B), 0), end(static_cast<size_t>(B)), start(static_cast<size_t>(B));
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -264,6 +265,7 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   p.q_start = start.data();
   p.window = options.window;
   p.scale = detail::resolve_scale(options.scale, d);
+  p.edits = edits;
   p.splits = options.splits > 0 ? options.splits : auto_cache_splits(B, c.kv_heads, (H / c.kv_heads) * Tq, longest);
   p.threads = resolve_threads(options.threads);
   p.out = out;
