@@ -389,7 +389,9 @@ void module_packed_equals_each_sequence(const MultiheadAttention& m) {
       sink_grad.data()[i] += gs.params.sinks.data()[i];
   }
   EXPECT_TRUE(all_close(g.params.in_proj_weight, w_grad, 4 * tol, 4 * tol));
-  if (sink_grad.defined()) EXPECT_TRUE(all_close(g.params.sinks, sink_grad, 4 * tol, 4 * tol));
+  if (sink_grad.defined()) {
+    EXPECT_TRUE(all_close(g.params.sinks, sink_grad, 4 * tol, 4 * tol));
+  }
 
   // What a packed module call refuses.
   MhaForwardOptions bad = o;
