@@ -10,7 +10,7 @@ import numpy as np
 from . import _core
 from ._functional import _offsets
 
-__all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "analyze", "prune_heads", "head_importance",
+__all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_paged_cache", "analyze", "prune_heads", "head_importance",
            "load_safetensors"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -190,6 +190,23 @@ class PagedKvCache:
     def __repr__(self) -> str:
         return (f"mha.PagedKvCache(block_size={self.block_size}, num_blocks={self.num_blocks}, "
                 f"free_blocks={self.free_blocks()})")
+
+
+def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_start: Optional[Sequence[int]] = None,
+                       scale: Optional[float] = None, window: int = 0, splits: int = 0,
+                       threads: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Causal attention of q (B, h, T_q, d) against sequences ``seqs`` of a paged cache (C++
+    mha::attend_paged_cache): row t of batch b is at position ``q_start[b] + t`` (default: the
+    sequence's length, right after the cache) and sees cached positions ≤ it (and > it − window).
+    Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``."""
+    fn = "attend_paged_cache"
+    if not isinstance(cache, PagedKvCache):
+        raise TypeError(f"{fn}: cache must be an mha.PagedKvCache, got {type(cache).__name__}")
+    a = np.ascontiguousarray(_f32("q", q, fn), dtype=np.float32)
+    if a.ndim != 4:
+        raise ValueError(f"{fn}: q must be 4-D (B, h, T_q, d), got shape {a.shape}")
+    return _core.attend_paged_cache(a, cache._c, [int(s) for s in seqs], [int(p) for p in (q_start or [])],
+                                    None if scale is None else float(scale), int(window), int(splits), int(threads))
 
 
 class MultiheadAttention:

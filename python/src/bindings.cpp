@@ -531,6 +531,26 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("block_size", [](const mha::PagedKvCache& self) { return self.config().block_size; })
       .def_property_readonly("num_blocks", [](const mha::PagedKvCache& self) { return self.config().num_blocks; });
 
+  // attend_paged_cache: q (B, h, T_q, d) float32 → (out (B, h, T_q, d_v), lse (B, h, T_q)).
+  m.def("attend_paged_cache",
+        [](const F32In& q, const mha::PagedKvCache& cache, const std::vector<int64_t>& seqs,
+           const std::vector<int64_t>& q_start, std::optional<float> scale, int64_t window, int splits, int threads) {
+          const mha::View4<const float> qv = view_of<const float>(q, "attend_paged_cache: q");
+          const int64_t B = qv.shape[0], H = qv.shape[1], T = qv.shape[2];
+          py::array_t<float> out({B, H, T, cache.config().v_dim()}), lse({B, H, T});
+          mha::CacheAttentionOptions o;
+          o.scale = scale;
+          o.window = window;
+          o.splits = splits;
+          o.threads = threads;
+          {
+            py::gil_scoped_release release;
+            mha::attend_paged_cache(qv, cache, seqs, q_start, o, view_of<float>(out, "out"),
+                                    mha::contiguous_view(lse.mutable_data(), B, H, T, int64_t{1}));
+          }
+          return py::make_tuple(out, lse);
+        });
+
   py::class_<mha::MultiheadAttention>(m, "Module")
       .def(py::init([](int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
                        bool bias, bool add_bias_kv, bool add_zero_attn, float dropout, bool batch_first, bool rope,

@@ -121,3 +121,25 @@ def test_module_forward_packed_equals_each_sequence(rng):
         m(xs, xs, xs, need_weights=False, cu_seqlens_k=cu)
     with pytest.raises(TypeError, match="integer"):
         m(xs, xs, xs, need_weights=False, cu_seqlens_q=[0.0, 11.0])
+
+
+def test_attend_paged_cache_equals_sdpa_over_the_held_keys(rng):
+    m = mha.MultiheadAttention(16, 4, num_kv_heads=2, batch_first=True, seed=5).eval()
+    cache = m.new_paged_cache(num_blocks=6, block_size=3)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    xs = x(rng, 2, 7, 16)
+    m.forward_incremental(xs, xs, xs, cache, seqs=seqs, new_lengths=[7, 4])
+    q = x(rng, 2, 4, 1, 4)  # d = 16 / 4
+    out, lse = mha.attend_paged_cache(q, cache, seqs, splits=2)
+    assert out.shape == (2, 4, 1, 4) and lse.shape == (2, 4, 1)
+    for b, s in enumerate(seqs):
+        n = cache.length(s)
+        k = np.array([[[cache._c.k_at(s, g, p, c) for c in range(4)] for p in range(n)] for g in range(2)], np.float32)
+        v = np.array([[[cache._c.v_at(s, g, p, c) for c in range(4)] for p in range(n)] for g in range(2)], np.float32)
+        want, want_lse = mha.sdpa(q[b:b + 1], k[None], v[None], return_lse=True)
+        np.testing.assert_allclose(out[b:b + 1], want, atol=2e-6, rtol=2e-6)
+        np.testing.assert_allclose(lse[b], want_lse[0], atol=2e-6)
+    with pytest.raises(ValueError, match="does not exist"):
+        mha.attend_paged_cache(q, cache, [seqs[0], 9])
+    with pytest.raises(TypeError, match="PagedKvCache"):
+        mha.attend_paged_cache(q, m.new_cache(2, 8), seqs)
