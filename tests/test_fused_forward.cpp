@@ -19,7 +19,10 @@ namespace {
 
 using testing::all_close;
 using testing::bitwise_equal;
+using testing::f32_lse_tol;
+using testing::f32_out_tol;
 using testing::for_each_fused_target;
+using testing::max_abs;
 using testing::random_tensor;
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
@@ -32,13 +35,6 @@ constexpr bool kSanitized = true;
 #else
 constexpr bool kSanitized = false;
 #endif
-
-double max_abs(const Tensor& t) {
-  double m = 0;
-  for (float x : t.values())
-    if (std::isfinite(x)) m = std::max(m, static_cast<double>(std::fabs(x)));
-  return m;
-}
 
 /// One request: inputs, masks (owned here so the views in opt stay valid) and options.
 struct Case {
@@ -59,10 +55,8 @@ struct Case {
   }
   /// float32 tolerance for out: score errors (a few ε·bound) and exp's error move each
   /// probability relatively, the weighted sum adds ε·√T_k; all scaled by max|v|.
-  double out_tol() const {
-    return kEps * max_abs(v) * (4.0 * std::sqrt(static_cast<double>(Tk)) + 4.0 * score_bound() + 16.0);
-  }
-  double lse_tol() const { return kEps * (8.0 * score_bound() + 4.0 * std::log(Tk + 1.0) + 16.0); }
+  double out_tol() const { return f32_out_tol(max_abs(v), Tk, score_bound()); }
+  double lse_tol() const { return f32_lse_tol(Tk, score_bound()); }
 };
 
 struct Result {

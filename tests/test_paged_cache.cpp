@@ -306,5 +306,161 @@ TEST(SinkCache, BadConfigurations) {
   EXPECT_NE(error_of([&] { m.forward_incremental(x, x, x, cache, o); }).find("at most 3"), std::string::npos);
 }
 
+// ---- the module over a paged cache: MultiheadAttention::forward_incremental(…, PagedKvCache&, seqs) ----
+
+struct ModuleCase {
+  const char* name;
+  MhaConfig config;
+  CacheDtype dtype = CacheDtype::F32;
+  int64_t window = 0;
+};
+
+std::vector<ModuleCase> module_cases() {
+  MhaConfig base;
+  base.embed_dim = 32, base.num_heads = 4, base.num_kv_heads = 2, base.layout = Layout::BatchFirst;
+  base.rope = Rope::half_split();
+  std::vector<ModuleCase> cases{{"gqa+rope", base}, {"bf16 cache", base, CacheDtype::BF16}, {"window 4", base}};
+  cases[2].window = 4;
+  MhaConfig edits = base;
+  edits.alibi_slopes = alibi_slopes(4);
+  edits.softcap = 5.0f;
+  edits.attention_sinks = true;
+  cases.push_back({"alibi+softcap+sinks", edits, CacheDtype::F32, 5});
+  MhaConfig mha = base;  // plain multi-head, seq-first layout
+  mha.num_kv_heads = 0, mha.layout = Layout::SeqFirst, mha.rope = Rope{};
+  cases.push_back({"mha seq-first", mha});
+  return cases;
+}
+
+/// rows [t0, t1) of every sequence of a batch-first (B, T, E) or seq-first (T, B, E) input.
+Tensor token_rows(const Tensor& x, Layout layout, int64_t t0, int64_t t1) {
+  const bool bf = layout == Layout::BatchFirst;
+  const int64_t B = bf ? x.size(0) : x.size(1), E = x.size(2), n = t1 - t0;
+  Tensor out(bf ? Shape{B, n, E} : Shape{n, B, E});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t e = 0; e < E; ++e)
+        (bf ? out.at({b, t, e}) : out.at({t, b, e})) = bf ? x.at({b, t0 + t, e}) : x.at({t0 + t, b, e});
+  return out;
+}
+
+// A prefill of 3 (sequence 1 padded to 2) then token by token: the paged overload equals the
+// contiguous one bitwise after every step, on every target, for threads 1/2/3; block size 3 so
+// sequences cross block edges, interleaved in the pool.
+TEST(PagedKvCacheModule, EqualsContiguousCacheTokenByToken) {
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (const ModuleCase& mc : module_cases()) {
+      SCOPED_TRACE(mc.name);
+      MultiheadAttention m(mc.config, 5);
+      if (mc.config.attention_sinks) m.params().sinks = random_tensor({4}, 6);
+      const bool bf = mc.config.layout == Layout::BatchFirst;
+      const int64_t B = 2, T = 12, E = 32;
+      const Tensor x = random_tensor(bf ? Shape{B, T, E} : Shape{T, B, E}, 7);
+      KvCacheConfig cc;
+      cc.batch = B, cc.kv_heads = m.config().kv_heads(), cc.head_dim = 8, cc.capacity = T, cc.dtype = mc.dtype;
+      KvCache flat(cc);
+      PagedKvCacheConfig pc;
+      pc.kv_heads = cc.kv_heads, pc.head_dim = 8, pc.block_size = 3, pc.num_blocks = 8, pc.dtype = mc.dtype;
+      PagedKvCache paged(pc);
+      const int64_t decoy = paged.add_sequence();  // ids need not be 0…B−1
+      const std::vector<int64_t> ids{paged.add_sequence(), paged.add_sequence()};
+      paged.free(decoy);
+      IncrementalOptions o;
+      o.window = mc.window;
+      o.splits = 2;
+      o.new_lengths = {3, 2};
+      const Tensor pre = token_rows(x, mc.config.layout, 0, 3);
+      ASSERT_TRUE(bitwise_equal(m.forward_incremental(pre, pre, pre, paged, ids, o).output,
+                                m.forward_incremental(pre, pre, pre, flat, o).output));
+      o.new_lengths.clear();
+      for (int64_t t = 3; t < T - 1; ++t) {
+        const Tensor in = token_rows(x, mc.config.layout, t, t + 1);
+        o.threads = 1;
+        const Tensor want = m.forward_incremental(in, in, in, flat, o).output;
+        o.threads = 1 + static_cast<int>(t % 3);
+        const Tensor got = m.forward_incremental(in, in, in, paged, ids, o).output;
+        ASSERT_TRUE(bitwise_equal(got, want)) << "token " << t;
+      }
+      EXPECT_EQ(paged.length(ids[0]), T - 1);
+      EXPECT_EQ(paged.length(ids[1]), T - 2);
+      EXPECT_EQ(paged.k_at(ids[1], 1, 5, 2), flat.k_at(1, 1, 5, 2));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// A forked sequence decodes like a copy of its parent's contiguous cache, sharing the full blocks.
+TEST(PagedKvCacheModule, ForkedSequenceDecodesLikeACopy) {
+  MhaConfig c = module_cases()[0].config;
+  const MultiheadAttention m(c, 5);
+  KvCacheConfig cc;
+  cc.batch = 1, cc.kv_heads = 2, cc.head_dim = 8, cc.capacity = 16;
+  KvCache flat(cc);
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 2, pc.head_dim = 8, pc.block_size = 4, pc.num_blocks = 8;
+  PagedKvCache paged(pc);
+  const int64_t parent = paged.add_sequence();
+  const Tensor prompt = random_tensor({1, 6, 32}, 1);
+  const std::vector<int64_t> p_ids{parent};
+  m.forward_incremental(prompt, prompt, prompt, paged, p_ids);
+  m.forward_incremental(prompt, prompt, prompt, flat);
+  const int64_t free_before = paged.free_blocks();
+  const int64_t child = paged.fork(parent);
+  EXPECT_EQ(paged.free_blocks(), free_before);
+  KvCache copy = flat.clone();
+  const std::vector<int64_t> both{parent, child};
+  for (int64_t t = 0; t < 4; ++t) {
+    const Tensor a = random_tensor({1, 1, 32}, 10 + t), b = random_tensor({1, 1, 32}, 20 + t);
+    Tensor ab({2, 1, 32});
+    std::copy_n(a.data(), 32, ab.data());
+    std::copy_n(b.data(), 32, ab.data() + 32);
+    const Tensor got = m.forward_incremental(ab, ab, ab, paged, both).output;
+    Tensor want({2, 1, 32});
+    std::copy_n(m.forward_incremental(a, a, a, flat).output.data(), 32, want.data());
+    std::copy_n(m.forward_incremental(b, b, b, copy).output.data(), 32, want.data() + 32);
+    // Batch of 2 vs two batches of 1 may pick different split counts: equal within rounding.
+    EXPECT_TRUE(all_close(got, want, 16 * kEps, 16 * kEps)) << "token " << t;
+  }
+  EXPECT_EQ(paged.block_table(parent)[0], paged.block_table(child)[0]);  // the full first block stays shared
+  EXPECT_NE(paged.block_table(parent)[1], paged.block_table(child)[1]);  // the partial one was copied
+}
+
+TEST(PagedKvCacheModule, BadSequencesAndAFullPoolAreErrorsThatChangeNothing) {
+  const MultiheadAttention m(module_cases()[0].config, 5);
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 2, pc.head_dim = 8, pc.block_size = 4, pc.num_blocks = 3;
+  PagedKvCache paged(pc);
+  const int64_t a = paged.add_sequence(), b = paged.add_sequence();
+  const Tensor x = random_tensor({2, 5, 32}, 1);
+  const std::vector<int64_t> dup{a, a}, dead{a, 7}, one{a}, ok{a, b};
+  EXPECT_NE(error_of([&] { m.forward_incremental(x, x, x, paged, dup); }).find("appears twice"), std::string::npos);
+  EXPECT_NE(error_of([&] { m.forward_incremental(x, x, x, paged, dead); }).find("seqs[1] = 7"), std::string::npos);
+  EXPECT_NE(error_of([&] { m.forward_incremental(x, x, x, paged, one); }).find("1 sequence ids for a batch of 2"),
+            std::string::npos);
+  // 2 × 5 tokens need 4 blocks of 4; the pool has 3.
+  EXPECT_NE(error_of([&] { m.forward_incremental(x, x, x, paged, ok); }).find("need 4 more blocks"), std::string::npos);
+  EXPECT_EQ(paged.length(a), 0);
+  EXPECT_EQ(paged.length(b), 0);
+  EXPECT_EQ(paged.free_blocks(), 3);
+  // A parent and its fork both writing into their shared last block need one copy, not two.
+  const Tensor six = random_tensor({1, 6, 32}, 2), two = random_tensor({2, 1, 32}, 3);
+  const std::vector<int64_t> only_a{a};
+  m.forward_incremental(six, six, six, paged, only_a);
+  const std::vector<int64_t> family{a, paged.fork(a)};
+  paged.free(b);
+  EXPECT_EQ(paged.free_blocks(), 1);
+  m.forward_incremental(two, two, two, paged, family);
+  EXPECT_EQ(paged.free_blocks(), 0);
+  EXPECT_EQ(paged.length(family[1]), 7);
+  PagedKvCacheConfig wrong = pc;
+  wrong.head_dim = 4;
+  PagedKvCache small(wrong);
+  const std::vector<int64_t> s0{small.add_sequence(), small.add_sequence()};
+  EXPECT_NE(error_of([&] { m.forward_incremental(x, x, x, small, s0); }).find("paged cache is (kv_heads 2, d 4"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace mha

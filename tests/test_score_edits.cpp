@@ -3,6 +3,8 @@
 // the reference over sweeps of odd lengths, block edges, masks, GQA, every SIMD target and 1/2/3
 // threads bitwise; finite differences for the gradients (d sink included); decode over a KV cache
 // against the full forward; fully masked rows with a sink; NaN; bad arguments.
+#include <hwy/targets.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -24,17 +26,13 @@ namespace {
 using testing::all_close;
 using testing::bitwise_equal;
 using testing::error_of;
+using testing::f32_lse_tol;
+using testing::f32_out_tol;
 using testing::for_each_fused_target;
+using testing::max_abs;
 using testing::random_tensor;
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
-
-double max_abs(const Tensor& t) {
-  double m = 0;
-  for (float x : t.values())
-    if (std::isfinite(x)) m = std::max(m, static_cast<double>(std::fabs(x)));
-  return m;
-}
 
 /// Which edits a case turns on.
 struct Edits {
@@ -77,10 +75,8 @@ struct Case {
     if (!slopes.empty()) b += slopes[0] * static_cast<double>(Tq + Tk);
     return b;
   }
-  double out_tol() const {
-    return kEps * max_abs(v) * (8.0 * std::sqrt(static_cast<double>(Tk)) + 8.0 * score_bound() + 32.0);
-  }
-  double lse_tol() const { return kEps * (16.0 * score_bound() + 8.0 * std::log(Tk + 2.0) + 32.0); }
+  double out_tol() const { return f32_out_tol(max_abs(v), Tk, score_bound(), 2.0); }
+  double lse_tol() const { return f32_lse_tol(Tk + 1, score_bound(), 2.0); }  // the sink: one more term
 };
 
 struct Result {
@@ -420,7 +416,7 @@ TEST(ScoreEditsBackward, FusedMatchesReferenceOnEveryTargetAndThreadCount) {
 
 // ---- decode over a KV cache ----------------------------------------------------------------
 
-TEST(ScoreEditsDecode, CacheAttentionMatchesFullForwardTokenByToken) {
+void decode_matches_full_forward() {
   for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16})
     for (const Edits& e : edit_kinds()) {
       Case c;
@@ -460,6 +456,16 @@ TEST(ScoreEditsDecode, CacheAttentionMatchesFullForwardTokenByToken) {
         }
       }
     }
+}
+
+// On every target the decode kernel was compiled for (its softcap is Highway's vector Tanh).
+TEST(ScoreEditsDecode, CacheAttentionMatchesFullForwardTokenByTokenOnEveryTarget) {
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    decode_matches_full_forward();
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 // ---- bad arguments -------------------------------------------------------------------------

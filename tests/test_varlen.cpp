@@ -22,17 +22,12 @@ namespace {
 using testing::all_close;
 using testing::bitwise_equal;
 using testing::error_of;
+using testing::f32_out_tol;
 using testing::for_each_fused_target;
+using testing::max_abs;
 using testing::random_tensor;
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
-
-double max_abs(const Tensor& t) {
-  double m = 0;
-  for (float x : t.values())
-    if (std::isfinite(x)) m = std::max(m, static_cast<double>(std::fabs(x)));
-  return m;
-}
 
 std::vector<int64_t> offsets(const std::vector<int64_t>& lens) {
   std::vector<int64_t> cu{0};
@@ -47,6 +42,9 @@ struct Packed {
   Causal causal;
   Tensor q, k, v, dout;
   VarlenBatch seqs;
+  // Score edits (off unless set): ALiBi slopes, softcap, sink logits, one per query head.
+  std::vector<float> slopes, sinks;
+  float softcap = 0.0f;
 
   Packed(std::vector<int64_t> lq, std::vector<int64_t> lk, int64_t h, int64_t kv, int64_t d, int64_t dv, Causal c,
          uint64_t seed)
@@ -70,6 +68,9 @@ struct Packed {
     o.masks.causal = causal;
     o.backend = backend;
     o.threads = threads;
+    o.alibi.slopes = slopes;
+    o.softcap = softcap;
+    if (!sinks.empty()) o.sinks.logits = sinks;
     return o;
   }
   /// out and lse of the whole packed batch.
@@ -83,7 +84,7 @@ struct Packed {
   /// float32 tolerance of out (as tests/test_fused_forward.cpp derives it).
   double out_tol() const {
     const double bound = static_cast<double>(D) / std::sqrt(static_cast<double>(D)) * max_abs(q) * max_abs(k);
-    return kEps * max_abs(v) * (4.0 * std::sqrt(static_cast<double>(longest_k())) + 4.0 * bound + 16.0);
+    return f32_out_tol(max_abs(v), longest_k(), bound);
   }
 };
 
@@ -161,29 +162,61 @@ TEST(VarlenGolden, ForwardAndGradientsMatchPyTorch) {
 
 // ---- every path equals the same path run on each sequence alone ---------------------------------
 
-TEST(Varlen, EachPathEqualsPerSequenceSdpaBitwise) {
-  for (const Packed& c : sweep()) {
-    for (Backend backend : {Backend::Reference, Backend::Fused}) {
-      const SdpaResult packed = c.forward(backend);
-      const SdpaGradTensors grads = c.backward(backend);
-      const std::vector<int64_t>&cq = c.seqs.cu_seqlens_q.values(), &ck = c.seqs.cu_seqlens_k.values();
-      for (int64_t s = 0; s < c.seq_count(); ++s) {
-        SCOPED_TRACE("sequence " + std::to_string(s));
-        const size_t u = static_cast<size_t>(s);
-        const Tensor q = sequence_of(c.q, cq[u], c.lens_q[u]), k = sequence_of(c.k, ck[u], c.lens_k[u]),
-                     v = sequence_of(c.v, ck[u], c.lens_k[u]), dout = sequence_of(c.dout, cq[u], c.lens_q[u]);
-        const SdpaResult one = sdpa(q, k, v, c.options(backend, 2), Want::Lse);
-        EXPECT_TRUE(rows_equal(packed.out, cq[u], one.out));
-        EXPECT_TRUE(rows_equal(as3(packed.lse), cq[u], one.lse.reshaped({1, c.H, c.lens_q[u], 1})));
-        // The backward from the fused forward's out and lse, as c.backward() does.
-        const SdpaResult f = sdpa(q, k, v, c.options(Backend::Fused, 2), Want::Lse);
-        const SdpaGradTensors g = sdpa_backward(q, k, v, f.out, dout, f.lse, c.options(backend, 2));
-        EXPECT_TRUE(rows_equal(grads.dq, cq[u], g.dq));
-        EXPECT_TRUE(rows_equal(grads.dk, ck[u], g.dk));
-        EXPECT_TRUE(rows_equal(grads.dv, ck[u], g.dv));
-      }
-    }
+/// Checks that `backend`'s forward and backward of the packed batch equal the same path run on each
+/// sequence alone, bitwise; with sinks, that the packed sink gradient is the sum of the sequences'.
+void expect_packed_equals_each_sequence(const Packed& c, Backend backend) {
+  SCOPED_TRACE(backend == Backend::Fused ? "fused" : "reference");
+  const SdpaResult packed = c.forward(backend);
+  const SdpaGradTensors grads = c.backward(backend);
+  const std::vector<int64_t>&cq = c.seqs.cu_seqlens_q.values(), &ck = c.seqs.cu_seqlens_k.values();
+  std::vector<double> dsinks(c.sinks.size(), 0.0);
+  for (int64_t s = 0; s < c.seq_count(); ++s) {
+    SCOPED_TRACE("sequence " + std::to_string(s));
+    const size_t u = static_cast<size_t>(s);
+    const Tensor q = sequence_of(c.q, cq[u], c.lens_q[u]), k = sequence_of(c.k, ck[u], c.lens_k[u]),
+                 v = sequence_of(c.v, ck[u], c.lens_k[u]), dout = sequence_of(c.dout, cq[u], c.lens_q[u]);
+    const SdpaResult one = sdpa(q, k, v, c.options(backend, 2), Want::Lse);
+    EXPECT_TRUE(rows_equal(packed.out, cq[u], one.out));
+    EXPECT_TRUE(rows_equal(as3(packed.lse), cq[u], one.lse.reshaped({1, c.H, c.lens_q[u], 1})));
+    // The backward from the fused forward's out and lse, as c.backward() does.
+    const SdpaResult f = sdpa(q, k, v, c.options(Backend::Fused, 2), Want::Lse);
+    const SdpaGradTensors g = sdpa_backward(q, k, v, f.out, dout, f.lse, c.options(backend, 2));
+    EXPECT_TRUE(rows_equal(grads.dq, cq[u], g.dq));
+    EXPECT_TRUE(rows_equal(grads.dk, ck[u], g.dk));
+    EXPECT_TRUE(rows_equal(grads.dv, ck[u], g.dv));
+    for (size_t h = 0; h < dsinks.size(); ++h) dsinks[h] += g.dsinks.data()[h];
   }
+  ASSERT_EQ(grads.dsinks.numel(), static_cast<int64_t>(c.sinks.size()));
+  for (size_t h = 0; h < dsinks.size(); ++h)  // sums in another order: within rounding
+    EXPECT_NEAR(grads.dsinks.data()[h], dsinks[h], 1e-4 * (1.0 + std::fabs(dsinks[h]))) << "head " << h;
+}
+
+TEST(Varlen, EachPathEqualsPerSequenceSdpaBitwise) {
+  for (const Packed& c : sweep())
+    for (Backend backend : {Backend::Reference, Backend::Fused}) expect_packed_equals_each_sequence(c, backend);
+}
+
+// Score edits with a packed batch: ALiBi (positions aligned per sequence by its own lengths),
+// softcap and sinks, on every fused target, equal to the same path run on each sequence alone
+// (bitwise; the sink gradient, a sum over every sequence's rows, within rounding).
+TEST(Varlen, ScoreEditsEqualPerSequenceSdpaOnEveryTarget) {
+  std::vector<Packed> cases;
+  uint64_t seed = 700;
+  for (const Causal& rule : {Causal::none(), Causal::top_left(), Causal::bottom_right().with_window(5)})
+    for (int edits = 0; edits < 4; ++edits) {  // ALiBi, softcap, sinks, all three
+      const std::vector<int64_t> lens_q{0, 1, 7, 129, 3};
+      // Cross lengths with all three: ALiBi and the causal rule aligned by each sequence's lengths.
+      const std::vector<int64_t> lens_k = edits == 3 ? std::vector<int64_t>{2, 5, 0, 130, 9} : lens_q;
+      Packed c(lens_q, lens_k, 4, 2, 16, 16, rule, seed += 10);
+      if (edits == 0 || edits == 3) c.slopes = alibi_slopes(4);
+      if (edits == 1 || edits == 3) c.softcap = 1.5f;
+      if (edits == 2 || edits == 3) c.sinks = {0.5f, -1.0f, 2.0f, 0.0f};
+      cases.push_back(c);
+    }
+  for (const Packed& c : cases)
+    for_each_fused_target([&] {
+      for (Backend backend : {Backend::Reference, Backend::Fused}) expect_packed_equals_each_sequence(c, backend);
+    });
 }
 
 // ---- fused vs reference, every SIMD target, float32 and bfloat16; threads bitwise ----------------
@@ -326,11 +359,7 @@ Tensor rows2(const Tensor& t, int64_t r0, int64_t n) {
   return out;
 }
 
-TEST(VarlenModule, ForwardAndBackwardEqualEachSequenceAlone) {
-  MhaConfig c;
-  c.embed_dim = 24, c.num_heads = 4, c.num_kv_heads = 2;
-  c.rope = Rope::half_split();  // positions restart at 0 in each sequence
-  const MultiheadAttention m(c, 5);
+void module_packed_equals_each_sequence(const MultiheadAttention& m) {
   const std::vector<int64_t> lens{5, 0, 1, 140, 9};
   const std::vector<int64_t> cu = offsets(lens);
   const Tensor x = random_tensor({cu.back(), 24}, 1), dy = random_tensor({cu.back(), 24}, 2);
@@ -345,6 +374,7 @@ TEST(VarlenModule, ForwardAndBackwardEqualEachSequenceAlone) {
   MhaForwardOptions alone;
   alone.causal = Causal::top_left();
   Tensor w_grad(g.params.in_proj_weight.shape(), 0.0f);
+  Tensor sink_grad = m.params().sinks.defined() ? Tensor(m.params().sinks.shape(), 0.0f) : Tensor();
   const double tol = 512 * kEps;
   for (size_t s = 0; s < lens.size(); ++s) {
     if (lens[s] == 0) continue;
@@ -355,8 +385,13 @@ TEST(VarlenModule, ForwardAndBackwardEqualEachSequenceAlone) {
     const MhaGradients gs = backward(m, ts.context, rows2(dy, cu[s], lens[s]));
     EXPECT_TRUE(all_close(rows2(g.query, cu[s], lens[s]), gs.query, tol, tol));
     for (int64_t i = 0; i < w_grad.numel(); ++i) w_grad.data()[i] += gs.params.in_proj_weight.data()[i];
+    for (int64_t i = 0; sink_grad.defined() && i < sink_grad.numel(); ++i)
+      sink_grad.data()[i] += gs.params.sinks.data()[i];
   }
   EXPECT_TRUE(all_close(g.params.in_proj_weight, w_grad, 4 * tol, 4 * tol));
+  if (sink_grad.defined()) {
+    EXPECT_TRUE(all_close(g.params.sinks, sink_grad, 4 * tol, 4 * tol));
+  }
 
   // What a packed module call refuses.
   MhaForwardOptions bad = o;
@@ -370,6 +405,22 @@ TEST(VarlenModule, ForwardAndBackwardEqualEachSequenceAlone) {
         m.forward(x.reshaped({1, cu.back(), 24}), x.reshaped({1, cu.back(), 24}), x.reshaped({1, cu.back(), 24}), o);
       }).find("2-D inputs"),
       std::string::npos);
+}
+
+TEST(VarlenModule, ForwardAndBackwardEqualEachSequenceAlone) {
+  MhaConfig c;
+  c.embed_dim = 24, c.num_heads = 4, c.num_kv_heads = 2;
+  c.rope = Rope::half_split();  // positions restart at 0 in each sequence
+  MhaConfig edited = c;         // score edits with a packed batch: ALiBi aligned per sequence, softcap, sinks
+  edited.alibi_slopes = alibi_slopes(4);
+  edited.softcap = 2.0f;
+  edited.attention_sinks = true;
+  for (const MhaConfig& config : {c, edited}) {
+    SCOPED_TRACE(config.attention_sinks ? "alibi+softcap+sinks" : "no edits");
+    MultiheadAttention m(config, 5);
+    if (config.attention_sinks) m.params().sinks = random_tensor({4}, 3);
+    module_packed_equals_each_sequence(m);
+  }
 }
 
 // ---- `mha forward` on a packed batch -------------------------------------------------------------

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,6 +23,8 @@
 #include "mha/tensor.h"
 
 namespace mha {
+
+class PagedKvCache;  // mha/paged_kv_cache.h
 
 enum class Layout : uint8_t { SeqFirst, BatchFirst };
 
@@ -190,6 +192,12 @@ class MultiheadAttention {
   /// Prefill followed by token-by-token decoding equals forward() with Causal::top_left(), row
   /// for row. Not supported with add_bias_kv / add_zero_attn.
   MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new, KvCache& cache,
+                                const IncrementalOptions& options = {}) const;
+  /// The same over a paged cache (mha/paged_kv_cache.h): batch row b reads and extends sequence
+  /// seqs[b] (B distinct live ids). Bitwise equal to the contiguous-cache overload on the same
+  /// tokens (for the same split count). Fails, changing nothing, when the pool lacks the blocks.
+  MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new,
+                                PagedKvCache& cache, std::span<const int64_t> seqs,
                                 const IncrementalOptions& options = {}) const;
 
   /// forward() keeps its large working buffers (projected Q/K/V, attention heads) between calls and

@@ -8,8 +8,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core
+from ._functional import _offsets
 
-__all__ = ["Rope", "MultiheadAttention", "KvCache", "analyze", "prune_heads", "head_importance",
+__all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_paged_cache", "analyze", "prune_heads", "head_importance",
            "load_safetensors"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -131,6 +132,81 @@ class KvCache:
 
     def __repr__(self) -> str:
         return f"mha.KvCache(batch={self.batch}, capacity={self.capacity}, lengths={self.lengths()})"
+
+
+class PagedKvCache:
+    """A paged key/value cache for one attention layer (vLLM's PagedAttention; C++ mha::PagedKvCache).
+
+    K/V live in a pool of ``num_blocks`` blocks of ``block_size`` positions, allocated once; each
+    sequence is a block table that grows a block at a time. :meth:`fork` makes a sequence sharing
+    every block of its parent (nothing copied); writing into a shared, partly filled last block
+    copies that one block first (copy-on-write). Use it with
+    ``MultiheadAttention.forward_incremental(q, k, v, cache, seqs=[…])``.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, block_size: int = 16, *, num_blocks: int,
+                 value_dim: int = 0, dtype: str = "f32"):
+        self._c = _core.PagedKvCache(int(kv_heads), int(head_dim), int(block_size), int(num_blocks), int(value_dim),
+                                     dtype)
+
+    def add_sequence(self) -> int:
+        """A new empty sequence; returns its id (ids of freed sequences are reused)."""
+        return self._c.add_sequence()
+
+    def fork(self, seq: int) -> int:
+        """A new sequence holding the same positions as ``seq``, sharing its blocks."""
+        return self._c.fork(int(seq))
+
+    def free(self, seq: int) -> None:
+        """Releases ``seq``; its blocks no other sequence holds return to the pool."""
+        self._c.free(int(seq))
+
+    def length(self, seq: int) -> int:
+        """Positions sequence ``seq`` holds (the position of its next token)."""
+        return self._c.length(int(seq))
+
+    def alive(self, seq: int) -> bool:
+        return self._c.alive(int(seq))
+
+    def block_table(self, seq: int) -> List[int]:
+        """The pool blocks holding ``seq``'s positions, in order."""
+        return self._c.block_table(int(seq))
+
+    def free_blocks(self) -> int:
+        return self._c.free_blocks()
+
+    def refcount(self, block: int) -> int:
+        """How many live sequences hold pool block ``block``."""
+        return self._c.refcount(int(block))
+
+    @property
+    def block_size(self) -> int:
+        return self._c.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._c.num_blocks
+
+    def __repr__(self) -> str:
+        return (f"mha.PagedKvCache(block_size={self.block_size}, num_blocks={self.num_blocks}, "
+                f"free_blocks={self.free_blocks()})")
+
+
+def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_start: Optional[Sequence[int]] = None,
+                       scale: Optional[float] = None, window: int = 0, splits: int = 0,
+                       threads: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Causal attention of q (B, h, T_q, d) against sequences ``seqs`` of a paged cache (C++
+    mha::attend_paged_cache): row t of batch b is at position ``q_start[b] + t`` (default: the
+    sequence's length, right after the cache) and sees cached positions ≤ it (and > it − window).
+    Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``."""
+    fn = "attend_paged_cache"
+    if not isinstance(cache, PagedKvCache):
+        raise TypeError(f"{fn}: cache must be an mha.PagedKvCache, got {type(cache).__name__}")
+    a = np.ascontiguousarray(_f32("q", q, fn), dtype=np.float32)
+    if a.ndim != 4:
+        raise ValueError(f"{fn}: q must be 4-D (B, h, T_q, d), got shape {a.shape}")
+    return _core.attend_paged_cache(a, cache._c, [int(s) for s in seqs], [int(p) for p in (q_start or [])],
+                                    None if scale is None else float(scale), int(window), int(splits), int(threads))
 
 
 class MultiheadAttention:
@@ -260,7 +336,8 @@ class MultiheadAttention:
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None, need_weights: bool = True,
                 attn_mask: Any = None, average_attn_weights: bool = True, is_causal: bool = False,
-                *, threads: int = 0) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+                *, threads: int = 0, need_lse: bool = False, cu_seqlens_q: Any = None,
+                cu_seqlens_k: Any = None) -> Tuple[np.ndarray, ...]:
         """torch.nn.MultiheadAttention.forward, on numpy arrays.
 
         Masks use PyTorch's polarity at this boundary: a boolean ``attn_mask`` ((T_q, T_k) or
@@ -269,15 +346,31 @@ class MultiheadAttention:
         one is added. ``is_causal=True`` applies the top-left causal mask (query i sees keys ≤ i),
         together with any attn_mask. Returns ``(output, weights)``: weights are (B, T_q, S) averaged
         over heads, (B, h, T_q, S) with ``average_attn_weights=False``, None when not ``need_weights``.
+
+        ``need_lse=True`` returns ``(output, weights, lse)``: each row's log-sum-exp of the scaled,
+        edited, masked scores, (B, h, T_q) or (h, T_q) unbatched (−inf for a fully masked row).
+
+        Packed variable-length batch (C++ MhaForwardOptions::packed): ``cu_seqlens_q`` (B + 1
+        offsets) with 2-D query (total_q, E), key/value (total_k, ·); ``cu_seqlens_k`` defaults to
+        ``cu_seqlens_q``. No token attends another sequence; ``is_causal`` is per sequence (top
+        left). Not with masks, weights or dropout: pass ``need_weights=False``.
         """
         fn = "MultiheadAttention.forward"
         q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
         need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
         training = self.training and self.dropout > 0.0
         args = _forward_args(fn, key_padding_mask, attn_mask, is_causal, need, training, self.dropout_seed, threads)
+        if cu_seqlens_k is not None and cu_seqlens_q is None:
+            raise ValueError(f"{fn}: cu_seqlens_k needs cu_seqlens_q (a packed batch)")
+        if cu_seqlens_q is not None:
+            args.cu_seqlens_q = [int(x) for x in _offsets("cu_seqlens_q", cu_seqlens_q, fn)]
+            if cu_seqlens_k is not None:
+                args.cu_seqlens_k = [int(x) for x in _offsets("cu_seqlens_k", cu_seqlens_k, fn)]
+        args.need_lse = bool(need_lse)
         if training:
             self.dropout_seed += 1  # a fresh dropout mask per call, reproducible from the module's seed
-        return self._m.forward(q, k, v, args)
+        out, weights, lse = self._m.forward(q, k, v, args)
+        return (out, weights, lse) if need_lse else (out, weights)
 
     __call__ = forward
 
@@ -289,21 +382,37 @@ class MultiheadAttention:
         c = self.config
         return KvCache(batch, c["num_kv_heads"], c["head_dim"], capacity, dtype=dtype, ring=ring, sinks=sinks)
 
-    def forward_incremental(self, query: Any, key: Any, value: Any, cache: KvCache, *,
-                            new_lengths: Optional[Sequence[int]] = None, window: int = 0,
-                            threads: int = 0) -> np.ndarray:
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16, *, dtype: str = "f32") -> PagedKvCache:
+        """A paged KV cache sized for this module: a pool of ``num_blocks`` blocks of ``block_size``
+        positions shared by every sequence added to it."""
+        c = self.config
+        return PagedKvCache(c["num_kv_heads"], c["head_dim"], block_size, num_blocks=num_blocks, dtype=dtype)
+
+    def forward_incremental(self, query: Any, key: Any, value: Any, cache: Union[KvCache, PagedKvCache], *,
+                            seqs: Optional[Sequence[int]] = None, new_lengths: Optional[Sequence[int]] = None,
+                            window: int = 0, threads: int = 0) -> np.ndarray:
         """Decodes new tokens against ``cache`` and appends their K/V to it.
 
         query/key/value hold T_new new tokens per sequence in forward()'s layout (1 to decode, many to
         prefill). Each new token attends causally, by absolute position, to the cache plus the new
         tokens. ``new_lengths`` (B entries) lets sequence b take only its first tokens (right padding).
         Prefill followed by one-token steps equals ``forward(…, is_causal=True)`` row for row.
+        With a :class:`PagedKvCache`, batch row b reads and extends sequence ``seqs[b]`` (distinct
+        live ids); the result equals the contiguous cache's bitwise.
         Returns the output only (no weights)."""
         fn = "MultiheadAttention.forward_incremental"
-        if not isinstance(cache, KvCache):
-            raise TypeError(f"{fn}: cache must be an mha.KvCache, got {type(cache).__name__}")
         q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
-        return self._m.forward_incremental(q, k, v, cache._c, list(new_lengths or []), int(window), int(threads))
+        lens = [int(n) for n in (new_lengths or [])]
+        if isinstance(cache, PagedKvCache):
+            if seqs is None:
+                raise ValueError(f"{fn}: a PagedKvCache needs seqs=[…], one sequence id per batch row")
+            ids = [int(s) for s in seqs]
+            return self._m.forward_incremental_paged(q, k, v, cache._c, ids, lens, int(window), int(threads))
+        if not isinstance(cache, KvCache):
+            raise TypeError(f"{fn}: cache must be an mha.KvCache or mha.PagedKvCache, got {type(cache).__name__}")
+        if seqs is not None:
+            raise ValueError(f"{fn}: seqs= is for a PagedKvCache; a KvCache's batch row b is sequence b")
+        return self._m.forward_incremental(q, k, v, cache._c, lens, int(window), int(threads))
 
 
 def prune_heads(module: MultiheadAttention, heads: Sequence[int], *, duplicate_kv: bool = False) -> MultiheadAttention:

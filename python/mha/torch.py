@@ -193,7 +193,7 @@ class MultiheadAttention(_torch.nn.Module):
         if need_weights or not needs_grad:
             need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
             args = _forward_args(fn, kpm, am, is_causal, need, training, seed, 0)
-            out, w = self._core.forward(*_np3(query, key, value), args)
+            out, w, _ = self._core.forward(*_np3(query, key, value), args)
             weights = None if w is None else _torch.from_numpy(w)
             if not needs_grad:
                 return _torch.from_numpy(out), weights

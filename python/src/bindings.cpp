@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "mha/image.h"
 #include "mha/kv_cache.h"
 #include "mha/module.h"
+#include "mha/paged_kv_cache.h"
 #include "mha/prune.h"
 #include "mha/safetensors.h"
 #include "mha/sdpa.h"
@@ -265,6 +267,8 @@ struct ForwardArgs {
   bool training = false;
   uint64_t seed = 0;
   int threads = 0;
+  bool need_lse = false;
+  std::optional<std::vector<int64_t>> cu_seqlens_q, cu_seqlens_k;  // a packed batch (both or neither)
 };
 
 mha::MhaForwardOptions forward_options(const ForwardArgs& a) {
@@ -281,7 +285,39 @@ mha::MhaForwardOptions forward_options(const ForwardArgs& a) {
   o.mode = a.training ? mha::Mode::Training : mha::Mode::Eval;
   o.dropout_seed = a.seed;
   o.threads = a.threads;
+  o.need_lse = a.need_lse;
+  if (a.cu_seqlens_q) {
+    mha::VarlenBatch packed;
+    packed.cu_seqlens_q = *a.cu_seqlens_q;
+    packed.cu_seqlens_k = a.cu_seqlens_k ? *a.cu_seqlens_k : *a.cu_seqlens_q;
+    o.packed = std::move(packed);
+  }
   return o;
+}
+
+mha::CacheDtype cache_dtype(const char* what, const std::string& dtype) {
+  if (dtype == "bf16") return mha::CacheDtype::BF16;
+  if (dtype != "f32") mha::fail(what, ": dtype must be 'f32' or 'bf16', got '", dtype, "'");
+  return mha::CacheDtype::F32;
+}
+
+/// Runs one of the module's incremental forwards on copies of q/k/v with the GIL released.
+template <class Call>
+py::object incremental_call(const py::array_t<float, py::array::c_style | py::array::forcecast>& q,
+                            const py::array_t<float, py::array::c_style | py::array::forcecast>& k,
+                            const py::array_t<float, py::array::c_style | py::array::forcecast>& v,
+                            std::vector<int64_t> new_lengths, int64_t window, int threads, const Call& call) {
+  const mha::Tensor qt = tensor_from(q), kt = tensor_from(k), vt = tensor_from(v);
+  mha::IncrementalOptions opt;
+  opt.new_lengths = std::move(new_lengths);
+  opt.window = window;
+  opt.threads = threads;
+  mha::MhaOutput r;
+  {
+    py::gil_scoped_release release;
+    r = call(qt, kt, vt, opt);
+  }
+  return array_take(std::move(r.output));
 }
 
 /// The module's three inputs as owning tensors. When Python passed the same object more than once
@@ -434,7 +470,10 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("need_weights", &ForwardArgs::need_weights)
       .def_readwrite("training", &ForwardArgs::training)
       .def_readwrite("seed", &ForwardArgs::seed)
-      .def_readwrite("threads", &ForwardArgs::threads);
+      .def_readwrite("threads", &ForwardArgs::threads)
+      .def_readwrite("need_lse", &ForwardArgs::need_lse)
+      .def_readwrite("cu_seqlens_q", &ForwardArgs::cu_seqlens_q)
+      .def_readwrite("cu_seqlens_k", &ForwardArgs::cu_seqlens_k);
 
   py::class_<TrainContext>(m, "TrainContext");
 
@@ -447,10 +486,7 @@ PYBIND11_MODULE(_core, m) {
         c.head_dim = head_dim;
         c.value_dim = value_dim;
         c.capacity = capacity;
-        if (dtype == "bf16")
-          c.dtype = mha::CacheDtype::BF16;
-        else if (dtype != "f32")
-          mha::fail("KvCache: dtype must be 'f32' or 'bf16', got '", dtype, "'");
+        c.dtype = cache_dtype("KvCache", dtype);
         c.ring = ring;
         c.sinks = sinks;
         return mha::KvCache(c);
@@ -465,6 +501,55 @@ PYBIND11_MODULE(_core, m) {
       .def("reset", py::overload_cast<>(&mha::KvCache::reset))
       .def("reset_sequence", py::overload_cast<int64_t>(&mha::KvCache::reset))
       .def("clone", &mha::KvCache::clone);
+
+  py::class_<mha::PagedKvCache>(m, "PagedKvCache")
+      .def(py::init([](int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t value_dim,
+                       const std::string& dtype) {
+        mha::PagedKvCacheConfig c;
+        c.kv_heads = kv_heads;
+        c.head_dim = head_dim;
+        c.block_size = block_size;
+        c.num_blocks = num_blocks;
+        c.value_dim = value_dim;
+        c.dtype = cache_dtype("PagedKvCache", dtype);
+        return std::make_unique<mha::PagedKvCache>(c);
+      }))
+      .def("add_sequence", &mha::PagedKvCache::add_sequence)
+      .def("fork", &mha::PagedKvCache::fork)
+      .def("free", &mha::PagedKvCache::free)
+      .def("length", &mha::PagedKvCache::length)
+      .def("alive", &mha::PagedKvCache::alive)
+      .def("block_table",
+           [](const mha::PagedKvCache& self, int64_t seq) {
+             const std::span<const int32_t> t = self.block_table(seq);
+             return std::vector<int32_t>(t.begin(), t.end());
+           })
+      .def("free_blocks", &mha::PagedKvCache::free_blocks)
+      .def("refcount", &mha::PagedKvCache::refcount)
+      .def("k_at", &mha::PagedKvCache::k_at)
+      .def("v_at", &mha::PagedKvCache::v_at)
+      .def_property_readonly("block_size", [](const mha::PagedKvCache& self) { return self.config().block_size; })
+      .def_property_readonly("num_blocks", [](const mha::PagedKvCache& self) { return self.config().num_blocks; });
+
+  // attend_paged_cache: q (B, h, T_q, d) float32 → (out (B, h, T_q, d_v), lse (B, h, T_q)).
+  m.def("attend_paged_cache",
+        [](const F32In& q, const mha::PagedKvCache& cache, const std::vector<int64_t>& seqs,
+           const std::vector<int64_t>& q_start, std::optional<float> scale, int64_t window, int splits, int threads) {
+          const mha::View4<const float> qv = view_of<const float>(q, "attend_paged_cache: q");
+          const int64_t B = qv.shape[0], H = qv.shape[1], T = qv.shape[2];
+          py::array_t<float> out({B, H, T, cache.config().v_dim()}), lse({B, H, T});
+          mha::CacheAttentionOptions o;
+          o.scale = scale;
+          o.window = window;
+          o.splits = splits;
+          o.threads = threads;
+          {
+            py::gil_scoped_release release;
+            mha::attend_paged_cache(qv, cache, seqs, q_start, o, view_of<float>(out, "out"),
+                                    mha::contiguous_view(lse.mutable_data(), B, H, T, int64_t{1}));
+          }
+          return py::make_tuple(out, lse);
+        });
 
   py::class_<mha::MultiheadAttention>(m, "Module")
       .def(py::init([](int64_t embed_dim, int64_t num_heads, int64_t num_kv_heads, int64_t kdim, int64_t vdim,
@@ -523,22 +608,26 @@ PYBIND11_MODULE(_core, m) {
                py::gil_scoped_release release;
                r = self.forward(in.q, in.key(), in.value(), opt);
              }
-             return py::make_tuple(array_take(std::move(r.output)), array_take(std::move(r.attn_weights)));
+             return py::make_tuple(array_take(std::move(r.output)), array_take(std::move(r.attn_weights)),
+                                   array_take(std::move(r.lse)));
            })
       .def("forward_incremental",
            [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v, mha::KvCache& cache,
               std::vector<int64_t> new_lengths, int64_t window, int threads) {
-             const mha::Tensor qt = tensor_from(q), kt = tensor_from(k), vt = tensor_from(v);
-             mha::IncrementalOptions opt;
-             opt.new_lengths = std::move(new_lengths);
-             opt.window = window;
-             opt.threads = threads;
-             mha::MhaOutput r;
-             {
-               py::gil_scoped_release release;
-               r = self.forward_incremental(qt, kt, vt, cache, opt);
-             }
-             return array_take(std::move(r.output));
+             return incremental_call(
+                 q, k, v, std::move(new_lengths), window, threads,
+                 [&](const mha::Tensor& qt, const mha::Tensor& kt, const mha::Tensor& vt,
+                     const mha::IncrementalOptions& o) { return self.forward_incremental(qt, kt, vt, cache, o); });
+           })
+      .def("forward_incremental_paged",
+           [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v,
+              mha::PagedKvCache& cache, const std::vector<int64_t>& seqs, std::vector<int64_t> new_lengths,
+              int64_t window, int threads) {
+             return incremental_call(q, k, v, std::move(new_lengths), window, threads,
+                                     [&](const mha::Tensor& qt, const mha::Tensor& kt, const mha::Tensor& vt,
+                                         const mha::IncrementalOptions& o) {
+                                       return self.forward_incremental(qt, kt, vt, cache, seqs, o);
+                                     });
            })
       .def("forward_train",
            [](const mha::MultiheadAttention& self, const py::object& q, const py::object& k, const py::object& v,

@@ -632,7 +632,7 @@ void sdpa_backward_fused(const SdpaBackwardParams& p, float* workspace) {
     // key blocks). The whole request's workspace covers any one sequence's: D has a row for
     // every packed query and the per-thread scratch depends on d and d_v only.
     const auto fn = HWY_DYNAMIC_DISPATCH(bwd::backward_f32);
-    for (int64_t s = 0; s < p.fwd.varlen.seqs; ++s) fn(sequence_params(p, s), workspace);
+    for_each_sequence_backward(p, [&](const SdpaBackwardParams& r) { fn(r, workspace); });
     return;
   }
   HWY_DYNAMIC_DISPATCH(bwd::backward_f32)(p, workspace);

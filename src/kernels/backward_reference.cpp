@@ -32,7 +32,7 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
   MHA_DASSERT(has_data(f.q) && has_data(f.k) && has_data(f.v) && has_data(p.dout));
   MHA_DASSERT(has_data(p.dq) && has_data(p.dk) && has_data(p.dv));
   if (f.varlen.defined()) {  // a packed batch: each sequence on its own (kernels/varlen.h)
-    for (int64_t s = 0; s < f.varlen.seqs; ++s) sdpa_backward_reference(sequence_params(p, s), workspace);
+    for_each_sequence_backward(p, [&](const SdpaBackwardParams& r) { sdpa_backward_reference(r, workspace); });
     return;
   }
   const View4<const float> q = f.q.as<float>(), k = f.k.as<float>(), v = f.v.as<float>();  // float32 only

@@ -31,6 +31,7 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 #include "kernels/exp-inl.h"
+#include "hwy/contrib/math/math-inl.h"
 // clang-format on
 
 #include <algorithm>
@@ -330,12 +331,16 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       if (edit_scores) {
         // Score edits (kernels/score_edits.h): c·tanh(t/c), then ALiBi's m·(k_pos − q_pos) by
         // absolute positions; hidden keys become −inf below.
+        // Lanes past nb hold stale scores; they are edited too (Tanh is defined on every float)
+        // and overwritten with −inf below.
         const auto vslope = hn::Set(df, p.edits.alibi() ? p.edits.alibi_slopes[it.g * G + rr / it.tq] : 0.0f);
+        const auto vcap = hn::Set(df, p.edits.capped() ? p.edits.softcap : 1.0f);
         const float dist0 = static_cast<float>(p0 - qpos);
-        if (p.edits.capped())
-          for (int64_t j = 0; j < nb; ++j) s[j] = softcap_score(s[j], p.edits.softcap);
-        for (int64_t j = 0; j < nb; j += L)
-          hn::StoreU(hn::MulAdd(vslope, hn::Iota(df, dist0 + static_cast<float>(j)), hn::LoadU(df, s + j)), df, s + j);
+        for (int64_t j = 0; j < nb; j += L) {
+          auto x = hn::LoadU(df, s + j);
+          if (p.edits.capped()) x = hn::Mul(vcap, hn::Tanh(df, hn::Div(x, vcap)));
+          hn::StoreU(hn::MulAdd(vslope, hn::Iota(df, dist0 + static_cast<float>(j)), x), df, s + j);
+        }
       }
       if (!all_visible)
         for (int64_t j = 0; j < nb; ++j) {

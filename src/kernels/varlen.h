@@ -7,6 +7,7 @@
 // fused forward builds its work items over every sequence at once to balance the threads).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/attention.h"
@@ -57,6 +58,35 @@ inline SdpaBackwardParams sequence_params(const SdpaBackwardParams& p, int64_t s
   r.dk = rows_of(p.dk, k0, nk);
   r.dv = rows_of(p.dv, k0, nk);
   return r;
+}
+
+/// The sink gradient of a packed batch, over every row in row order (double sums; any thread count
+/// gives the same bits): ∂L/∂z_h = −Σ_i e^{z_h − lse_i}·D_i, D_i = dout_i·out_i (the forward's
+/// output row; a packed batch has no dropout). The per-sequence kernels, run with dsinks = null,
+/// leave it to this, since each would write its own sequence's sum over the whole (h) array.
+inline void packed_sinks_gradient(const SdpaBackwardParams& p) {
+  const SdpaParams& f = p.fwd;
+  for (int64_t h = 0; h < f.heads(); ++h) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < f.t_q(); ++i) {
+      double dot = 0.0;
+      for (int64_t c = 0; c < f.d_v(); ++c) dot += static_cast<double>(p.dout(0, h, i, c)) * p.out(0, h, i, c);
+      if (dot != 0.0)  // a fully masked row (out = 0) adds nothing; NaN ≠ 0 propagates
+        acc -= std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(0, h, i, 0)) * dot;
+    }
+    p.dsinks[h] = static_cast<float>(acc);
+  }
+}
+
+/// Runs `one` on every sequence of a packed backward request, then the sink gradient over all.
+template <class Fn>
+void for_each_sequence_backward(const SdpaBackwardParams& p, const Fn& one) {
+  for (int64_t s = 0; s < p.fwd.varlen.seqs; ++s) {
+    SdpaBackwardParams r = sequence_params(p, s);
+    r.dsinks = nullptr;
+    one(r);
+  }
+  if (p.fwd.edits.sinks && p.dsinks) packed_sinks_gradient(p);
 }
 
 }  // namespace mha::kernels

@@ -9,13 +9,17 @@
 // The two parts split the visible keys exactly, so the merge is exact softmax over all of them.
 // Attending before appending means a ring of W positions serves a window of W for any chunk
 // length, and a prefill into an empty cache is the full forward's own sdpa call (same kernel,
-// same time) plus the copy into the cache.
+// same time) plus the copy into the cache. The cache is a contiguous KvCache or sequences of a
+// PagedKvCache: one pipeline, the cache reached through CacheAccess.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <span>
 
 #include "layers/module_core.h"
 #include "mha/module.h"
+#include "mha/paged_kv_cache.h"
 
 namespace mha {
 
@@ -23,48 +27,154 @@ namespace {
 
 constexpr const char* kInc = "MultiheadAttention.forward_incremental";
 
-}  // namespace
+/// What the pipeline below needs from a cache: the two overloads of forward_incremental differ
+/// only here (a contiguous KvCache indexed by batch row, or sequences of a PagedKvCache).
+class CacheAccess {
+ public:
+  virtual ~CacheAccess() = default;
+  /// Throws unless the cache fits this module and a batch of B sequences (and `window`).
+  virtual void check(const MhaConfig& c, int64_t B, int64_t window) const = 0;
+  /// Throws, changing nothing, unless every sequence b can take counts[b] more positions at once
+  /// (a paged pool is shared by all of them).
+  virtual void check_room(std::span<const int64_t> counts) const = 0;
+  virtual int64_t length(int64_t b) const = 0;
+  virtual int64_t stored(int64_t b) const = 0;
+  virtual int64_t sinks() const { return 0; }
+  virtual void attend(View4<const float> q, std::span<const int64_t> start, const CacheAttentionOptions& o,
+                      View4<float> out, View4<float> lse) const = 0;
+  /// Appends the first counts[b] rows of k (B, kv, T, d) / v to sequence b.
+  virtual void append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) = 0;
+};
 
-MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const Tensor& key_new,
-                                                  const Tensor& value_new, KvCache& cache,
-                                                  const IncrementalOptions& options) const {
-  check_params();
-  const MhaConfig& c = config_;
-  const int64_t d = c.head_dim(), H = c.num_heads, KV = c.kv_heads();
+void check_cache_dims(const MhaConfig& c, int64_t kv_heads, int64_t head_dim, int64_t v_dim, const char* what) {
+  if (kv_heads != c.kv_heads() || head_dim != c.head_dim() || v_dim != c.head_dim())
+    fail(kInc, ": the ", what, " is (kv_heads ", kv_heads, ", d ", head_dim, ", d_v ", v_dim, "), expected (",
+         c.kv_heads(), ", ", c.head_dim(), ", ", c.head_dim(), ") for this module");
+}
+
+class ContiguousAccess final : public CacheAccess {
+ public:
+  explicit ContiguousAccess(KvCache& cache) : cache_(cache) {}
+  void check(const MhaConfig& c, int64_t B, int64_t window) const override {
+    const KvCacheConfig& cc = cache_.config();
+    if (cc.batch != B) fail(kInc, ": the cache holds ", cc.batch, " sequences, the input ", B);
+    check_cache_dims(c, cc.kv_heads, cc.head_dim, cc.v_dim(), "cache");
+    const int64_t recent = cache_.capacity() - cc.sinks;
+    if (cache_.ring() && (window == 0 || window > recent))
+      fail(kInc, ": a ring cache of ", cache_.capacity(), " positions (", cc.sinks,
+           " of them sinks) serves a sliding window of at most ", recent, ", got window ", window, " (0 = unlimited)");
+  }
+  void check_room(std::span<const int64_t> counts) const override {
+    for (size_t b = 0; b < counts.size(); ++b) {
+      const auto i = static_cast<int64_t>(b);
+      if (counts[b] > cache_.remaining(i))
+        fail(kInc, ": sequence ", b, " holds ", cache_.length(i), " of ", cache_.capacity(), " positions; ", counts[b],
+             " new tokens would exceed the cache's capacity");
+    }
+  }
+  int64_t length(int64_t b) const override { return cache_.length(b); }
+  int64_t stored(int64_t b) const override { return cache_.stored(b); }
+  int64_t sinks() const override { return cache_.config().sinks; }
+  void attend(View4<const float> q, std::span<const int64_t> start, const CacheAttentionOptions& o, View4<float> out,
+              View4<float> lse) const override {
+    attend_cache(q, cache_, start, o, out, lse);
+  }
+  void append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) override {
+    cache_.append(k, v, counts);
+  }
+
+ private:
+  KvCache& cache_;
+};
+
+class PagedAccess final : public CacheAccess {
+ public:
+  PagedAccess(PagedKvCache& cache, std::span<const int64_t> seqs) : cache_(cache), seqs_(seqs) {}
+  void check(const MhaConfig& c, int64_t B, int64_t /*window*/) const override {
+    if (static_cast<int64_t>(seqs_.size()) != B)
+      fail(kInc, ": ", seqs_.size(), " sequence ids for a batch of ", B, " sequences");
+    const PagedKvCacheConfig& pc = cache_.config();
+    check_cache_dims(c, pc.kv_heads, pc.head_dim, pc.v_dim(), "paged cache");
+    for (size_t b = 0; b < seqs_.size(); ++b) {
+      if (!cache_.alive(seqs_[b]))
+        fail(kInc, ": seqs[", b, "] = ", seqs_[b], " is not a live sequence of the paged cache");
+      for (size_t a = 0; a < b; ++a)
+        if (seqs_[a] == seqs_[b])
+          fail(kInc, ": sequence ", seqs_[b], " appears twice in seqs (entries ", a, " and ", b, ")");
+    }
+  }
+  void check_room(std::span<const int64_t> counts) const override {
+    const int64_t bs = cache_.config().block_size;
+    int64_t need = 0;
+    std::map<int32_t, int64_t> writers;  // shared, partly filled last blocks: rows about to write into each
+    for (size_t b = 0; b < counts.size(); ++b) {
+      if (counts[b] == 0) continue;
+      const std::span<const int32_t> table = cache_.block_table(seqs_[b]);
+      const int64_t len = cache_.length(seqs_[b]);
+      need += (len + counts[b] + bs - 1) / bs - static_cast<int64_t>(table.size());
+      if (len % bs != 0 && cache_.refcount(table.back()) > 1) ++writers[table.back()];
+    }
+    // Copy-on-write: of k writers into a block r sequences hold, each copies it while it is still
+    // shared, so min(k, r − 1) copies (the last holder, when all write, writes in place).
+    for (const auto& [block, k] : writers) need += std::min(k, cache_.refcount(block) - 1);
+    if (need > cache_.free_blocks())
+      fail(kInc, ": the new tokens need ", need, " more blocks of ", bs, " positions, but the pool has ",
+           cache_.free_blocks(), " of ", cache_.config().num_blocks, " free");
+  }
+  int64_t length(int64_t b) const override { return cache_.length(seqs_[static_cast<size_t>(b)]); }
+  int64_t stored(int64_t b) const override { return length(b); }
+  void attend(View4<const float> q, std::span<const int64_t> start, const CacheAttentionOptions& o, View4<float> out,
+              View4<float> lse) const override {
+    attend_paged_cache(q, cache_, seqs_, start, o, out, lse);
+  }
+  void append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) override {
+    for (size_t b = 0; b < seqs_.size(); ++b) {
+      const auto rows = [&](View4<const float> x) {
+        return View4<const float>{
+            x.data + static_cast<int64_t>(b) * x.stride[0], {1, x.shape[1], counts[b], x.shape[3]}, x.stride};
+      };
+      cache_.append(seqs_[b], rows(k), rows(v));
+    }
+  }
+
+ private:
+  PagedKvCache& cache_;
+  std::span<const int64_t> seqs_;
+};
+
+/// The incremental forward over any cache (the file comment's steps).
+MhaOutput incremental(const MultiheadAttention& m, const Tensor& query_new, const Tensor& key_new,
+                      const Tensor& value_new, CacheAccess& cache, const IncrementalOptions& options) {
+  m.check_params();
+  const MhaConfig& c = m.config();
+  const MhaParameters& params = m.params();
+  const int64_t d = c.head_dim(), H = c.num_heads;
   if (c.add_bias_kv || c.add_zero_attn)
     fail(kInc, ": add_bias_kv / add_zero_attn positions have no place in a KV cache; not supported");
   const detail::ModuleCall call =
       detail::check_inputs(kInc, c, query_new, key_new, value_new, detail::KvTokens::SameAsQuery);
   const int64_t B = call.batch(), T = call.t_q();
-  const KvCacheConfig& cc = cache.config();
-  if (cc.batch != B || cc.kv_heads != KV || cc.head_dim != d || cc.v_dim() != d)
-    fail(kInc, ": the cache is (batch ", cc.batch, ", kv_heads ", cc.kv_heads, ", d ", cc.head_dim, ", d_v ",
-         cc.v_dim(), "), expected (", B, ", ", KV, ", ", d, ", ", d, ") for this module and input");
   if (options.window < 0) fail(kInc, ": window must be ≥ 0 (0 = unlimited), got ", options.window);
-  const int64_t sinks = cc.sinks, recent = cache.capacity() - sinks;
-  if (cache.ring() && (options.window == 0 || options.window > recent))
-    fail(kInc, ": a ring cache of ", cache.capacity(), " positions (", sinks,
-         " of them sinks) serves a sliding window of at most ", recent, ", got window ", options.window,
-         " (0 = unlimited)");
+  cache.check(c, B, options.window);
+  const int64_t sinks = cache.sinks();
   const std::vector<int64_t>& lens = options.new_lengths;
   if (!lens.empty() && static_cast<int64_t>(lens.size()) != B)
     fail(kInc, ": new_lengths has ", lens.size(), " entries, expected one per sequence (", B, ")");
-  std::vector<int64_t> start(static_cast<size_t>(B));
+  std::vector<int64_t> start(static_cast<size_t>(B)), counts(static_cast<size_t>(B));
   bool padded = false, any_cached = false;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lens.empty() ? T : lens[static_cast<size_t>(b)];
     if (n < 0 || n > T) fail(kInc, ": new_lengths[", b, "] = ", n, " is outside [0, ", T, "]");
-    if (n > cache.remaining(b))
-      fail(kInc, ": sequence ", b, " holds ", cache.length(b), " of ", cache.capacity(), " positions; ", n,
-           " new tokens would exceed the cache's capacity");
+    counts[static_cast<size_t>(b)] = n;
     padded = padded || n < T;
     any_cached = any_cached || cache.stored(b) > 0;
     start[static_cast<size_t>(b)] = cache.length(b);
   }
+  cache.check_room(counts);
 
   // ---- projections of the new tokens, rows in the input's layout ----
   detail::Projections proj =
-      detail::project_inputs(c, params_, query_new, key_new, value_new, call, scratch_.pool.get());
+      detail::project_inputs(c, params, query_new, key_new, value_new, call, m.workspace_pool().get());
   const View4<float> Q = proj.q, K = proj.k, V = proj.v;
   if (c.rope.enabled) {
     apply_rope(Q, c.rope, start.data());
@@ -79,7 +189,7 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   // Scale, ALiBi (relative distance: top-left among the new tokens, absolute positions over the
   // cache) and softcap on both parts; the sinks join the new part only, so that the merge below
   // counts each sink once.
-  detail::set_score_options(c, params_, sopt);
+  detail::set_score_options(c, params, sopt);
   sopt.backend = options.backend;
   sopt.threads = options.threads;
   BoolTensor padding, sink_allowed;
@@ -100,7 +210,7 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   if (padded) {  // padded new tokens are never read (docs/semantics.md, 'Padded keys are never read')
     padding = BoolTensor({B, T}, 0);
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = lens[static_cast<size_t>(b)]; t < T; ++t) padding.at({b, t}) = 1;
+      for (int64_t t = counts[static_cast<size_t>(b)]; t < T; ++t) padding.at({b, t}) = 1;
     sopt.masks.key_padding.view = {padding.data(), {B, 1, 1, T}, {T, 0, 0, 1}};
   }
   Tensor lse_new, out_cached, lse_cached;
@@ -123,7 +233,7 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
     copt.scale = c.scale;
     copt.alibi = sopt.alibi;
     copt.softcap = c.softcap;
-    attend_cache(View4<const float>(Q), cache, start, copt, out_cached.view4(),
+    cache.attend(View4<const float>(Q), start, copt, out_cached.view4(),
                  contiguous_view(lse_cached.data(), B, H, T, 1));
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h)
@@ -143,14 +253,31 @@ MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const
   if (padded)  // rows past a sequence's new tokens attend to nothing
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t t = lens[static_cast<size_t>(b)]; t < T; ++t)
+        for (int64_t t = counts[static_cast<size_t>(b)]; t < T; ++t)
           std::fill(out.row(b, h, t), out.row(b, h, t) + d, 0.0f);
 
-  cache.append(View4<const float>(K), View4<const float>(V), lens);
+  cache.append(View4<const float>(K), View4<const float>(V), counts);
 
   MhaOutput result;
-  result.output = detail::project_output(c, params_, heads.data(), query_new.shape(), call.q_rows.rows());
+  result.output = detail::project_output(c, params, heads.data(), query_new.shape(), call.q_rows.rows());
   return result;
+}
+
+}  // namespace
+
+MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const Tensor& key_new,
+                                                  const Tensor& value_new, KvCache& cache,
+                                                  const IncrementalOptions& options) const {
+  ContiguousAccess access(cache);
+  return incremental(*this, query_new, key_new, value_new, access, options);
+}
+
+MhaOutput MultiheadAttention::forward_incremental(const Tensor& query_new, const Tensor& key_new,
+                                                  const Tensor& value_new, PagedKvCache& cache,
+                                                  std::span<const int64_t> seqs,
+                                                  const IncrementalOptions& options) const {
+  PagedAccess access(cache, seqs);
+  return incremental(*this, query_new, key_new, value_new, access, options);
 }
 
 }  // namespace mha

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "kernels/decode.h"
+#include "layers/cache_storage.h"
 #include "layers/sdpa_prepare.h"
 #include "mha/threads.h"
 
@@ -31,22 +32,8 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   if (c.batch <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.value_dim < 0 || c.capacity <= 0)
     fail("KvCache: batch, kv_heads, head_dim and capacity must be ≥ 1 (value_dim ≥ 0), got batch ", c.batch,
          ", kv_heads ", c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", capacity ", c.capacity);
-  // Sizes from the caller (or a file's metadata): every product is checked, bytes included.
-  const auto numel = [&](int64_t dim) {
-    const std::string what =
-        "KvCache: (batch, kv_heads, capacity, d) = " + shape_str({c.batch, c.kv_heads, c.capacity, dim});
-    const int64_t n = checked_mul(checked_mul(checked_mul(c.batch, c.kv_heads, what), c.capacity, what), dim, what);
-    (void)checked_mul(n, 4, what);
-    return static_cast<size_t>(n);
-  };
-  const size_t nk = numel(c.head_dim), nv = numel(c.v_dim());
-  if (c.dtype == CacheDtype::BF16) {
-    k16_.resize(nk);
-    v16_.resize(nv);
-  } else {
-    k32_.resize(nk);
-    v32_.resize(nv);
-  }
+  detail::size_cache_storage("KvCache: (batch, kv_heads, capacity, d)", c.batch, c.kv_heads, c.capacity, c.head_dim,
+                             c.v_dim(), c.dtype, k32_, v32_, k16_, v16_);
   if (c.sinks < 0 || (c.sinks > 0 && (!c.ring || c.sinks >= c.capacity)))
     fail("KvCache: sinks must be ≥ 0, and with sinks the cache must be a ring with capacity > sinks; got sinks ",
          c.sinks, ", capacity ", c.capacity, c.ring ? ", ring" : ", not a ring");

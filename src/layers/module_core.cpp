@@ -274,8 +274,6 @@ void check_packed(const char* fn, const MhaConfig& c, const ModuleCall& call, co
          ": a packed batch takes no attn_mask or key_padding_mask (the sequences' offsets say what each token sees)");
   if (options.need_weights != NeedWeights::None) fail(fn, ": attention weights are not returned for a packed batch");
   if (c.add_bias_kv || c.add_zero_attn) fail(fn, ": add_bias_kv / add_zero_attn are not supported with a packed batch");
-  if (!c.alibi_slopes.empty() || c.softcap != 0.0f || c.attention_sinks)
-    fail(fn, ": ALiBi, softcap and attention sinks are not supported with a packed batch yet");
   if (options.mode == Mode::Training && c.dropout > 0.0f)
     fail(fn, ": dropout is not supported with a packed batch (the module's dropout is ", c.dropout, ")");
   check_varlen(fn, *options.packed, call.t_q(), call.t_k());

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/decode.h"
+#include "layers/cache_storage.h"
 #include "layers/sdpa_prepare.h"
 #include "mha/threads.h"
 
@@ -36,22 +37,8 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
          ", num_blocks ", c.num_blocks);
   if (c.num_blocks > std::numeric_limits<int32_t>::max())
     fail(kPaged, ": num_blocks ", c.num_blocks, " does not fit the int32 block table entries");
-  const auto numel = [&](int64_t dim) {
-    const std::string what = std::string(kPaged) + ": pool (blocks, kv_heads, block_size, d) = " +
-                             shape_str({c.num_blocks, c.kv_heads, c.block_size, dim});
-    const int64_t n =
-        checked_mul(checked_mul(checked_mul(c.num_blocks, c.kv_heads, what), c.block_size, what), dim, what);
-    (void)checked_mul(n, 4, what);
-    return static_cast<size_t>(n);
-  };
-  const size_t nk = numel(c.head_dim), nv = numel(c.v_dim());
-  if (c.dtype == CacheDtype::BF16) {
-    k16_.resize(nk);
-    v16_.resize(nv);
-  } else {
-    k32_.resize(nk);
-    v32_.resize(nv);
-  }
+  detail::size_cache_storage(std::string(kPaged) + ": pool (blocks, kv_heads, block_size, d)", c.num_blocks, c.kv_heads,
+                             c.block_size, c.head_dim, c.v_dim(), c.dtype, k32_, v32_, k16_, v16_);
   refs_.assign(static_cast<size_t>(c.num_blocks), 0);
   free_.resize(static_cast<size_t>(c.num_blocks));
   // Taken from the back: block 0 first.
@@ -228,6 +215,7 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   if (options.window < 0) fail(fn, ": window must be ≥ 0 (0 = unlimited), got ", options.window);
   if (options.splits < 0) fail(fn, ": splits must be ≥ 0 (0 = auto), got ", options.splits);
   if (options.scale && !std::isfinite(*options.scale)) fail(fn, ": scale must be finite, got ", *options.scale);
+  const kernels::ScoreEdits edits = detail::check_score_edits(fn, H, options.alibi, options.softcap, options.sinks);
   std::vector<int64_t> first(static_cast<size_t>(B), 0), end(static_cast<size_t>(B)), start(static_cast<size_t>(B));
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -264,6 +252,7 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   p.q_start = start.data();
   p.window = options.window;
   p.scale = detail::resolve_scale(options.scale, d);
+  p.edits = edits;
   p.splits = options.splits > 0 ? options.splits : auto_cache_splits(B, c.kv_heads, (H / c.kv_heads) * Tq, longest);
   p.threads = resolve_threads(options.threads);
   p.out = out;

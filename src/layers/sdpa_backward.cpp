@@ -55,6 +55,13 @@ bool use_fused(const kernels::SdpaBackwardParams& p, Backend backend, std::strin
   return detail::choose_fused(kBwd, backend, ok, reason, why);
 }
 
+/// g.dsinks sized one per sink logit when opt has sinks (else left empty), as the span the kernels write.
+std::span<float> sink_grads(const SdpaOptions& opt, SdpaGradTensors& g) {
+  if (!opt.sinks.enabled()) return {};
+  g.dsinks = Tensor({static_cast<int64_t>(opt.sinks.logits.size())});
+  return {g.dsinks.data(), static_cast<size_t>(g.dsinks.numel())};
+}
+
 void run(const kernels::SdpaBackwardParams& p, Backend backend) {
   if (use_fused(p, backend, nullptr)) {
     std::vector<float> workspace(kernels::fused_backward_workspace_floats(p));
@@ -94,10 +101,11 @@ SdpaGradTensors sdpa_backward_varlen(const Tensor& q, const Tensor& k, const Ten
   if (lse.shape() != want_lse)
     fail(fn, ": lse has shape ", shape_str(lse.shape()), ", expected ", shape_str(want_lse), " (total_q, h)");
   const auto pv = [](const Tensor& t) { return packed_view(t.data(), t.size(0), t.size(1), t.size(2)); };
-  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape())};
+  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape()), Tensor()};
+  const std::span<float> dsinks = sink_grads(opt, g);
   const auto pg = [](Tensor& t) { return packed_view(t.data(), t.size(0), t.size(1), t.size(2)); };
   sdpa_backward_varlen(pv(q), pv(k), pv(v), pv(out), pv(d_out), packed_view(lse.data(), Nq, H, int64_t{1}), seqs, opt,
-                       {pg(g.dq), pg(g.dk), pg(g.dv)});
+                       {pg(g.dq), pg(g.dk), pg(g.dv), dsinks});
   return g;
 }
 
@@ -128,11 +136,7 @@ SdpaGradTensors sdpa_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   if (lse.shape() != want_lse)
     fail(kBwd, ": lse has shape ", shape_str(lse.shape()), ", expected ", shape_str(want_lse), " (B, h, T_q)");
   SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape()), Tensor()};
-  std::span<float> dsinks;
-  if (opt.sinks.enabled()) {
-    g.dsinks = Tensor({static_cast<int64_t>(opt.sinks.logits.size())});
-    dsinks = {g.dsinks.data(), static_cast<size_t>(g.dsinks.numel())};
-  }
+  const std::span<float> dsinks = sink_grads(opt, g);
   const View4<const float> lse_view = contiguous_view(lse.data(), want_lse[0], want_lse[1], want_lse[2], int64_t{1});
   sdpa_backward(q.view4(), k.view4(), v.view4(), out.view4(), d_out.view4(), lse_view, opt,
                 {g.dq.view4(), g.dk.view4(), g.dv.view4(), dsinks});

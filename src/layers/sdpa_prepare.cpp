@@ -129,8 +129,6 @@ void attach_varlen(const char* fn, kernels::SdpaParams& p, const VarlenBatch& se
   if (opt.dropout.active()) fail(fn, ": dropout is not supported on a packed batch (p = ", opt.dropout.p, ")");
   if (p.weights.defined() || p.weights_avg.defined())
     fail(fn, ": attention weights are not returned for a packed batch");
-  if (opt.alibi.enabled() || opt.softcap != 0.0f || opt.sinks.enabled())
-    fail(fn, ": ALiBi, softcap and attention sinks are not supported on a packed batch yet");
   check_varlen(fn, seqs, p.q.shape[2], p.k.shape[2]);
   p.varlen.cu_q = seqs.cu_seqlens_q.values().data();
   p.varlen.cu_k = seqs.cu_seqlens_k.values().data();

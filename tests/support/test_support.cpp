@@ -24,6 +24,23 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, float lo, float hi) {
   return t;
 }
 
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (float x : t.values())
+    if (std::isfinite(x)) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+constexpr double kF32Eps = 0x1.0p-23;
+
+double f32_out_tol(double max_v, int64_t keys, double score_bound, double slack) {
+  return slack * kF32Eps * max_v * (4.0 * std::sqrt(static_cast<double>(keys)) + 4.0 * score_bound + 16.0);
+}
+
+double f32_lse_tol(int64_t keys, double score_bound, double slack) {
+  return slack * kF32Eps * (8.0 * score_bound + 4.0 * std::log(static_cast<double>(keys) + 1.0) + 16.0);
+}
+
 ::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, double atol, double rtol) {
   if (got.shape() != want.shape())
     return ::testing::AssertionFailure() << "shape " << shape_str(got.shape()) << " != " << shape_str(want.shape());

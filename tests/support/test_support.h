@@ -20,6 +20,16 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, float lo = -1.0f, float 
 /// Checks |got − want| ≤ atol + rtol·|want| elementwise, and equal shapes; reports the worst.
 ::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, double atol, double rtol);
 
+/// The largest |x| over the finite values of t (0 for none).
+double max_abs(const Tensor& t);
+
+/// float32 tolerances of the fused kernels against the double reference, from the problem's
+/// bounds: a softmax over `keys` keys (count a sink as one more) with scores |s| ≤ score_bound,
+/// values |v| ≤ max_v. `slack` scales the whole bound (2 where score edits add roundings).
+///   out: ε·max_v·(4√keys + 4·score_bound + 16)     lse: ε·(8·score_bound + 4·log(keys + 1) + 16)
+double f32_out_tol(double max_v, int64_t keys, double score_bound, double slack = 1.0);
+double f32_lse_tol(int64_t keys, double score_bound, double slack = 1.0);
+
 /// Bitwise equality of shapes and values.
 ::testing::AssertionResult bitwise_equal(const Tensor& got, const Tensor& want);
 
