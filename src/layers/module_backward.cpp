@@ -45,7 +45,7 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
   keep.lse = true;
   // The projections and heads come from the module's pool (never zero-filled: the pass writes
   // every element before reading); the context keeps them checked out until it is destroyed. A
-  // module without a pool (moved from) gets a pool of its own for this step.
+  // module without a pool gets one of its own for this step (as backward() takes fresh buffers).
   const std::shared_ptr<detail::ScratchPool> pool =
       module.workspace_pool() ? module.workspace_pool() : detail::ScratchPool::make();
   detail::ModulePass pass = detail::run_module(kTrain, module, query, key, value, options, keep, pool.get());
