@@ -3,17 +3,21 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/attention.h"
 #include "kernels/attention_backward.h"
 #include "kernels/backward_fused.h"
 #include "kernels/dropout_rng.h"
+#include "layers/scratch_pool.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
 #include "mha/weights.h"
@@ -594,6 +598,13 @@ std::vector<ModuleFdCase> module_fd_cases() {
   return cases;
 }
 
+// Every parameter tensor of `p` (a module's parameters or their gradients), in one fixed order.
+template <class Params>
+auto parameter_tensors(Params& p) {
+  return std::array{&p.in_proj_weight, &p.q_proj_weight, &p.k_proj_weight,   &p.v_proj_weight, &p.in_proj_bias,
+                    &p.bias_k,         &p.bias_v,        &p.out_proj_weight, &p.out_proj_bias, &p.sinks};
+}
+
 // Central differences of the float forward, on a few entries of every gradient. Error bound: the
 // loss L = Σ out·G carries ≈ ε·Σ|out·G| of rounding, divided by 2h; plus the h² term (O(1) inputs,
 // bounded generously by 2e-3 relative).
@@ -655,23 +666,132 @@ TEST(ModuleBackward, MatchesFiniteDifferences) {
       check(key, g.key, "key");
       check(value, g.value, "value");
     }
-    MhaParameters& p = m.params();
-    const MhaParameters& gp = g.params;
-    const std::pair<Tensor*, const Tensor*> pairs[] = {{&p.in_proj_weight, &gp.in_proj_weight},
-                                                       {&p.q_proj_weight, &gp.q_proj_weight},
-                                                       {&p.k_proj_weight, &gp.k_proj_weight},
-                                                       {&p.v_proj_weight, &gp.v_proj_weight},
-                                                       {&p.in_proj_bias, &gp.in_proj_bias},
-                                                       {&p.bias_k, &gp.bias_k},
-                                                       {&p.bias_v, &gp.bias_v},
-                                                       {&p.out_proj_weight, &gp.out_proj_weight},
-                                                       {&p.out_proj_bias, &gp.out_proj_bias}};
-    int index = 0;
-    for (const auto& [param, grad] : pairs) {
-      EXPECT_EQ(param->defined(), grad->defined()) << "parameter " << index;
-      if (param->defined()) check(*param, *grad, "parameter " + std::to_string(index));
-      ++index;
+    const auto params = parameter_tensors(m.params());
+    const auto grads = parameter_tensors(g.params);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i]->defined(), grads[i]->defined()) << "parameter " << i;
+      if (params[i]->defined()) check(*params[i], *grads[i], "parameter " + std::to_string(i));
     }
+  }
+}
+
+// Every gradient of `got` bitwise equal to `want`'s (the same shapes, the same parameters present).
+void expect_same_gradients(const MhaGradients& got, const MhaGradients& want) {
+  EXPECT_TRUE(bitwise_equal(got.query, want.query)) << "query";
+  EXPECT_TRUE(bitwise_equal(got.key, want.key)) << "key";
+  EXPECT_TRUE(bitwise_equal(got.value, want.value)) << "value";
+  const auto g = parameter_tensors(got.params), w = parameter_tensors(want.params);
+  for (size_t i = 0; i < g.size(); ++i) EXPECT_TRUE(bitwise_equal(*g[i], *w[i])) << "parameter " << i;
+}
+
+// One training step's shapes: self-attention (one packed GEMM) or cross-attention (three).
+struct TrainStep {
+  Shape q, kv;
+  bool causal;
+};
+
+struct TrainInputs {
+  Tensor q, k, v;
+  MhaForwardOptions options;
+  TrainInputs(const TrainStep& step, uint64_t seed) : q(random_tensor(step.q, seed)) {
+    const bool self = step.q == step.kv;
+    k = self ? q : random_tensor(step.kv, seed + 1);
+    v = self ? q : random_tensor(step.kv, seed + 2);
+    options.mode = Mode::Training, options.dropout_seed = seed;
+    if (step.causal) options.causal = Causal::top_left();
+  }
+  // A training step of `m` (its workspace as it is) on these inputs.
+  MhaGradients run(const MultiheadAttention& m, const Tensor& d_out) const {
+    const MhaTrainOutput t = forward_train(m, q, k, v, options);
+    return backward(m, t.context, d_out);
+  }
+};
+
+MhaConfig workspace_config() {
+  MhaConfig c = config(32, 4);
+  c.num_kv_heads = 2, c.dropout = 0.1f, c.add_bias_kv = true, c.layout = Layout::BatchFirst;
+  return c;
+}
+
+// The training step borrows its projections and heads from the module's workspace and gives them
+// back: consecutive steps of different shapes on one module (reusing larger buffers that hold the
+// previous step's values) give bitwise the gradients of a fresh module.
+TEST(ModuleBackward, ConsecutiveStepsOnOneModuleMatchFreshModules) {
+  const MultiheadAttention m(workspace_config(), 31);
+  const TrainStep steps[] = {
+      {{4, 50, 32}, {4, 50, 32}, false},  // self-attention, packed GEMM
+      {{2, 9, 32}, {2, 9, 32}, true},     // smaller: reuses
+      {{3, 20, 32}, {3, 61, 32}, false},  // cross-attention, 3 GEMMs
+      {{6, 70, 32}, {6, 70, 32}, true},   // larger: grows
+      {{5, 32}, {7, 32}, false},          // unbatched
+      {{1, 1, 32}, {1, 1, 32}, false},    // one token
+      {{1, 0, 32}, {1, 5, 32}, false},    // empty query
+      {{4, 50, 32}, {4, 50, 32}, false},  // the first again
+  };
+  uint64_t seed = 40;
+  for (int round = 0; round < 2; ++round)
+    for (const TrainStep& step : steps) {
+      SCOPED_TRACE(::testing::Message() << "round " << round << ", query " << shape_str(step.q));
+      const TrainInputs in(step, seed += 3);
+      const Tensor d_out = random_tensor(step.q, seed + 100);
+      const MultiheadAttention fresh = m;  // a copy starts with an empty workspace
+      expect_same_gradients(in.run(m, d_out), in.run(fresh, d_out));
+      EXPECT_LE(m.workspace_pool()->free_buffers(), size_t{8});
+    }
+  EXPECT_GT(m.workspace_pool()->free_buffers(), size_t{0});  // the steps gave their buffers back
+  m.release_workspace();
+  EXPECT_EQ(m.workspace_pool()->free_buffers(), size_t{0});
+}
+
+// Contexts alive at the same time hold buffers of their own: two forwards, then both backwards
+// (in either order), each give the gradients of a step run alone; a context may outlive its module.
+TEST(ModuleBackward, ContextsAliveAtOnceKeepTheirOwnBuffers) {
+  const MhaConfig cfg = workspace_config();
+  const TrainInputs a({{3, 20, 32}, {3, 20, 32}, true}, 7), b({{2, 13, 32}, {2, 17, 32}, false}, 70);
+  const Tensor da = random_tensor(a.q.shape(), 8), db = random_tensor(b.q.shape(), 9);
+  const MultiheadAttention fresh(cfg, 5);
+  const MhaGradients want_a = a.run(MultiheadAttention(fresh), da);
+  const MhaGradients want_b = b.run(MultiheadAttention(fresh), db);
+  for (bool a_first : {true, false}) {
+    SCOPED_TRACE(a_first ? "backward a, then b" : "backward b, then a");
+    auto m = std::make_unique<MultiheadAttention>(fresh);
+    const MhaTrainOutput ta = forward_train(*m, a.q, a.k, a.v, a.options);
+    const MhaTrainOutput tb = forward_train(*m, b.q, b.k, b.v, b.options);
+    EXPECT_NE(ta.context.qkv.data(), tb.context.qkv.data());
+    EXPECT_NE(ta.context.heads.data(), tb.context.heads.data());
+    if (a_first) {
+      expect_same_gradients(backward(*m, ta.context, da), want_a);
+      expect_same_gradients(backward(*m, tb.context, db), want_b);
+    } else {
+      expect_same_gradients(backward(*m, tb.context, db), want_b);
+      expect_same_gradients(backward(*m, ta.context, da), want_a);
+    }
+    m.reset();  // the contexts outlive the module: their buffers stay valid until they go
+  }
+}
+
+// Training steps on one module from several threads at once, each with its own inputs, give the
+// gradients of a fresh module (the workspace hands each call its own buffers).
+TEST(ModuleBackward, ConcurrentStepsOnOneModuleMatchFreshModules) {
+  const MultiheadAttention m(workspace_config(), 11);
+  constexpr int kThreads = 3, kSteps = 4;
+  std::vector<std::vector<MhaGradients>> got(kThreads);
+  std::vector<TrainInputs> inputs;
+  std::vector<Tensor> d_outs;
+  for (int t = 0; t < kThreads; ++t) {
+    const int64_t T = 5 + 7 * t;
+    inputs.emplace_back(TrainStep{{2, T, 32}, {2, T + (t % 2), 32}, t == 1}, 200 + 10 * t);
+    d_outs.push_back(random_tensor({2, T, 32}, 300 + t));
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      for (int s = 0; s < kSteps; ++s) got[t].push_back(inputs[t].run(m, d_outs[t]));
+    });
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    const MhaGradients want = inputs[t].run(MultiheadAttention(m), d_outs[t]);
+    for (const MhaGradients& g : got[t]) expect_same_gradients(g, want);
   }
 }
 

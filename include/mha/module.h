@@ -202,7 +202,9 @@ class MultiheadAttention {
 
   /// forward() keeps its large working buffers (projected Q/K/V, attention heads) between calls and
   /// reuses them when the next call is the same size or smaller, instead of allocating and
-  /// page-faulting them afresh; concurrent calls each get their own. This frees the kept ones.
+  /// page-faulting them afresh; concurrent calls each get their own. forward_train() and backward()
+  /// (mha/training.h) borrow theirs from the same place: an MhaContext holds its buffers until it is
+  /// destroyed. This frees the kept ones (not those a live context holds).
   void release_workspace() const;
   /// Internal (layers/module_core.cpp): where those buffers are kept.
   const std::shared_ptr<detail::ScratchPool>& workspace_pool() const { return scratch_.pool; }

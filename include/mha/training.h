@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -69,9 +70,17 @@ SdpaGradTensors sdpa_backward_varlen(const Tensor& q, const Tensor& k, const Ten
 
 // ---- the multi-head module -----------------------------------------------------------------------
 
+namespace detail {
+struct TrainBuffers;  // layers/module_backward.cpp: the context's buffers, checked out of the module's pool
+}  // namespace detail
+
 /// What forward_train saves for backward. Move-only: its views point into its own storage.
 /// The query/key/value tensors passed to forward_train are referenced, not copied (they are needed
 /// for the weight gradients): keep them alive and unchanged until backward() has run.
+/// The large buffers (the projected rows and the attention heads) are checked out of the module's
+/// workspace (MultiheadAttention::release_workspace) and go back to it when the context is
+/// destroyed, so the next step reuses them instead of allocating; contexts alive at the same time
+/// each hold their own.
 struct MhaContext {
   MhaContext() = default;
   MhaContext(MhaContext&&) = default;
@@ -86,16 +95,17 @@ struct MhaContext {
   bool unbatched = false;
   bool packed_self_attention = false;  ///< Q, K and V came from one GEMM into `qkv`
 
-  std::vector<float> qkv;         ///< projected Q (N_q, h·d), K and V (N_k, kv·d) rows (or one (N, (h+2kv)·d) block)
+  std::span<float> qkv;           ///< projected Q (N_q, h·d), K and V (N_k, kv·d) rows (or one (N, (h+2kv)·d) block)
   Tensor k_ext, v_ext;            ///< (B, kv, S, d): K/V with bias_k / zero positions appended, when any
   View4<float> q_heads;           ///< (B, h, T_q, d) over qkv
   View4<float> k_heads, v_heads;  ///< (B, kv, S, d) over qkv or k_ext / v_ext
-  Tensor heads;                   ///< (N_q, h·d): the attention output before W_O, in the query's row layout
+  std::span<const float> heads;   ///< (N_q, h·d): the attention output before W_O, in the query's row layout
   Tensor lse;                     ///< (B, h, T_q): log-sum-exp of each score row (−inf when fully masked)
   BoolTensor allowed, key_padding;  ///< masks widened to S key positions (empty when absent)
   Tensor additive, key_bias;
   std::optional<VarlenBatch> packed;  ///< the packed batch's offsets, when the input was packed
   SdpaOptions sdpa_options;           ///< scale, masks (views into the tensors above), dropout seed, backend, threads
+  std::shared_ptr<detail::TrainBuffers> buffers;  ///< owns the storage of qkv and heads
 };
 
 struct MhaTrainOutput {

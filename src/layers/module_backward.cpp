@@ -13,6 +13,7 @@
 // Memory: the saved context holds Q/K/V, the attention output and lse; nothing of size T_q × T_k
 // (the attention backward recomputes the probabilities from lse).
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "kernels/gemm.h"
@@ -20,6 +21,14 @@
 #include "mha/training.h"
 
 namespace mha {
+
+namespace detail {
+/// The storage of an MhaContext's qkv and heads: buffers of the module's scratch pool, given back
+/// when the context (the last owner) is destroyed.
+struct TrainBuffers {
+  ScratchPool::Lease qkv, heads;
+};
+}  // namespace detail
 
 namespace {
 
@@ -34,7 +43,12 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
     fail(kTrain, ": attention weights are not returned in training; use forward() for them");
   detail::PassOutputs keep;
   keep.lse = true;
-  detail::ModulePass pass = detail::run_module(kTrain, module, query, key, value, options, keep);
+  // The projections and heads come from the module's pool (never zero-filled: the pass writes
+  // every element before reading); the context keeps them checked out until it is destroyed. A
+  // module without a pool gets one of its own for this step (as backward() takes fresh buffers).
+  const std::shared_ptr<detail::ScratchPool> pool =
+      module.workspace_pool() ? module.workspace_pool() : detail::ScratchPool::make();
+  detail::ModulePass pass = detail::run_module(kTrain, module, query, key, value, options, keep, pool.get());
 
   // Keep what backward() reads. The buffers move with their storage, so the views stay valid.
   MhaTrainOutput result;
@@ -44,11 +58,16 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
   ctx.query = &query, ctx.key = &key, ctx.value = &value;
   ctx.unbatched = pass.call.unbatched;
   ctx.packed_self_attention = pass.proj.plan.packed;
-  ctx.qkv = std::move(pass.proj.rows);
+  auto buffers = std::make_shared<detail::TrainBuffers>();
+  buffers->qkv = std::move(pass.proj.scratch);
+  buffers->heads = std::move(pass.heads_scratch);
+  ctx.qkv = {buffers->qkv.data(), static_cast<size_t>(pass.proj.plan.floats)};
+  ctx.heads = {buffers->heads.data(),
+               static_cast<size_t>(pass.call.q_rows.rows() * ctx.config.num_heads * ctx.config.head_dim())};
+  ctx.buffers = std::move(buffers);
   ctx.q_heads = pass.proj.q, ctx.k_heads = pass.proj.k, ctx.v_heads = pass.proj.v;
   ctx.k_ext = std::move(pass.k_ext);
   ctx.v_ext = std::move(pass.v_ext);
-  ctx.heads = std::move(pass.heads);
   ctx.lse = std::move(pass.lse);
   ctx.allowed = std::move(pass.masks.allowed);
   ctx.additive = std::move(pass.masks.additive);

@@ -89,7 +89,7 @@ struct Projections {
   Projections& operator=(const Projections&) = delete;
 
   ProjectionPlan plan;
-  std::vector<float> rows;     ///< the buffer, when no pool was given (forward_train keeps it)
+  std::vector<float> rows;     ///< the buffer, when no pool was given
   ScratchPool::Lease scratch;  ///< or the buffer checked out of a module's pool
   View4<float> q, k, v;
 };
