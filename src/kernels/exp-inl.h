@@ -35,8 +35,14 @@ HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   p = hn::MulAdd(p, f, hn::Set(df, 0.24022650695910071f));
   p = hn::MulAdd(p, f, hn::Set(df, 0.69314718055994531f));
   p = hn::MulAdd(p, f, hn::Set(df, 1.0f));
+  const auto visible = hn::Ge(x, hn::Set(df, -87.0f));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // vscalefps forms p·2ⁿ in one instruction instead of building 2ⁿ's bits (convert, add, shift,
+  // multiply): n is an integer ≥ −126, so both round the same exact product once: the same bits.
+  if constexpr (hn::MaxLanes(DF()) == 16) return hn::IfThenElseZero(visible, VF{_mm512_scalef_ps(p.raw, n.raw)});
+#endif
   const auto scale_bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
-  return hn::IfThenElseZero(hn::Ge(x, hn::Set(df, -87.0f)), hn::Mul(p, hn::BitCast(df, scale_bits)));
+  return hn::IfThenElseZero(visible, hn::Mul(p, hn::BitCast(df, scale_bits)));
 }
 
 }  // namespace mha::kernels::HWY_NAMESPACE
