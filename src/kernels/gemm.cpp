@@ -1,6 +1,8 @@
 // kernels/gemm.cpp — linear layers and their gradients over oneDNN's sgemm (see gemm.h for why).
 #include "kernels/gemm.h"
 
+#include <algorithm>
+
 #include <omp.h>
 
 #include <oneapi/dnnl/dnnl.h>
@@ -55,12 +57,22 @@ void linear_backward_input(const float* dy, int64_t rows, int64_t out, int64_t l
 
 void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* x, int64_t in,
                             int64_t ldx, float* dw, int64_t lddw, float* db) {
-  if (db)
-    for (int64_t c = 0; c < out; ++c) {
-      double sum = 0.0;
-      for (int64_t r = 0; r < rows; ++r) sum += dy[r * lddy + c];
-      db[c] = static_cast<float>(sum);
+  if (db) {
+    // Column sums in double, rows in order: a chunk of columns at a time with the rows outermost,
+    // so each row's chunk is read contiguously (a column at a time strode across every row's
+    // cache line: ~3% of a training step at T=4096). Each column adds the same terms in the same
+    // order as a column-by-column loop, so the bits are the same.
+    constexpr int64_t kChunk = 64;
+    for (int64_t c0 = 0; c0 < out; c0 += kChunk) {
+      const int64_t nc = std::min(kChunk, out - c0);
+      double sum[kChunk] = {};
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = dy + r * lddy + c0;
+        for (int64_t c = 0; c < nc; ++c) sum[c] += row[c];
+      }
+      for (int64_t c = 0; c < nc; ++c) db[c0 + c] = static_cast<float>(sum[c]);
     }
+  }
   if (out == 0 || in == 0) return;
   if (rows == 0) {
     for (int64_t o = 0; o < out; ++o)
