@@ -478,6 +478,24 @@ HWY_INLINE BlockJob key_block(const Ctx& cx, int64_t b, int64_t g, int64_t j0, i
   return job;
 }
 
+/// Asks for the Q, dO (and dQ) rows of the query block that starts at row i0 of head h, if there
+/// is one: a key block's item walks every query block of the head, whose rows (3 MiB at T=4096,
+/// d=64) do not stay in L2, and rows a few KiB apart defeat the hardware prefetcher. Issued one
+/// block ahead into L2 (not L1, which holds the current block), they arrive while the current
+/// block's five products run.
+HWY_INLINE void prefetch_query_block(const Ctx& cx, int64_t b, int64_t h, int64_t i0, bool want_dq) {
+  const SdpaBackwardParams& p = *cx.p;
+  const SdpaParams& f = p.fwd;
+  const int64_t rows = std::min(cx.br, f.t_q() - i0);
+  const int64_t qbytes = f.d() * static_cast<int64_t>(sizeof(float)),
+                obytes = f.d_v() * static_cast<int64_t>(sizeof(float));
+  for (int64_t r = 0; r < rows; ++r) {
+    prefetch_bytes<2>(f.q.as<float>().row(b, h, i0 + r), 0, qbytes);
+    prefetch_bytes<2>(p.dout.row(b, h, i0 + r), 0, obytes);
+    if (want_dq) prefetch_bytes<2>(p.dq.row(b, h, i0 + r), 0, qbytes);
+  }
+}
+
 /// dK/dV of key block kb of (b, g), over every query head of the group and every query block;
 /// with want_dq also the dQ contributions of this key block.
 HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb, float* ws, bool want_dq) {
@@ -497,6 +515,10 @@ HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb
       const TileVis vis = cx.causal.tile(i0, i1, j0, j1);
       if (vis == TileVis::None) continue;
       job.h = h, job.i0 = i0, job.i1 = i1;
+      if (i1 < Tq)
+        prefetch_query_block(cx, b, h, i1, want_dq);
+      else if (h + 1 < (g + 1) * group)
+        prefetch_query_block(cx, b, h + 1, 0, want_dq);
       run_block(cx, job, vis, ws, dk_acc, dv_acc, want_dq);
     }
   // A key that is never read has gradient 0 even where a NaN query meets its zero dS (0·NaN in
