@@ -203,89 +203,96 @@ static_assert(kMR <= kMaxMR);
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
+/// Calls f(std::integral_constant<int, n>{}) for a run-time n in [1, kMax]; nothing for n = 0: a
+/// tile's rows or vectors chosen at run time, its loops unrolled at compile time.
+template <int kMax, class F>
+HWY_INLINE void with_count(int64_t n, F&& f) {
+  if constexpr (kMax > 0) {
+    if (n == kMax) return f(std::integral_constant<int, kMax>{});
+    with_count<kMax - 1>(n, f);
+  }
+}
+
 using kernels::HWY_NAMESPACE::exp_nonpositive;
 
 // ---- S = Q·Kᵀ (float32) --------------------------------------------------------------------
-// q: kMR rows of d floats, ld ldq; kt: d rows of kBk keys; s: kMR rows of kBk.
-template <int NV>
+// q: MR rows of d floats, ld ldq; kt: d rows of kBk keys; s: MR rows of kBk.
+template <int MR, int NV>
 HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT kt, int64_t d,
                            float* HWY_RESTRICT s) {
   const DF df;
   const int64_t N = lanes();
-  VF acc[kMR][NV];
-  for (int r = 0; r < kMR; ++r)
+  VF acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(df);
   for (int64_t c = 0; c < d; ++c) {
     VF kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = hn::LoadU(df, kt + c * kBk + v * N);
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const VF qv = hn::Set(df, q[r * ldq + c]);
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(qv, kv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, s + r * kBk + v * N);
 }
 
-template <int NV>
-HWY_INLINE void score_rest(int64_t rest, const float* q, int64_t ldq, const float* kt, int64_t d, float* s) {
-  if constexpr (NV > 0) {
-    if (rest == NV) return score_tile<NV>(q, ldq, kt, d, s);
-    score_rest<NV - 1>(rest, q, ldq, kt, d, s);
-  }
+// MR rows of S: tiles of kNV vectors, then the last `nvec % kNV` vectors.
+template <int MR>
+HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* kt, int64_t nvec, float* s) {
+  const int64_t N = lanes();
+  int64_t v0 = 0;
+  for (; v0 + kNV <= nvec; v0 += kNV) score_tile<MR, kNV>(q, ldq, kt + v0 * N, d, s + v0 * N);
+  with_count<kNV - 1>(nvec - v0, [&](auto nv) { score_tile<MR, nv>(q, ldq, kt + v0 * N, d, s + v0 * N); });
 }
 
+// Rows are not padded to a multiple of kMR: the last rows % kMR form a smaller tile (at kBq = 128
+// and kMR = 6, padding would compute 132 rows, 3% of the products for nothing).
 void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s) {
-  const int64_t N = lanes();
-  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
-    int64_t v0 = 0;
-    for (; v0 + kNV <= nvec; v0 += kNV) score_tile<kNV>(q + r0 * ldq, ldq, kt + v0 * N, d, s + r0 * kBk + v0 * N);
-    score_rest<kNV - 1>(nvec - v0, q + r0 * ldq, ldq, kt + v0 * N, d, s + r0 * kBk + v0 * N);
-  }
+  int64_t r0 = 0;
+  for (; r0 + kMR <= rows; r0 += kMR) score_rows<kMR>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk);
+  with_count<kMR - 1>(rows - r0, [&](auto mr) { score_rows<mr>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk); });
 }
 
 // ---- O = alpha·O + P·V (float32) -----------------------------------------------------------
-// p: kMR rows of kBk probabilities; vp: nk rows of ldv; o: kMR rows of ldv.
-template <int NV>
+// p: MR rows of kBk probabilities; vp: nk rows of ldv; o: MR rows of ldv.
+template <int MR, int NV>
 HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT alpha, const float* HWY_RESTRICT vp,
                          int64_t ldv, int64_t nk, float* HWY_RESTRICT o) {
   const DF df;
   const int64_t N = lanes();
-  VF acc[kMR][NV];
-  for (int r = 0; r < kMR; ++r) {
+  VF acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
     const VF a = hn::Set(df, alpha[r]);
     for (int v = 0; v < NV; ++v) acc[r][v] = hn::Mul(hn::LoadU(df, o + r * ldv + v * N), a);
   }
   for (int64_t j = 0; j < nk; ++j) {
     VF vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = hn::LoadU(df, vp + j * ldv + v * N);
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const VF pv = hn::Set(df, p[r * kBk + j]);
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(pv, vv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, o + r * ldv + v * N);
 }
 
-template <int NV>
-HWY_INLINE void out_rest(int64_t rest, const float* p, const float* alpha, const float* vp, int64_t ldv, int64_t nk,
+template <int MR>
+HWY_INLINE void out_rows(const float* p, const float* alpha, const float* vp, int64_t ldv, int64_t nk, int64_t nvec_o,
                          float* o) {
-  if constexpr (NV > 0) {
-    if (rest == NV) return out_tile<NV>(p, alpha, vp, ldv, nk, o);
-    out_rest<NV - 1>(rest, p, alpha, vp, ldv, nk, o);
-  }
+  const int64_t N = lanes();
+  int64_t v0 = 0;
+  for (; v0 + kNV <= nvec_o; v0 += kNV) out_tile<MR, kNV>(p, alpha, vp + v0 * N, ldv, nk, o + v0 * N);
+  with_count<kNV - 1>(nvec_o - v0, [&](auto nv) { out_tile<MR, nv>(p, alpha, vp + v0 * N, ldv, nk, o + v0 * N); });
 }
 
 void out_block(const float* p, const float* alpha, int64_t rows, const float* vp, int64_t ldv, int64_t nk,
                int64_t nvec_o, float* o) {
-  const int64_t N = lanes();
-  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
-    int64_t v0 = 0;
-    for (; v0 + kNV <= nvec_o; v0 += kNV)
-      out_tile<kNV>(p + r0 * kBk, alpha + r0, vp + v0 * N, ldv, nk, o + r0 * ldv + v0 * N);
-    out_rest<kNV - 1>(nvec_o - v0, p + r0 * kBk, alpha + r0, vp + v0 * N, ldv, nk, o + r0 * ldv + v0 * N);
-  }
+  int64_t r0 = 0;
+  for (; r0 + kMR <= rows; r0 += kMR) out_rows<kMR>(p + r0 * kBk, alpha + r0, vp, ldv, nk, nvec_o, o + r0 * ldv);
+  with_count<kMR - 1>(rows - r0,
+                      [&](auto mr) { out_rows<mr>(p + r0 * kBk, alpha + r0, vp, ldv, nk, nvec_o, o + r0 * ldv); });
 }
 
 // ---- the bf16 dot-product path (AVX3_DL with AVX512_BF16 only) ------------------------------
@@ -620,7 +627,9 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const SdpaParams& p = *cx.p;
   const ScratchPlan& L = cx.L;
   const int64_t group = p.group(), Tq = cx.t_q, Tk = cx.t_k, D = p.d(), Dv = p.d_v();
-  const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kMR);
+  const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0);
+  // The float32 tiles take any row count; the bf16 pair tiles work on whole tiles of kMR rows.
+  const int64_t rows = kDot ? round_up(nq, kMR) : nq;
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
   const bool per_element_masks = p.masks.allowed.view.defined() || p.masks.bias.view.defined();
