@@ -409,11 +409,23 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
   const int64_t N = lanes(), nvec = (nk + N - 1) / N;
   const VF vscale = hn::Set(df, p.scale);
   const VF vneg_inf = hn::Set(df, kNegInf);
+  // Whether the block has a key that is never read (kb = −inf); most blocks have none, and their
+  // rows skip the select below. (Scalar on purpose: the same test as a Highway mask (Or of Eq,
+  // then AllFalse) made GCC 12's AVX3_DL build of this function give wrong softcap results, which
+  // ScoreEditsGolden caught; not understood yet, so not used.)
+  bool any_hidden = false;
+  for (int64_t jj = 0; jj < nvec * N; ++jj) any_hidden |= kb[jj] == kNegInf;
   for (int64_t r = 0; r < nq; ++r) {
     float* row = s + r * kBk;
     const int64_t i = i0 + r;
     VF vmax = vneg_inf;
-    if (HWY_LIKELY(!cx.edit_scores)) {
+    if (HWY_LIKELY(!cx.edit_scores && !any_hidden)) {
+      for (int64_t v = 0; v < nvec; ++v) {
+        const VF x = hn::MulAdd(hn::LoadU(df, row + v * N), vscale, hn::LoadU(df, kb + v * N));
+        vmax = hn::Max(vmax, x);
+        hn::StoreU(x, df, row + v * N);
+      }
+    } else if (!cx.edit_scores) {
       for (int64_t v = 0; v < nvec; ++v) {
         // A key never read (kb = −inf: padding, key_bias −inf, or past the block) scores exactly −inf,
         // even when Q holds NaN or ±inf (their product with its zero-packed K row would be NaN).
