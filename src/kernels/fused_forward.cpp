@@ -200,6 +200,10 @@ constexpr int kMR = 4;  // 4 rows × 2 vectors, leaves room in 16 registers
 constexpr int kNV = 2;
 #endif
 static_assert(kMR <= kMaxMR);
+// The bf16 dot-product tiles: 4 rows × 4 vectors, so that a block of kBq = 128 rows needs no
+// padding rows (6 would make it 132).
+constexpr int kMRdp = HWY_TARGET == HWY_AVX3_DL ? 4 : kMR;
+static_assert(kBq % kMRdp == 0 || kMRdp == kMR);
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
@@ -296,24 +300,24 @@ void out_block(const float* p, const float* alpha, int64_t rows, const float* vp
 
 template <int NV>
 MHA_BF16_DOT inline void score_tile_dp(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t d2, float* s) {
-  __m512 acc[kMR][NV];
-  for (int r = 0; r < kMR; ++r)
+  __m512 acc[kMRdp][NV];
+  for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t c = 0; c < d2; ++c) {
     __m512i kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_si512(kt2 + c * kBk + v * 16);
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < kMRdp; ++r) {
       const __m512i qv = _mm512_set1_epi32(static_cast<int>(q2[r * ldq2 + c]));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)qv, (__m512bh)kv[v]);
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * kBk + v * 16, acc[r][v]);
 }
 
 MHA_BF16_DOT HWY_NOINLINE void score_block_dp(const uint32_t* q2, int64_t ldq2, int64_t rows, int64_t d2,
                                               const uint32_t* kt2, int64_t nvec, float* s) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMRdp) {
     const uint32_t* qr = q2 + r0 * ldq2;
     float* sr = s + r0 * kBk;
     switch (nvec) {
@@ -336,20 +340,20 @@ MHA_BF16_DOT HWY_NOINLINE void score_block_dp(const uint32_t* q2, int64_t ldq2, 
 template <int NV>
 MHA_BF16_DOT inline void out_tile_dp(const uint32_t* p2, const float* alpha, const uint32_t* v2, int64_t ldv,
                                      int64_t n2, float* o) {
-  __m512 acc[kMR][NV];
-  for (int r = 0; r < kMR; ++r) {
+  __m512 acc[kMRdp][NV];
+  for (int r = 0; r < kMRdp; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldv + v * 16), a);
   }
   for (int64_t j2 = 0; j2 < n2; ++j2) {
     __m512i vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_si512(v2 + j2 * ldv + v * 16);
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < kMRdp; ++r) {
       const __m512i pv = _mm512_set1_epi32(static_cast<int>(p2[r * (kBk / 2) + j2]));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)pv, (__m512bh)vv[v]);
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ldv + v * 16, acc[r][v]);
 }
 
@@ -367,7 +371,7 @@ MHA_BF16_DOT HWY_NOINLINE void to_bf16_pairs(const float* s, int64_t rows, int64
 MHA_BF16_DOT HWY_NOINLINE void out_block_dp(const uint32_t* p2, const float* alpha, int64_t rows, const uint32_t* v2,
                                             int64_t ldv, int64_t nk, int64_t nvec_o, float* o) {
   const int64_t n2 = (nk + 1) / 2;
-  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMRdp) {
     int64_t v0 = 0;
     const uint32_t* pr = p2 + r0 * (kBk / 2);
     for (; v0 + 4 <= nvec_o; v0 += 4) out_tile_dp<4>(pr, alpha + r0, v2 + v0 * 16, ldv, n2, o + r0 * ldv + v0 * 16);
@@ -720,7 +724,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const SdpaParams& p = *cx.p;
   const ScratchPlan& L = cx.L;
   const int64_t group = p.group(), Tq = cx.t_q, Tk = cx.t_k, D = p.d(), Dv = p.d_v();
-  const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kMR);
+  const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0), rows = round_up(nq, kDot ? kMRdp : kMR);
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
   const bool per_element_masks = p.masks.allowed.view.defined() || p.masks.bias.view.defined();
