@@ -32,7 +32,10 @@
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
-// itself, m, l and O stay float32). Elsewhere bf16 inputs are widened to float32 when packed.
+// itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Blocks with no
+// per-element mask, score edit, dropout or weights take softmax_block_dp: the same arithmetic,
+// bitwise, with the rows' maxima and sums reduced 16 rows at a time and P written as bf16 pairs
+// directly. Elsewhere bf16 inputs are widened to float32 when packed.
 #include <omp.h>
 
 #include <algorithm>
