@@ -24,6 +24,8 @@ using testing::f32_out_tol;
 using testing::for_each_fused_target;
 using testing::max_abs;
 using testing::random_tensor;
+using testing::to_bf16_tensor;
+using testing::widened;
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -352,17 +354,6 @@ TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
 
 // ---- bfloat16 ------------------------------------------------------------------------------
 
-BF16Tensor to_bf16_tensor(const Tensor& t) {
-  BF16Tensor b(t.shape());
-  for (int64_t i = 0; i < t.numel(); ++i) b.data()[i] = to_bf16(t.data()[i]);
-  return b;
-}
-Tensor widened(const BF16Tensor& b) {
-  Tensor t(b.shape());
-  for (int64_t i = 0; i < b.numel(); ++i) t.data()[i] = to_float(b.data()[i]);
-  return t;
-}
-
 /// bf16 inputs against the reference on the same values widened to float. The inputs are exact,
 /// so Q·Kᵀ is as accurate as in float32; P·V may round P to bf16 (relative error ≤ 2⁻⁹ per
 /// probability), which moves the output by at most 2⁻⁹·Σp|v| ≤ 2⁻⁹·max|v|, doubled for margin.
@@ -404,6 +395,42 @@ TEST(FusedForward, Bf16Lengths) {
       c.make_inputs(17);
       check_bf16(c);
     }
+}
+
+/// Where no block needs a per-element mask, the bf16 path's softmax runs 16 rows at a time and
+/// writes P as bf16 pairs directly (softmax_block_dp); it must be bitwise the general softmax. An
+/// all-true `allowed` mask sends every block through the general one without changing a score, so
+/// out and lse must be identical, NaN rows, fully padded rows and partial row groups included.
+TEST(FusedForward, Bf16FastSoftmaxIsBitwiseTheGeneralOne) {
+  for (int64_t tq : {1, 15, 17, 130})
+    for (int64_t tk : {1, 31, 64, 65, 150})
+      for (int variant = 0; variant < 3; ++variant) {  // plain; key padding + causal, odd d; NaN in Q
+        SCOPED_TRACE(::testing::Message() << "T_q " << tq << " T_k " << tk << " variant " << variant);
+        Case c;
+        c.B = variant == 1 ? 2 : 1, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = variant == 1 ? 7 : 64, c.Dv = 33;
+        c.make_inputs(static_cast<uint64_t>(tq * 100 + tk + variant));
+        for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] *= 3.0f;  // spread scores: maxima move between blocks
+        if (variant == 1) {
+          set_key_padding(c);
+          c.opt.masks.causal = Causal::bottom_right();
+        }
+        if (variant == 2) c.q.at({0, 1, tq / 2, 3}) = std::numeric_limits<float>::quiet_NaN();
+        const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
+        BoolTensor all({c.B, c.H, c.Tq, c.Tk});
+        std::fill(all.data(), all.data() + all.numel(), uint8_t{1});
+        for_each_fused_target([&] {
+          Result fast{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+          Result general{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+          SdpaOptions opt = c.opt;
+          opt.backend = Backend::Fused;
+          sdpa(qb.view4(), kb.view4(), vb.view4(), opt, {fast.out.view4(), {}, fast.lse.view4()});
+          opt.masks.allowed.view = contiguous_view<const uint8_t>(all.data(), c.B, c.H, c.Tq, c.Tk);
+          sdpa(qb.view4(), kb.view4(), vb.view4(), opt, {general.out.view4(), {}, general.lse.view4()});
+          EXPECT_TRUE(bitwise_equal(fast.out, general.out));
+          EXPECT_TRUE(bitwise_equal(fast.lse, general.lse));
+        });
+        if (HasFailure()) return;
+      }
 }
 
 TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {

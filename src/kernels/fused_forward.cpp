@@ -32,7 +32,10 @@
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
-// itself, m, l and O stay float32). Elsewhere bf16 inputs are widened to float32 when packed.
+// itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Blocks with no
+// per-element mask, score edit, dropout or weights take softmax_block_dp: the same arithmetic,
+// bitwise, with the rows' maxima and sums reduced 16 rows at a time and P written as bf16 pairs
+// directly. Elsewhere bf16 inputs are widened to float32 when packed.
 #include <omp.h>
 
 #include <algorithm>
@@ -200,6 +203,10 @@ constexpr int kMR = 4;  // 4 rows × 2 vectors, leaves room in 16 registers
 constexpr int kNV = 2;
 #endif
 static_assert(kMR <= kMaxMR);
+// The bf16 dot-product tiles: 4 rows × 4 vectors, so that a block of kBq = 128 rows needs no
+// padding rows (6 would make it 132).
+constexpr int kMRdp = HWY_TARGET == HWY_AVX3_DL ? 4 : kMR;
+static_assert(kBq % kMRdp == 0 || kMRdp == kMR);
 
 inline int64_t lanes() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
@@ -303,24 +310,24 @@ void out_block(const float* p, const float* alpha, int64_t rows, const float* vp
 
 template <int NV>
 MHA_BF16_DOT inline void score_tile_dp(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t d2, float* s) {
-  __m512 acc[kMR][NV];
-  for (int r = 0; r < kMR; ++r)
+  __m512 acc[kMRdp][NV];
+  for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t c = 0; c < d2; ++c) {
     __m512i kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_si512(kt2 + c * kBk + v * 16);
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < kMRdp; ++r) {
       const __m512i qv = _mm512_set1_epi32(static_cast<int>(q2[r * ldq2 + c]));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)qv, (__m512bh)kv[v]);
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * kBk + v * 16, acc[r][v]);
 }
 
 MHA_BF16_DOT HWY_NOINLINE void score_block_dp(const uint32_t* q2, int64_t ldq2, int64_t rows, int64_t d2,
                                               const uint32_t* kt2, int64_t nvec, float* s) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMRdp) {
     const uint32_t* qr = q2 + r0 * ldq2;
     float* sr = s + r0 * kBk;
     switch (nvec) {
@@ -343,33 +350,38 @@ MHA_BF16_DOT HWY_NOINLINE void score_block_dp(const uint32_t* q2, int64_t ldq2, 
 template <int NV>
 MHA_BF16_DOT inline void out_tile_dp(const uint32_t* p2, const float* alpha, const uint32_t* v2, int64_t ldv,
                                      int64_t n2, float* o) {
-  __m512 acc[kMR][NV];
-  for (int r = 0; r < kMR; ++r) {
+  __m512 acc[kMRdp][NV];
+  for (int r = 0; r < kMRdp; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldv + v * 16), a);
   }
   for (int64_t j2 = 0; j2 < n2; ++j2) {
     __m512i vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_si512(v2 + j2 * ldv + v * 16);
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < kMRdp; ++r) {
       const __m512i pv = _mm512_set1_epi32(static_cast<int>(p2[r * (kBk / 2) + j2]));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)pv, (__m512bh)vv[v]);
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ldv + v * 16, acc[r][v]);
 }
 
-MHA_BF16_DOT HWY_NOINLINE void out_block_dp(const float* s, uint32_t* p2, const float* alpha, int64_t rows,
-                                            const uint32_t* v2, int64_t ldv, int64_t nk, int64_t nvec_o, float* o) {
-  // P rounded to bf16 (nearest even), consecutive keys paired: word j2 = (p[2·j2], p[2·j2+1]).
-  const int64_t n2 = (nk + 1) / 2;
+/// P (float32 probabilities, rows × kBk) rounded to bf16 (nearest even), consecutive keys paired:
+/// word j2 of a row = (p[2·j2], p[2·j2+1]). The general softmax's output goes through here; the
+/// fast one (softmax_block_dp) writes the same words itself.
+MHA_BF16_DOT HWY_NOINLINE void to_bf16_pairs(const float* s, int64_t rows, int64_t nk, uint32_t* p2) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < (nk + 31) / 32; ++c) {
       const __m512 lo = _mm512_loadu_ps(s + r * kBk + 32 * c), hi = _mm512_loadu_ps(s + r * kBk + 32 * c + 16);
       _mm512_storeu_si512(p2 + r * (kBk / 2) + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
-  for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
+}
+
+MHA_BF16_DOT HWY_NOINLINE void out_block_dp(const uint32_t* p2, const float* alpha, int64_t rows, const uint32_t* v2,
+                                            int64_t ldv, int64_t nk, int64_t nvec_o, float* o) {
+  const int64_t n2 = (nk + 1) / 2;
+  for (int64_t r0 = 0; r0 < rows; r0 += kMRdp) {
     int64_t v0 = 0;
     const uint32_t* pr = p2 + r0 * (kBk / 2);
     for (; v0 + 4 <= nvec_o; v0 += 4) out_tile_dp<4>(pr, alpha + r0, v2 + v0 * 16, ldv, n2, o + r0 * ldv + v0 * 16);
@@ -388,12 +400,107 @@ MHA_BF16_DOT HWY_NOINLINE void out_block_dp(const float* s, uint32_t* p2, const 
     }
   }
 }
+
+// ---- the online softmax of the bf16 path, 16 rows at a time --------------------------------
+// Horizontal reductions of 16 row vectors at once: lane r of the result is what
+// _mm512_reduce_{add,max}_ps (Highway's SumOfLanes / MaxOfLanes) gives for v[r], bitwise: the same
+// tree (halves of 8, 4, 2, 1 lanes folded) with the same operand order at every level, so a NaN
+// lane is kept or dropped exactly as there. 15 operations and 30 shuffles instead of 16 chains of
+// 4 dependent steps each.
+template <class Op>
+MHA_BF16_DOT inline __m512 reduce_rows16(const __m512* v, Op op) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // [v lo 8 | w lo 8] with [v hi 8 | w hi 8]
+    a[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44));
+  for (int i = 0; i < 4; ++i)  // four rows' upper 4 lanes with their lower 4
+    b[i] = op(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88));
+  for (int i = 0; i < 2; ++i)  // lanes 0, 1 of each 4 with lanes 2, 3
+    c[i] = op(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 f = op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  // Lane 4·(r mod 4) + r / 4 of f holds row r.
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+
+/// softmax_block for the common case of the bf16 path (no score edits, no per-element mask, no
+/// dropout, no weights): the same arithmetic, bitwise, but the rows' maxima and sums are reduced
+/// 16 rows at a time (reduce_rows16), and the probabilities go straight to bf16 pairs in p2
+/// (to_bf16_pairs' layout) instead of float32 S and a second pass.
+MHA_BF16_DOT HWY_NOINLINE void softmax_block_dp(float scale, int64_t nq, int64_t rows, int64_t nk, float* s,
+                                                const float* kb, float* m, float* l, float* alpha, uint32_t* p2) {
+  const DF df;
+  const int64_t nvec = (nk + 15) / 16;
+  const __m512 vscale = _mm512_set1_ps(scale), vneg_inf = _mm512_set1_ps(kNegInf);
+  const auto vmax_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  const auto vadd_op = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
+  alignas(64) float row_max[16], m_use[16];
+  __m512 red[16];
+  for (int64_t r0 = 0; r0 < nq; r0 += 16) {
+    const int64_t n = std::min<int64_t>(16, nq - r0);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t r = 0; r < 16; ++r) {
+      red[r] = vneg_inf;
+      if (r >= n) continue;
+      float* row = s + (r0 + r) * kBk;
+      __m512 vmax = vneg_inf;
+      for (int64_t v = 0; v < nvec; ++v) {
+        // As softmax_block: a key never read (kb = −inf) scores exactly −inf, whatever Q holds.
+        const __m512 kbv = _mm512_loadu_ps(kb + v * 16);
+        const __m512 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(kbv, vneg_inf, _CMP_EQ_OQ),
+                                              _mm512_fmadd_ps(_mm512_loadu_ps(row + v * 16), vscale, kbv), kbv);
+        vmax = _mm512_max_ps(vmax, x);
+        _mm512_storeu_ps(row + v * 16, x);
+      }
+      red[r] = vmax;
+    }
+    _mm512_store_ps(row_max, reduce_rows16(red, vmax_op));
+    for (int64_t r = 0; r < n; ++r) {
+      const float m_old = m[r0 + r], m_new = std::max(m_old, row_max[r]);
+      m_use[r] = m_new == kNegInf ? 0.0f : m_new;
+      alpha[r0 + r] = m_old == m_use[r] ? 1.0f : std::exp(m_old - m_use[r]);
+      m[r0 + r] = m_new;
+    }
+    __mmask16 any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
+    for (int64_t r = 0; r < 16; ++r) {
+      red[r] = _mm512_setzero_ps();
+      if (r >= n) continue;
+      const float* row = s + (r0 + r) * kBk;
+      const VF vm = hn::Set(df, m_use[r]);
+      __mmask16 nan = 0;
+      __m512 vsum = _mm512_setzero_ps();
+      const auto prob = [&](int64_t v) {
+        const __m512 x = _mm512_loadu_ps(row + v * 16);
+        nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q));
+        const __m512 e = exp_nonpositive(df, hn::Sub(VF{x}, vm)).raw;
+        vsum = _mm512_add_ps(vsum, e);
+        return e;
+      };
+      for (int64_t v = 0; v < nvec; v += 2) {  // two vectors (the second zero past nk): 16 words
+        const __m512 lo = prob(v), hi = v + 1 < nvec ? prob(v + 1) : _mm512_setzero_ps();
+        _mm512_storeu_si512(p2 + (r0 + r) * (kBk / 2) + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+      red[r] = vsum;
+      if (nan) any_nan = static_cast<__mmask16>(any_nan | (1u << r));
+    }
+    // l·alpha rounded before the sum is added, as softmax_block's scalar l·alpha + sum (no FMA).
+    const __m512 la = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(live, l + r0), _mm512_maskz_loadu_ps(live, alpha + r0),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 l_new = _mm512_add_ps(la, reduce_rows16(red, vadd_op));
+    _mm512_mask_storeu_ps(l + r0, live, _mm512_mask_blend_ps(any_nan, l_new, _mm512_set1_ps(kNaN)));
+  }
+  // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
+  for (int64_t r = nq; r < rows; ++r) {
+    std::memset(p2 + r * (kBk / 2), 0, sizeof(uint32_t) * static_cast<size_t>(kBk / 2));
+    alpha[r] = 0.0f;
+  }
+}
 constexpr bool kHaveDot = true;
 #else
 // Never called: the dot-product path is chosen on AVX3_DL only.
 inline void score_block_dp(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
-inline void out_block_dp(const float*, uint32_t*, const float*, int64_t, const uint32_t*, int64_t, int64_t, int64_t,
-                         float*) {}
+inline void to_bf16_pairs(const float*, int64_t, int64_t, uint32_t*) {}
+inline void out_block_dp(const uint32_t*, const float*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*) {}
+inline void softmax_block_dp(float, int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*,
+                             uint32_t*) {}
 constexpr bool kHaveDot = false;
 #endif
 
@@ -640,8 +747,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const ScratchPlan& L = cx.L;
   const int64_t group = p.group(), Tq = cx.t_q, Tk = cx.t_k, D = p.d(), Dv = p.d_v();
   const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0);
-  // The float32 tiles take any row count; the bf16 pair tiles work on whole tiles of kMR rows.
-  const int64_t rows = kDot ? round_up(nq, kMR) : nq;
+  // The float32 tiles take any row count; the bf16 pair tiles work on whole tiles of kMRdp rows.
+  const int64_t rows = kDot ? round_up(nq, kMRdp) : nq;
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
   const bool per_element_masks = p.masks.allowed.view.defined() || p.masks.bias.view.defined();
@@ -768,12 +875,17 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
                       ws + L.l2, alpha);
         write_weights(cx, b, h, i0, nq, j0, nk, ws + L.l + hh * kRowsPad, s);
+        if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
+      } else if (kDot && !cx.edit_scores && !partial && !per_element_masks && !p.dropout.active()) {
+        softmax_block_dp(p.scale, nq, rows, nk, s, kb_use, ws + L.m + hh * kRowsPad, ws + L.l + hh * kRowsPad, alpha,
+                         p2);
       } else {
         softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
                       ws + L.l + hh * kRowsPad, alpha);
+        if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
       }
       if constexpr (kDot)
-        out_block_dp(s, p2, alpha, rows, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk, nvec_o, oh);
+        out_block_dp(p2, alpha, rows, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk, nvec_o, oh);
       else
         out_block(s, alpha, rows, vp_use, ldv, nk, nvec_o, oh);
     }

@@ -31,6 +31,18 @@ double max_abs(const Tensor& t) {
   return m;
 }
 
+BF16Tensor to_bf16_tensor(const Tensor& t) {
+  BF16Tensor b(t.shape());
+  for (int64_t i = 0; i < t.numel(); ++i) b.data()[i] = to_bf16(t.data()[i]);
+  return b;
+}
+
+Tensor widened(const BF16Tensor& b) {
+  Tensor t(b.shape());
+  for (int64_t i = 0; i < b.numel(); ++i) t.data()[i] = to_float(b.data()[i]);
+  return t;
+}
+
 constexpr double kF32Eps = 0x1.0p-23;
 
 double f32_out_tol(double max_v, int64_t keys, double score_bound, double slack) {

@@ -23,6 +23,10 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, float lo = -1.0f, float 
 /// The largest |x| over the finite values of t (0 for none).
 double max_abs(const Tensor& t);
 
+/// t rounded to bfloat16 (nearest even), and a bf16 tensor's values widened back to float32.
+BF16Tensor to_bf16_tensor(const Tensor& t);
+Tensor widened(const BF16Tensor& b);
+
 /// float32 tolerances of the fused kernels against the double reference, from the problem's
 /// bounds: a softmax over `keys` keys (count a sink as one more) with scores |s| ≤ score_bound,
 /// values |v| ≤ max_v. `slack` scales the whole bound (2 where score edits add roundings).
