@@ -254,16 +254,19 @@ def torch_runners(a):
     env13 = {k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")}  # the CPU's own kernels
     env13["OMP_WAIT_POLICY"] = "passive"
     runners = {}
-    if os.access(a.torch2, os.X_OK):
-        runners["torch 2.x"] = ([a.torch2, os.path.relpath(script, ROOT)], dict(os.environ, OMP_WAIT_POLICY="passive"))
-    else:
-        print(f"compare.py: {a.torch2} not found: no PyTorch 2.x column", file=sys.stderr)
-    runners["torch 1.13"] = (["/usr/bin/python3", script], env13)
-    blas = subprocess.run(["update-alternatives", "--query", "libblas.so.3-x86_64-linux-gnu"],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout
-    if "openblas-openmp" not in blas:
-        print("compare.py: warning: Debian 12's torch 1.13 is not on OpenBLAS for OpenMP "
-              "(apt-get install libopenblas0-openmp); its figures will be far from its best", file=sys.stderr)
+    if "2" in a.versions:
+        if os.access(a.torch2, os.X_OK):
+            runners["torch 2.x"] = ([a.torch2, os.path.relpath(script, ROOT)],
+                                    dict(os.environ, OMP_WAIT_POLICY="passive"))
+        else:
+            print(f"compare.py: {a.torch2} not found: no PyTorch 2.x column", file=sys.stderr)
+    if "1.13" in a.versions:
+        runners["torch 1.13"] = (["/usr/bin/python3", script], env13)
+        blas = subprocess.run(["update-alternatives", "--query", "libblas.so.3-x86_64-linux-gnu"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout
+        if "openblas-openmp" not in blas:
+            print("compare.py: warning: Debian 12's torch 1.13 is not on OpenBLAS for OpenMP "
+                  "(apt-get install libopenblas0-openmp); its figures will be far from its best", file=sys.stderr)
     return runners
 
 
@@ -350,6 +353,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="anchors: interleaved rounds (medians over them)")
     p.add_argument("--thread-counts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
                    help="anchors: thread counts (default 1,2)")
+    p.add_argument("--versions", type=lambda s: s.split(","), default=["2", "1.13"],
+                   help="anchors: PyTorch builds to run: 2 (../shared/tools/torch2) and/or 1.13 (Debian 12's)")
     p.add_argument("--rows", type=lambda s: s.split(","), help="anchors: only rows whose label contains one of these")
     p.add_argument("--torch2", default=os.path.join(ROOT, "..", "shared", "tools", "torch2"),
                    help="anchors: the PyTorch 2.x runner (default ../shared/tools/torch2)")
