@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -38,7 +39,24 @@ struct DecodeResult {
   std::string dtype;
   int64_t context = 0;
   double ms_best = 0, ms_median = 0, kv_bytes = 0, gbs = 0, gflops = 0;
+  Tensor out;                        // the last step's output (B, h, 1, d)
+  double max_err = 0, mean_err = 0;  // |out − the f32 cache's out| at this context
 };
+
+/// Fills max_err / mean_err of every row from the f32 row of the same context (same K, V and q).
+void compare_to_f32(std::vector<DecodeResult>& results) {
+  for (DecodeResult& r : results)
+    for (const DecodeResult& f : results)
+      if (f.dtype == "f32" && f.context == r.context && &f != &r) {
+        double sum = 0;
+        for (int64_t i = 0; i < r.out.numel(); ++i) {
+          const double e = std::fabs(static_cast<double>(r.out.data()[i]) - f.out.data()[i]);
+          r.max_err = std::max(r.max_err, e);
+          sum += e;
+        }
+        r.mean_err = sum / static_cast<double>(std::max<int64_t>(1, r.out.numel()));
+      }
+}
 
 DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t context) {
   const int64_t B = a.batch, KV = a.kv_heads, d = a.head_dim;
@@ -77,6 +95,7 @@ DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t con
   r.ms_best = *std::min_element(ms.begin(), ms.end());
   r.ms_median = bench::median(ms);
   r.kv_bytes = kv_bytes;
+  r.out = out;
   r.gbs = kv_bytes / (r.ms_best * 1e-3) / 1e9;
   // q·k and p·v for every cached position: 4·B·h·context·d FLOPs.
   r.gflops = 4.0 * static_cast<double>(B * a.heads * context * d) / (r.ms_best * 1e-3) / 1e9;
@@ -151,6 +170,7 @@ void run_decode_bench(const DecodeBenchArgs& a) {
                                     : t == "int8" ? CacheDtype::I8
                                                   : CacheDtype::F32,
                                     ctx));
+  compare_to_f32(results);
   PrefillResult pre;
   if (a.prefill > 0) pre = time_prefill(a);
 
@@ -185,7 +205,9 @@ void run_decode_bench(const DecodeBenchArgs& a) {
                              {"gflops", r.gflops},
                              {"fraction_of_peak", r.gflops / peak},
                              {"bf16_speedup", speedup(r.context, "bf16")},
-                             {"speedup_vs_f32", speedup(r.context, r.dtype)}});
+                             {"speedup_vs_f32", speedup(r.context, r.dtype)},
+                             {"max_abs_error_vs_f32", r.max_err},
+                             {"mean_abs_error_vs_f32", r.mean_err}});
     if (a.prefill > 0)
       j["prefill"] = {{"tokens", a.prefill},
                       {"full_forward_ms", pre.full_ms},
@@ -211,6 +233,12 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   }
   std::printf("\n(ms/token: best of %d; the caches rotate through %lld MiB so K/V come from memory)\n",
               std::max(a.repeat, 1), static_cast<long long>(a.footprint_mib));
+  for (const auto& r : results)
+    if (r.dtype != "f32" && r.max_err > 0)
+      std::printf(
+          "%s cache, context %lld: output vs the f32 cache's (K, V, q uniform in [-1, 1)): max |error| %.2g, "
+          "mean %.2g\n",
+          r.dtype.c_str(), static_cast<long long>(r.context), r.max_err, r.mean_err);
   if (a.prefill > 0)
     std::printf("\nprefill %lld tokens (E=%lld): full forward %.1f ms, incremental path %.1f ms (%.3f×)\n",
                 static_cast<long long>(a.prefill), static_cast<long long>(a.heads * a.head_dim), pre.full_ms,
