@@ -1,10 +1,11 @@
 // kernels/decode.cpp — flash-decoding: a few query rows against a long KV cache.
 //
 // Shapes: Q (B, h, T_q, d); cache K (B, kv, capacity, d), V (B, kv, capacity, d_v), float32,
-// bf16 or int8 (with one scale per row), position p in slot p (or p mod capacity in a ring); out (B, h, T_q, d_v); lse
-// (B, h, T_q, 1). Paged: K (blocks, kv, block_size, d), V (blocks, kv, block_size, d_v) pools and a block table per
-// sequence; position p in row p mod block_size of block table[p / block_size]. Only the address of
-// a key's row changes: the kernel already gathers a block's rows through per-key pointers.
+// bf16 or int8 (with one scale per row), position p in slot p (or p mod capacity in a ring);
+// out (B, h, T_q, d_v); lse (B, h, T_q, 1). Paged: K (blocks, kv, block_size, d), V (blocks, kv,
+// block_size, d_v) pools and a block table per sequence; position p in row p mod block_size of
+// block table[p / block_size]. Only the address of a key's row changes: the kernel already
+// gathers a block's rows through per-key pointers.
 //
 // Blocking and memory traffic. Decoding is bound by reading the cache, not by arithmetic (one
 // multiply-add per cached element per query row). So a work item is (batch b, K/V head g, tile of
