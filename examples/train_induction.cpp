@@ -23,6 +23,11 @@
 // (docs/images/trained_heads_layer{1,2}.png: --save /tmp/ind, then analyze --batch 0 --tokens with
 // the printed evaluation sequence 0 — a previous-token head in layer 1, induction stripes in layer 2).
 // --quick runs a short schedule and exits 1 unless the loss fell.
+//
+// After training, the model is evaluated on fresh sequences twice: by the full causal forward, and
+// by decoding token by token through MultiheadAttention::forward_incremental with a KV cache per
+// layer in float32, bfloat16 and int8 (mha/kv_cache.h); it prints the accuracy of each and the
+// largest logit difference from the full forward, so a cache dtype's cost in accuracy shows.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -33,6 +38,7 @@
 #include <vector>
 
 #include "mha/image.h"
+#include "mha/kv_cache.h"
 #include "mha/random.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
@@ -148,6 +154,85 @@ void save_layer(const std::string& prefix, const std::string& name, const mha::M
   std::vector<float> ids(tokens.begin(), tokens.end());
   inputs.add("tokens", Tensor({input.size(0), input.size(1)}, std::move(ids)));
   inputs.write(prefix + "." + name + ".inputs.safetensors");
+}
+
+/// The read-out's logits h · W_outᵀ for one position's row h (kE values).
+std::vector<double> logits_of(const float* h, const Tensor& w_out) {
+  std::vector<double> logits(kVocab);
+  for (int64_t v = 0; v < kVocab; ++v) {
+    double s = 0;
+    for (int64_t e = 0; e < kE; ++e) s += double(h[e]) * w_out.at({v, e});
+    logits[static_cast<size_t>(v)] = s;
+  }
+  return logits;
+}
+
+/// h2 (B, T, E) of the whole model on x: by the full causal forward when `cache` is empty, else by
+/// decoding token by token with one KV cache of that dtype per layer.
+Tensor run_model(const mha::MultiheadAttention& layer1, const mha::MultiheadAttention& layer2, const Tensor& x,
+                 const std::string& cache) {
+  const int64_t B = x.size(0), T = x.size(1);
+  const auto residual = [](Tensor h, const Tensor& a) {
+    for (int64_t i = 0; i < h.numel(); ++i) h.data()[i] += a.data()[i];
+    return h;
+  };
+  if (cache.empty()) {
+    mha::MhaForwardOptions eo;
+    eo.causal = mha::Causal::top_left(), eo.threads = 2;
+    const Tensor h1 = residual(x, layer1.forward(x, x, x, eo).output);
+    return residual(h1, layer2.forward(h1, h1, h1, eo).output);
+  }
+  mha::KvCacheConfig cc;
+  cc.batch = B, cc.kv_heads = kHeads, cc.head_dim = kE / kHeads, cc.capacity = T;
+  cc.dtype = cache == "bf16" ? mha::CacheDtype::BF16 : cache == "int8" ? mha::CacheDtype::I8 : mha::CacheDtype::F32;
+  mha::KvCache c1(cc), c2(cc);
+  mha::IncrementalOptions io;
+  io.threads = 2;
+  Tensor h2({B, T, kE});
+  for (int64_t t = 0; t < T; ++t) {
+    Tensor xt({B, 1, kE});
+    for (int64_t b = 0; b < B; ++b) std::copy_n(&x.at({b, t, 0}), kE, &xt.at({b, 0, 0}));
+    const Tensor h1 = residual(xt, layer1.forward_incremental(xt, xt, xt, c1, io).output);
+    const Tensor out = residual(h1, layer2.forward_incremental(h1, h1, h1, c2, io).output);
+    for (int64_t b = 0; b < B; ++b) std::copy_n(&out.at({b, 0, 0}), kE, &h2.at({b, t, 0}));
+  }
+  return h2;
+}
+
+/// Accuracy of full-forward and KV-cache decoding on `batches` fresh batches, and each cache
+/// dtype's largest |logit − full forward's logit|.
+void evaluate_decoding(const mha::MultiheadAttention& layer1, const mha::MultiheadAttention& layer2,
+                       const Tensor& tok_emb, const Tensor& pos_emb, const Tensor& w_out, int batches) {
+  Rng rng{777};  // its own stream: evaluating changes nothing in training
+  const std::vector<std::string> ways{"", "f32", "bf16", "int8"};
+  std::vector<int64_t> correct(ways.size(), 0);
+  std::vector<double> worst(ways.size(), 0.0);
+  int64_t n = 0;
+  for (int i = 0; i < batches; ++i) {
+    const Batch batch = make_batch(rng);
+    const Tensor x = embed(batch.tokens, kBatch, kT, tok_emb, pos_emb);
+    std::vector<Tensor> h;
+    for (const std::string& w : ways) h.push_back(run_model(layer1, layer2, x, w));
+    for (int64_t b = 0; b < kBatch; ++b)
+      for (int64_t t = 0; t < kT; ++t) {
+        const int target = batch.labels[b * kT + t];
+        if (target < 0) continue;
+        ++n;
+        const std::vector<double> full = logits_of(&h[0].at({b, t, 0}), w_out);
+        for (size_t k = 0; k < ways.size(); ++k) {
+          const std::vector<double> l = logits_of(&h[k].at({b, t, 0}), w_out);
+          correct[k] += std::max_element(l.begin(), l.end()) - l.begin() == target;
+          for (int64_t v = 0; v < kVocab; ++v)
+            worst[k] = std::max(worst[k], std::fabs(l[static_cast<size_t>(v)] - full[static_cast<size_t>(v)]));
+        }
+      }
+  }
+  std::printf("evaluation, %lld scored positions: full forward accuracy %.4f", static_cast<long long>(n),
+              double(correct[0]) / double(n));
+  for (size_t k = 1; k < ways.size(); ++k)
+    std::printf("; decoding with a %s KV cache %.4f (max |Δlogit| %.2g)", ways[k].c_str(),
+                double(correct[k]) / double(n), worst[k]);
+  std::printf("\n");
 }
 
 /// dst += the three per-argument input gradients of a self-attention layer.
@@ -309,6 +394,8 @@ int main(int argc, char** argv) {
     for (int64_t t = 0; t < kEvalT; ++t) std::printf(" %d", eval_tokens[t]);
     std::printf("\n");
   }
+
+  evaluate_decoding(layer1, layer2, tok_emb, pos_emb, w_out, quick ? 2 : 20);
 
   // Average over the first and last tenth of the run, so one lucky batch decides nothing.
   const size_t w = std::max<size_t>(1, loss_curve.size() / 10);

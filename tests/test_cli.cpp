@@ -100,6 +100,7 @@ TEST(Cli, ParamsBertBase) {
   const auto parsed = nlohmann::json::parse(j.out);
   EXPECT_EQ(parsed["parameters"].get<int64_t>(), 2 * 4096 * 4096 + 2 * 4096 * 1024);
   EXPECT_EQ(parsed["kv_cache_bytes_per_token"]["f32"].get<int64_t>(), 2 * 8 * 128 * 4);
+  EXPECT_EQ(parsed["kv_cache_bytes_per_token"]["int8"].get<int64_t>(), 2 * 8 * (128 + 4));
   EXPECT_DOUBLE_EQ(parsed["kv_cache_saving_vs_mha"].get<double>(), 4.0);
   expect_one_line_failure(run_command(kCli + " params --embed-dim 10 --heads 3"), "divisible");
   expect_one_line_failure(run_command(kCli + " params --embed-dim 10"), "heads");

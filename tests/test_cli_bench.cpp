@@ -109,6 +109,29 @@ TEST(CliBench, DecodeJsonHasTheBandwidthAndPeakFractions) {
   }
 }
 
+TEST(CliBench, DecodeInt8RowCountsItsScalesAndReportsItsError) {
+  const auto r = run_command(kCli +
+                             " bench-decode --heads 4 --kv-heads 2 --head-dim 16 --contexts 100 --dtype f32,int8 "
+                             "--repeat 2 --footprint-mib 1 --bw-mib 8 --threads 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["decode"].size(), 2u);
+  const auto& f32 = j["decode"][0];
+  const auto& q8 = j["decode"][1];
+  EXPECT_EQ(q8["dtype"], "int8");
+  // K and V: 100 positions × 2 heads, 16 bytes of int8 and a 4-byte scale per row (f32: 64 bytes).
+  EXPECT_EQ(f32["kv_bytes_per_token"].get<double>(), 2.0 * 100 * 2 * 64);
+  EXPECT_EQ(q8["kv_bytes_per_token"].get<double>(), 2.0 * 100 * 2 * (16 + 4));
+  EXPECT_GT(q8["speedup_vs_f32"].get<double>(), 0.0);
+  EXPECT_EQ(f32["max_abs_error_vs_f32"].get<double>(), 0.0);
+  EXPECT_GT(q8["max_abs_error_vs_f32"].get<double>(), 0.0);
+  EXPECT_LT(q8["max_abs_error_vs_f32"].get<double>(), 0.02);  // a few int8 steps of values in [−1, 1)
+  EXPECT_LE(q8["mean_abs_error_vs_f32"].get<double>(), q8["max_abs_error_vs_f32"].get<double>());
+  const auto bad = run_command(kCli + " bench-decode --dtype int4");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("int8"), std::string::npos) << bad.err;
+}
+
 TEST(CliBench, Bf16CoreRunsOrSaysItIsUnavailable) {
   const auto r = run_command(kCli +
                              " bench --core --dtype bf16 --seq 32 --embed-dim 64 --heads 4 --repeat 1 "

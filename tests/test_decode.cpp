@@ -146,6 +146,13 @@ TEST(Incremental, Bf16CacheWithinBf16Rounding) {
   expect_incremental_matches(setup(32, 4, 2, 0, Rope{}, CacheDtype::BF16), 1, 12, 4, 8.0 / 512);
 }
 
+TEST(Incremental, Int8CacheWithinInt8Rounding) {
+  // K and V rows are rounded to int8 steps of max|x| / 127 (error ≤ half a step, about 2⁻⁸ of the
+  // row's largest value); the outputs move by about that much. A ring and a window too.
+  expect_incremental_matches(setup(32, 4, 2, 0, Rope::half_split(), CacheDtype::I8), 2, 12, 4, 8.0 / 254);
+  expect_incremental_matches(setup(32, 4, 2, 4, Rope{}, CacheDtype::I8, true), 1, 14, 6, 8.0 / 254);
+}
+
 TEST(Incremental, SplitCountDoesNotChangeTheAnswer) {
   const DecodeSetup s = setup(32, 4, 2);
   const MultiheadAttention m = make_module(s);
@@ -392,6 +399,52 @@ TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
+TEST(DecodeKernel, Int8CacheMatchesReferenceOnTheDequantisedCacheOnEveryTarget) {
+  // The kernel applies each row's scale outside its loops over d (score = s_k · (q · k_int8), and
+  // p · s_v before P·V); the oracle reads the dequantised values (k_int8 · s_k): the same math up
+  // to float rounding. Lengths 700 and 333 end inside kernel blocks of 128.
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (int64_t tq : {1, 3}) {
+      const CacheCase c = cache_case(CacheDtype::I8, tq);
+      EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
+      EXPECT_TRUE(all_close(attend(c, 2, 2, 50), oracle(c, 50), kF32Tol, kF32Tol));
+    }
+    // Odd d (vector tails), whole vectors only, and the widest register tiles plus a tail.
+    for (int64_t d : {19, 64, 72, 96}) {
+      const CacheCase c = cache_case(CacheDtype::I8, 2, d);
+      EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST(DecodeKernel, Int8CacheWithinItsQuantisationStepOfFloat32) {
+  // Every int8 element is within s/2 of the float32 one (s = its row's max|x| / 127; here K in
+  // [−2, 2): s_k ≤ 2/127, V in [−1, 1): s_v ≤ 1/127). A score scale·q·k then moves by at most
+  // Δ = scale · Σ|q_x| · s_k/2, each probability by a factor within e^{±2Δ}, so the output by at
+  // most (e^{2Δ} − 1)·max|v| from the scores plus s_v/2 from the values (the probabilities sum to 1).
+  for (int64_t d : {20, 64}) {
+    const CacheCase f = cache_case(CacheDtype::F32, 2, d), q8 = cache_case(CacheDtype::I8, 2, d);
+    double q_l1 = 0;
+    for (int64_t r = 0; r < f.q.numel() / d; ++r) {
+      double sum = 0;
+      for (int64_t x = 0; x < d; ++x) sum += std::fabs(f.q.data()[r * d + x]);
+      q_l1 = std::max(q_l1, sum);
+    }
+    const double delta = q_l1 / std::sqrt(static_cast<double>(d)) * (2.0 / 127) / 2;
+    const double bound = std::expm1(2 * delta) + (1.0 / 127) / 2 + kF32Tol;
+    const Tensor want = attend(f, 3, 2), got = attend(q8, 3, 2);
+    double worst = 0;
+    for (int64_t i = 0; i < want.numel(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(got.data()[i] - want.data()[i])));
+    SCOPED_TRACE(::testing::Message() << "d " << d << " max |int8 − f32| " << worst << ", bound " << bound);
+    EXPECT_LE(worst, bound);
+    EXPECT_GT(worst, 0.0);  // it really is quantised
+  }
+}
+
 TEST(DecodeKernel, SplitMergeEqualsUnsplit) {
   const CacheCase c = cache_case(CacheDtype::F32, 2);
   Tensor lse1, lse7;
@@ -402,7 +455,11 @@ TEST(DecodeKernel, SplitMergeEqualsUnsplit) {
 }
 
 TEST(DecodeKernel, SameSplitsAnyThreadsBitwise) {
-  for (auto [dtype, d] : {std::pair{CacheDtype::F32, 20}, {CacheDtype::BF16, 20}, {CacheDtype::BF16, 64}}) {
+  for (auto [dtype, d] : {std::pair{CacheDtype::F32, 20},
+                          {CacheDtype::BF16, 20},
+                          {CacheDtype::BF16, 64},
+                          {CacheDtype::I8, 20},
+                          {CacheDtype::I8, 64}}) {
     const CacheCase c = cache_case(dtype, 1, d);
     const Tensor base = attend(c, 5, 1);
     EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), base));

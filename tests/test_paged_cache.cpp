@@ -82,16 +82,18 @@ TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
     SCOPED_TRACE(hwy::TargetName(target));
     paged_equals_contiguous(CacheDtype::F32, 16, 40, 1);
     paged_equals_contiguous(CacheDtype::BF16, 3, 23, 2);
+    paged_equals_contiguous(CacheDtype::I8, 5, 20, 2);  // rows and their scales through the tables
   }
   hwy::SetSupportedTargetsForTest(0);
   paged_equals_contiguous(CacheDtype::F32, 1, 9, 3);     // one position per block
   paged_equals_contiguous(CacheDtype::F32, 64, 300, 0);  // several kernel blocks, auto splits
 }
 
-TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {
+/// Fork, then copy-on-write of the shared last block (int8: the rows' scales are copied with it).
+void fork_shares_blocks_and_copies_on_write(CacheDtype dtype) {
   const Dims dm;
   PagedKvCacheConfig pc;
-  pc.kv_heads = dm.kv, pc.head_dim = dm.d, pc.block_size = 4, pc.num_blocks = 6;
+  pc.kv_heads = dm.kv, pc.head_dim = dm.d, pc.block_size = 4, pc.num_blocks = 6, pc.dtype = dtype;
   PagedKvCache cache(pc);
   const int64_t a = cache.add_sequence();
   const Tensor k = random_tensor({1, dm.kv, 6, dm.d}, 1), v = random_tensor({1, dm.kv, 6, dm.d}, 2);
@@ -114,21 +116,22 @@ TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {
   EXPECT_EQ(cache.free_blocks(), 3);  // a's two blocks, b's copy of the last
   EXPECT_EQ(cache.length(a), 6);
   EXPECT_EQ(cache.length(b), 7);
-  for (int64_t p = 0; p < 6; ++p)
-    for (int64_t g = 0; g < dm.kv; ++g) {
-      EXPECT_EQ(cache.k_at(b, g, p, 5), k.at({0, g, p, 5}));  // the copy holds the prefix
-      EXPECT_EQ(cache.v_at(a, g, p, 2), v.at({0, g, p, 2}));
-    }
-  EXPECT_EQ(cache.k_at(b, 1, 6, 0), kb.at({0, 1, 0, 0}));
-  EXPECT_NE(error_of([&] { (void)cache.k_at(a, 0, 6, 0); }).find("outside"), std::string::npos);
-
-  // Attention for each equals a contiguous cache holding its own positions.
+  // A contiguous cache of each sequence's own positions holds the same values (as stored).
   KvCacheConfig cc;
-  cc.batch = 1, cc.kv_heads = dm.kv, cc.head_dim = dm.d, cc.capacity = 8;
+  cc.batch = 1, cc.kv_heads = dm.kv, cc.head_dim = dm.d, cc.capacity = 8, cc.dtype = dtype;
   KvCache flat_a(cc), flat_b(cc);
   flat_a.append(k.view4(), v.view4());
   flat_b.append(k.view4(), v.view4());
   flat_b.append(kb.view4(), vb.view4());
+  for (int64_t p = 0; p < 6; ++p)
+    for (int64_t g = 0; g < dm.kv; ++g) {
+      EXPECT_EQ(cache.k_at(b, g, p, 5), flat_b.k_at(0, g, p, 5));  // the copy holds the prefix
+      EXPECT_EQ(cache.v_at(a, g, p, 2), flat_a.v_at(0, g, p, 2));
+    }
+  EXPECT_EQ(cache.k_at(b, 1, 6, 0), flat_b.k_at(0, 1, 6, 0));
+  EXPECT_NE(error_of([&] { (void)cache.k_at(a, 0, 6, 0); }).find("outside"), std::string::npos);
+
+  // Attention for each equals the contiguous cache's, bitwise.
   const Tensor q = random_tensor({1, dm.h, 2, dm.d}, 5);
   for (int64_t id : {a, b}) {
     KvCache& flat = id == a ? flat_a : flat_b;
@@ -148,6 +151,13 @@ TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {
   EXPECT_EQ(cache.free_blocks(), 6);
   EXPECT_NE(error_of([&] { cache.length(b); }).find("does not exist"), std::string::npos);
   EXPECT_EQ(cache.add_sequence(), a);  // ids are reused
+}
+
+TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {
+  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::I8}) {
+    SCOPED_TRACE(cache_dtype_name(dtype));
+    fork_shares_blocks_and_copies_on_write(dtype);
+  }
 }
 
 TEST(PagedKvCache, GrowsWithoutReservingAndRefusesAFullPool) {
@@ -320,6 +330,7 @@ std::vector<ModuleCase> module_cases() {
   base.embed_dim = 32, base.num_heads = 4, base.num_kv_heads = 2, base.layout = Layout::BatchFirst;
   base.rope = Rope::half_split();
   std::vector<ModuleCase> cases{{"gqa+rope", base}, {"bf16 cache", base, CacheDtype::BF16}, {"window 4", base}};
+  cases.push_back({"int8 cache", base, CacheDtype::I8});
   cases[2].window = 4;
   MhaConfig edits = base;
   edits.alibi_slopes = alibi_slopes(4);

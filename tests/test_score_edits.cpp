@@ -417,7 +417,7 @@ TEST(ScoreEditsBackward, FusedMatchesReferenceOnEveryTargetAndThreadCount) {
 // ---- decode over a KV cache ----------------------------------------------------------------
 
 void decode_matches_full_forward() {
-  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16})
+  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16, CacheDtype::I8})
     for (const Edits& e : edit_kinds()) {
       Case c;
       c.H = 4, c.KV = 2, c.Tq = 37, c.Tk = 37, c.D = 16, c.Dv = 16;
@@ -427,8 +427,17 @@ void decode_matches_full_forward() {
         for (Tensor* t : {&c.k, &c.v})
           for (int64_t i = 0; i < t->numel(); ++i) t->data()[i] = to_float(to_bf16(t->data()[i]));
       }
-      SCOPED_TRACE(::testing::Message() << "bf16 " << (dtype == CacheDtype::BF16) << " alibi " << e.alibi << " softcap "
-                                        << e.softcap << " sinks " << e.sinks);
+      if (dtype == CacheDtype::I8)  // each row's int8 round trip (max|x|/127 steps): stored again within an ulp
+        for (Tensor* t : {&c.k, &c.v})
+          for (int64_t r = 0; r < t->numel() / t->size(3); ++r) {
+            float* row = t->data() + r * t->size(3);
+            float absmax = 0;
+            for (int64_t x = 0; x < t->size(3); ++x) absmax = std::max(absmax, std::fabs(row[x]));
+            const float step = absmax / 127.0f;
+            for (int64_t x = 0; x < t->size(3); ++x) row[x] = step > 0 ? std::nearbyint(row[x] / step) * step : 0.0f;
+          }
+      SCOPED_TRACE(::testing::Message() << cache_dtype_name(dtype) << " alibi " << e.alibi << " softcap " << e.softcap
+                                        << " sinks " << e.sinks);
       const Result full = run(c, Backend::Reference);
       KvCacheConfig cc;
       cc.batch = c.B, cc.kv_heads = c.KV, cc.head_dim = c.D, cc.capacity = c.Tk, cc.dtype = dtype;

@@ -1,16 +1,18 @@
 // `mha bench-decode`: time per decoded token against context length, and the K/V bytes read per
 // token divided by that time, next to this machine's memory bandwidth (a read-only stream —
 // fraction_of_read_bw, the denominator decode is bound by — and a STREAM triad) and its float32
-// FMA peak on the dispatched SIMD target (fraction_of_peak), all measured in the same run; float32 and bf16 caches;
-// optionally prefill through the incremental path vs the full forward.
+// FMA peak on the dispatched SIMD target (fraction_of_peak), all measured in the same run; float32, bf16 and
+// int8 caches; optionally prefill through the incremental path vs the full forward.
 //
-// Decoding one token reads every cached K and V row once: 2·B·kv·context·d elements. Both the
+// Decoding one token reads every cached K and V row once: 2·B·kv·context·d elements (int8: and a
+// 4-byte scale per row), the bytes counted in kv_bytes_per_token. Both the
 // triad and the decode loop stream through a working set larger than the last-level cache
 // (--footprint-mib, rotating over several caches), so both measure DRAM, not cache.
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -37,14 +39,34 @@ struct DecodeResult {
   std::string dtype;
   int64_t context = 0;
   double ms_best = 0, ms_median = 0, kv_bytes = 0, gbs = 0, gflops = 0;
+  Tensor out;                        // the last step's output (B, h, 1, d)
+  double max_err = 0, mean_err = 0;  // |out − the f32 cache's out| at this context
 };
+
+/// Fills max_err / mean_err of every row from the f32 row of the same context (same K, V and q).
+void compare_to_f32(std::vector<DecodeResult>& results) {
+  for (DecodeResult& r : results)
+    for (const DecodeResult& f : results)
+      if (f.dtype == "f32" && f.context == r.context && &f != &r) {
+        double sum = 0;
+        for (int64_t i = 0; i < r.out.numel(); ++i) {
+          const double e = std::fabs(static_cast<double>(r.out.data()[i]) - f.out.data()[i]);
+          r.max_err = std::max(r.max_err, e);
+          sum += e;
+        }
+        r.mean_err = sum / static_cast<double>(std::max<int64_t>(1, r.out.numel()));
+      }
+}
 
 DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t context) {
   const int64_t B = a.batch, KV = a.kv_heads, d = a.head_dim;
   KvCacheConfig cc;
   cc.batch = B, cc.kv_heads = KV, cc.head_dim = d, cc.capacity = context, cc.dtype = dtype;
-  const double elem = dtype == CacheDtype::BF16 ? 2.0 : 4.0;
-  const double kv_bytes = 2.0 * static_cast<double>(B * KV * context * d) * elem;
+  // Bytes of one K or V row as stored, and so as read: the elements, plus the scale for int8.
+  const double row_bytes = dtype == CacheDtype::BF16 ? 2.0 * static_cast<double>(d)
+                           : dtype == CacheDtype::I8 ? static_cast<double>(d) + 4.0
+                                                     : 4.0 * static_cast<double>(d);
+  const double kv_bytes = 2.0 * static_cast<double>(B * KV * context) * row_bytes;
   const int64_t n_caches =
       std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(a.footprint_mib) * 1048576.0 / kv_bytes + 0.999));
   std::vector<KvCache> caches;
@@ -68,11 +90,12 @@ DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t con
       },
       std::max<int>(a.repeat, static_cast<int>(n_caches)));
   DecodeResult r;
-  r.dtype = dtype == CacheDtype::BF16 ? "bf16" : "f32";
+  r.dtype = cache_dtype_name(dtype);
   r.context = context;
   r.ms_best = *std::min_element(ms.begin(), ms.end());
   r.ms_median = bench::median(ms);
   r.kv_bytes = kv_bytes;
+  r.out = out;
   r.gbs = kv_bytes / (r.ms_best * 1e-3) / 1e9;
   // q·k and p·v for every cached position: 4·B·h·context·d FLOPs.
   r.gflops = 4.0 * static_cast<double>(B * a.heads * context * d) / (r.ms_best * 1e-3) / 1e9;
@@ -128,7 +151,7 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   for (int64_t ctx : a.contexts)
     if (ctx < 1) fail("bench-decode: context lengths must be ≥ 1, got ", ctx);
   for (const std::string& t : a.dtypes)
-    if (t != "f32" && t != "bf16") fail("bench-decode: --dtype takes f32 and/or bf16, got ", t);
+    if (t != "f32" && t != "bf16" && t != "int8") fail("bench-decode: --dtype takes f32, bf16 and/or int8, got ", t);
   const int threads = bench::apply_threads(a.threads);
 
   // The triad streams max(footprint, 3 · 256 MiB) so it, too, comes from DRAM.
@@ -142,14 +165,23 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   std::vector<DecodeResult> results;
   for (const std::string& t : a.dtypes)
     for (int64_t ctx : a.contexts)
-      results.push_back(time_decode(a, t == "bf16" ? CacheDtype::BF16 : CacheDtype::F32, ctx));
+      results.push_back(time_decode(a,
+                                    t == "bf16"   ? CacheDtype::BF16
+                                    : t == "int8" ? CacheDtype::I8
+                                                  : CacheDtype::F32,
+                                    ctx));
+  compare_to_f32(results);
   PrefillResult pre;
   if (a.prefill > 0) pre = time_prefill(a);
 
-  auto speedup = [&](int64_t ctx) {
+  // f32 time over `dtype`'s time at this context (0 when either was not run).
+  auto speedup = [&](int64_t ctx, const std::string& dtype) {
     double f = 0, h = 0;
     for (const auto& r : results)
-      if (r.context == ctx) (r.dtype == "f32" ? f : h) = r.ms_best;
+      if (r.context == ctx) {
+        if (r.dtype == "f32") f = r.ms_best;
+        if (r.dtype == dtype) h = r.ms_best;
+      }
     return f > 0 && h > 0 ? f / h : 0.0;
   };
   if (a.json) {
@@ -172,7 +204,10 @@ void run_decode_bench(const DecodeBenchArgs& a) {
                              {"fraction_of_read_bw", r.gbs / read_bw},
                              {"gflops", r.gflops},
                              {"fraction_of_peak", r.gflops / peak},
-                             {"bf16_speedup", speedup(r.context)}});
+                             {"bf16_speedup", speedup(r.context, "bf16")},
+                             {"speedup_vs_f32", speedup(r.context, r.dtype)},
+                             {"max_abs_error_vs_f32", r.max_err},
+                             {"mean_abs_error_vs_f32", r.mean_err}});
     if (a.prefill > 0)
       j["prefill"] = {{"tokens", a.prefill},
                       {"full_forward_ms", pre.full_ms},
@@ -187,16 +222,23 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   std::printf("same run: read-only stream %.1f GB/s, STREAM triad %.1f GB/s, float32 FMA peak %.1f GFLOP/s (%s)\n\n",
               read_bw, triad, peak, target.c_str());
   std::printf("  %-5s %8s %12s %12s %12s %9s %9s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s",
-              "of read", "of triad", "of peak", "bf16 ×");
+              "of read", "of triad", "of peak", "vs f32 ×");
   for (const auto& r : results) {
     char ratio[32] = "";
-    if (r.dtype == "bf16" && speedup(r.context) > 0) std::snprintf(ratio, sizeof ratio, "%.2f", speedup(r.context));
+    const double x = speedup(r.context, r.dtype);
+    if (r.dtype != "f32" && x > 0) std::snprintf(ratio, sizeof ratio, "%.2f", x);
     std::printf("  %-5s %8lld %12.3f %12.1f %12.1f %8.0f%% %8.0f%% %8.1f%% %9s\n", r.dtype.c_str(),
                 static_cast<long long>(r.context), r.ms_best, r.kv_bytes / 1048576.0, r.gbs, 100.0 * r.gbs / read_bw,
                 100.0 * r.gbs / triad, 100.0 * r.gflops / peak, ratio);
   }
   std::printf("\n(ms/token: best of %d; the caches rotate through %lld MiB so K/V come from memory)\n",
               std::max(a.repeat, 1), static_cast<long long>(a.footprint_mib));
+  for (const auto& r : results)
+    if (r.dtype != "f32" && r.max_err > 0)
+      std::printf(
+          "%s cache, context %lld: output vs the f32 cache's (K, V, q uniform in [-1, 1)): max |error| %.2g, "
+          "mean %.2g\n",
+          r.dtype.c_str(), static_cast<long long>(r.context), r.max_err, r.mean_err);
   if (a.prefill > 0)
     std::printf("\nprefill %lld tokens (E=%lld): full forward %.1f ms, incremental path %.1f ms (%.3f×)\n",
                 static_cast<long long>(a.prefill), static_cast<long long>(a.heads * a.head_dim), pre.full_ms,
@@ -208,13 +250,13 @@ static void add_decode_bench_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "bench-decode",
       "Time per decoded token vs context length, K/V GB/s next to the read bandwidth and a STREAM triad, "
-      "GFLOP/s next to the FMA peak, all measured in the same run (f32 and bf16 caches).");
+      "GFLOP/s next to the FMA peak, all measured in the same run (f32, bf16 and int8 caches).");
   cmd->add_option("--heads,-H", a->heads, "query heads h")->capture_default_str();
   cmd->add_option("--kv-heads", a->kv_heads, "key/value heads")->capture_default_str();
   cmd->add_option("--head-dim,-d", a->head_dim, "head dim d")->capture_default_str();
   cmd->add_option("--batch,-B", a->batch, "sequences decoded together")->capture_default_str();
   cmd->add_option("--contexts", a->contexts, "context lengths to time")->delimiter(',')->capture_default_str();
-  cmd->add_option("--dtype", a->dtypes, "cache dtypes: f32, bf16")->delimiter(',')->capture_default_str();
+  cmd->add_option("--dtype", a->dtypes, "cache dtypes: f32, bf16, int8")->delimiter(',')->capture_default_str();
   cmd->add_option("--threads,-t", a->threads, "threads")->capture_default_str();
   cmd->add_option("--splits", a->splits, "split-K count (0 = auto, from the shapes)")->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "timed decode steps per point (best is reported)")->capture_default_str();

@@ -66,8 +66,9 @@ void run_params(const ParamsArgs& a) {
     parts.push_back({"bias_v", shape_str({1, 1, kv * d}), kv * d});
   }
   const int64_t total = parameter_count(c);
-  const int64_t kv_per_token_elems = 2 * kv * d;  // one K row and one V row per KV head
-  const int64_t mha_per_token_elems = 2 * h * d;  // what full multi-head attention would cache
+  const int64_t kv_per_token_elems = 2 * kv * d;          // one K row and one V row per KV head
+  const int64_t mha_per_token_elems = 2 * h * d;          // what full multi-head attention would cache
+  const int64_t int8_per_token_bytes = 2 * kv * (d + 4);  // a byte per element, a float scale per row
   if (a.json) {
     nlohmann::json j;
     j["embed_dim"] = E, j["num_heads"] = h, j["num_kv_heads"] = kv, j["head_dim"] = d;
@@ -75,7 +76,8 @@ void run_params(const ParamsArgs& a) {
     j["parameters"] = total;
     j["bytes"] = {{"f32", total * 4}, {"bf16", total * 2}, {"f16", total * 2}};
     for (const Part& p : parts) j["breakdown"].push_back({{"name", p.name}, {"shape", p.shape}, {"count", p.count}});
-    j["kv_cache_bytes_per_token"] = {{"f32", kv_per_token_elems * 4}, {"bf16", kv_per_token_elems * 2}};
+    j["kv_cache_bytes_per_token"] = {
+        {"f32", kv_per_token_elems * 4}, {"bf16", kv_per_token_elems * 2}, {"int8", int8_per_token_bytes}};
     j["kv_cache_saving_vs_mha"] = static_cast<double>(mha_per_token_elems) / static_cast<double>(kv_per_token_elems);
     std::printf("%s\n", j.dump(2).c_str());
     return;
@@ -92,9 +94,10 @@ void run_params(const ParamsArgs& a) {
   std::printf("  %-16s %-14s %14s\n\n", "total", "", with_commas(total).c_str());
   std::printf("  bytes: float32 %s, bfloat16 %s, float16 %s\n", human_bytes(static_cast<double>(total * 4)).c_str(),
               human_bytes(static_cast<double>(total * 2)).c_str(), human_bytes(static_cast<double>(total * 2)).c_str());
-  std::printf("  KV cache per token (per layer): float32 %s, bfloat16 %s",
+  std::printf("  KV cache per token (per layer): float32 %s, bfloat16 %s, int8 %s",
               human_bytes(static_cast<double>(kv_per_token_elems * 4)).c_str(),
-              human_bytes(static_cast<double>(kv_per_token_elems * 2)).c_str());
+              human_bytes(static_cast<double>(kv_per_token_elems * 2)).c_str(),
+              human_bytes(static_cast<double>(int8_per_token_bytes)).c_str());
   if (kv != h)
     std::printf("  (%gx less than %lld full heads)", static_cast<double>(h) / static_cast<double>(kv),
                 static_cast<long long>(h));

@@ -1,7 +1,15 @@
 // mha/kv_cache.h — a key/value cache for autoregressive decoding, and attention over it.
 //
 // One KvCache serves one attention layer: K and V are preallocated as (batch, kv_heads, capacity,
-// d) in float32 or bfloat16 and filled by append(); nothing is reallocated per step. Every sequence
+// d) in float32, bfloat16 or int8 and filled by append(); nothing is reallocated per step.
+//
+// int8 (CacheDtype::I8): every row of K and of V — one token of one K/V head — is stored as int8
+// values and one float scale, symmetric: scale = max|x| / 127, value = round-to-nearest(x / scale)
+// (a row of zeros has scale 0). A row reads back as value · scale, within scale / 2 of what was
+// appended. The decode kernel reads the int8 rows and their scales directly (a quarter of the
+// float32 bytes, plus 4 per row). Appending a non-finite key or value to an int8 cache fails with
+// mha::Error naming it, changing nothing: no scale could represent it (a float cache keeps the
+// NaN, which then shows in the output, docs/semantics.md). Every sequence
 // of the batch has its own length (the absolute position of its next token), so a batch of prompts
 // of different lengths decodes together.
 //
@@ -28,7 +36,21 @@
 
 namespace mha {
 
-enum class CacheDtype : uint8_t { F32, BF16 };
+enum class CacheDtype : uint8_t { F32, BF16, I8 };
+
+/// "f32", "bf16" or "int8".
+const char* cache_dtype_name(CacheDtype dtype);
+
+namespace detail {
+/// K or V storage of a cache: elements of its dtype, and for int8 one scale per row. Internal
+/// (layers/cache_storage.h).
+struct CachePlane {
+  std::vector<float> f32;
+  std::vector<bf16> b16;
+  std::vector<int8_t> i8;
+  std::vector<float> scale;  // int8 only: one per row (token, K/V head)
+};
+}  // namespace detail
 
 struct KvCacheConfig {
   int64_t batch = 1;
@@ -93,9 +115,12 @@ class KvCache {
     const int64_t s = config_.sinks;
     return p < s ? p : s + (p - s) % (config_.capacity - s);
   }
-  /// Raw storage, (batch, kv_heads, capacity, d) row-major; float* or bf16* by dtype().
+  /// Raw storage, (batch, kv_heads, capacity, d) row-major; float*, bf16* or int8_t* by dtype().
   const void* k_data() const;
   const void* v_data() const;
+  /// int8 only (else null): the scale of each row, (batch, kv_heads, capacity).
+  const float* k_scales() const;
+  const float* v_scales() const;
   /// Reads K/V of sequence b, head g, position p (must be held) as float (for tests and tools).
   float k_at(int64_t b, int64_t g, int64_t p, int64_t x) const;
   float v_at(int64_t b, int64_t g, int64_t p, int64_t x) const;
@@ -105,13 +130,12 @@ class KvCache {
   /// b, g and x in range for K (dim = head_dim) or V (dim = v_dim), p held by sequence b.
   void check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, int64_t dim, const char* who) const;
   void store_sequence(View4<const float> k, View4<const float> v, int64_t b_src, int64_t b, int64_t n);
-  template <class T>
-  void store_rows(std::vector<T>& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count, int64_t dim);
+  void store_rows(detail::CachePlane& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count,
+                  int64_t dim);
 
   KvCacheConfig config_;
   std::vector<int64_t> lengths_;
-  std::vector<float> k32_, v32_;
-  std::vector<bf16> k16_, v16_;
+  detail::CachePlane k_, v_;
 };
 
 /// Options for attention over a cache.

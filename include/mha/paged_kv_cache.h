@@ -66,9 +66,12 @@ class PagedKvCache {
   /// How many live sequences hold block `block`.
   int64_t refcount(int64_t block) const;
 
-  /// Raw pools (blocks, kv_heads, block_size, d) row-major; float* or bf16* by dtype.
+  /// Raw pools (blocks, kv_heads, block_size, d) row-major; float*, bf16* or int8_t* by dtype.
   const void* k_data() const;
   const void* v_data() const;
+  /// int8 only (else null): the scale of each pool row, (blocks, kv_heads, block_size).
+  const float* k_scales() const;
+  const float* v_scales() const;
   /// K/V of sequence `seq`, head g, position p (< length), feature x, as float (tests and tools).
   float k_at(int64_t seq, int64_t g, int64_t p, int64_t x) const;
   float v_at(int64_t seq, int64_t g, int64_t p, int64_t x) const;
@@ -82,11 +85,10 @@ class PagedKvCache {
   const Sequence& sequence(int64_t seq, const char* who) const;
   int32_t take_block();
   void copy_block(int32_t from, int32_t to);
-  size_t element(int32_t block, int64_t g, int64_t row, int64_t x, int64_t dim) const;
+  int64_t row_index(int32_t block, int64_t g, int64_t row) const;
 
   PagedKvCacheConfig config_;
-  std::vector<float> k32_, v32_;
-  std::vector<bf16> k16_, v16_;
+  detail::CachePlane k_, v_;
   std::vector<int32_t> refs_;  // per block
   std::vector<int32_t> free_;  // free blocks, taken from the back
   std::vector<Sequence> seqs_;

@@ -85,7 +85,9 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
 class KvCache:
     """A key/value cache for one attention layer (see :meth:`MultiheadAttention.new_cache`).
 
-    Preallocated (batch, kv_heads, capacity, d) in float32 or bfloat16; each sequence has its own
+    Preallocated (batch, kv_heads, capacity, d) in float32, bfloat16 or int8 (``dtype="int8"``:
+    one float scale per token and K/V head, max|x|/127; appending a non-finite value raises
+    ValueError); each sequence has its own
     length. ``ring=True`` keeps the last ``capacity`` positions (sliding-window decoding);
     ``sinks=n`` (with ``ring``) also keeps positions 0 … n−1 for good, visible to every query
     whatever the window (StreamingLLM attention sinks; keys keep their original RoPE positions).

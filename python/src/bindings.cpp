@@ -297,7 +297,8 @@ mha::MhaForwardOptions forward_options(const ForwardArgs& a) {
 
 mha::CacheDtype cache_dtype(const char* what, const std::string& dtype) {
   if (dtype == "bf16") return mha::CacheDtype::BF16;
-  if (dtype != "f32") mha::fail(what, ": dtype must be 'f32' or 'bf16', got '", dtype, "'");
+  if (dtype == "int8") return mha::CacheDtype::I8;
+  if (dtype != "f32") mha::fail(what, ": dtype must be 'f32', 'bf16' or 'int8', got '", dtype, "'");
   return mha::CacheDtype::F32;
 }
 

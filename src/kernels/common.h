@@ -16,7 +16,7 @@
 namespace mha::kernels {
 
 /// Element type of the inputs a kernel reads (Q, K, V or a KV cache).
-enum class DType : uint8_t { F32, BF16 };
+enum class DType : uint8_t { F32, BF16, I8 };  // I8: KV caches only (decode)
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -27,6 +27,7 @@ constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 /// An input element as float32, for kernels templated on float or bf16 inputs.
 inline float to_f32(float x) { return x; }
 inline float to_f32(bf16 x) { return to_float(x); }
+inline float to_f32(int8_t x) { return static_cast<float>(x); }
 
 // ---- debug assertions at kernel entry ------------------------------------------------------
 // The public layer validates; kernels only assert (in builds without NDEBUG), as gemma.cpp's

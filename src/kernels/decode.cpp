@@ -1,10 +1,11 @@
 // kernels/decode.cpp — flash-decoding: a few query rows against a long KV cache.
 //
-// Shapes: Q (B, h, T_q, d); cache K (B, kv, capacity, d), V (B, kv, capacity, d_v), float32 or
-// bf16, position p in slot p (or p mod capacity in a ring); out (B, h, T_q, d_v); lse (B, h, T_q, 1).
-// Paged: K (blocks, kv, block_size, d), V (blocks, kv, block_size, d_v) pools and a block table per
-// sequence; position p in row p mod block_size of block table[p / block_size]. Only the address of
-// a key's row changes: the kernel already gathers a block's rows through per-key pointers.
+// Shapes: Q (B, h, T_q, d); cache K (B, kv, capacity, d), V (B, kv, capacity, d_v), float32,
+// bf16 or int8 (with one scale per row), position p in slot p (or p mod capacity in a ring);
+// out (B, h, T_q, d_v); lse (B, h, T_q, 1). Paged: K (blocks, kv, block_size, d), V (blocks, kv,
+// block_size, d_v) pools and a block table per sequence; position p in row p mod block_size of
+// block table[p / block_size]. Only the address of a key's row changes: the kernel already
+// gathers a block's rows through per-key pointers.
 //
 // Blocking and memory traffic. Decoding is bound by reading the cache, not by arithmetic (one
 // multiply-add per cached element per query row). So a work item is (batch b, K/V head g, tile of
@@ -22,6 +23,11 @@
 // Items are handed out dynamically: which thread takes an item cannot change its result, and a
 // thread that the OS preempts (a shared machine) no longer holds back a fixed half of the work.
 //
+// int8: the rows are widened to float as they are loaded and the scales applied outside the
+// loops over d: a key's score is scale_k · (q · k_int8), and each probability is multiplied by its
+// value row's scale before P·V (the softmax sum l uses the unscaled probabilities). That is the
+// attention over the dequantised cache (value · scale), up to float rounding.
+//
 // SIMD: Google Highway, compiled for each x86 target and dispatched once per call.
 
 // foreach_target.h must come first, and exp-inl.h after highway.h: keep this order.
@@ -38,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/common.h"
 #include "kernels/decode.h"
@@ -141,6 +148,12 @@ HWY_INLINE hn::Vec<DF> load_row(DF df, const bf16* p) {
   const hn::Rebind<uint16_t, DF> d16;
   const hn::Rebind<uint32_t, DF> d32;
   return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(d32, hn::LoadU(d16, reinterpret_cast<const uint16_t*>(p)))));
+}
+
+HWY_INLINE hn::Vec<DF> load_row(DF df, const int8_t* p) {
+  const hn::Rebind<int8_t, DF> d8;
+  const hn::Rebind<int32_t, DF> d32;
+  return hn::ConvertTo(df, hn::PromoteTo(d32, hn::LoadU(d8, p)));
 }
 
 // Register tiles. The score tile is kTileRows query rows × kTileKeys keys: its kTileRows·kTileKeys
@@ -302,6 +315,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   };
   const T* keys[kBlock];
   const T* vals[kBlock];
+  constexpr bool kScaled = std::is_same_v<T, int8_t>;
+  float kscale[kScaled ? kBlock : 1], vscale[kScaled ? kBlock : 1];  // int8: the block's row scales
   const auto neg_inf = hn::Set(df, kNegInf);
   const bool edit_scores = p.edits.capped() || p.edits.alibi();
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
@@ -310,7 +325,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       const int64_t row = row_of(p0 + j);
       keys[j] = kpool + row * d;
       vals[j] = vpool + row * d_v;
+      if constexpr (kScaled) kscale[j] = p.k_scale[row], vscale[j] = p.v_scale[row];
     }
+    if constexpr (kScaled) std::fill(kscale + nb, kscale + kBlock, 0.0f), std::fill(vscale + nb, vscale + kBlock, 0.0f);
     constexpr int64_t far_blocks = kFarBlocks<T>;
     if constexpr (far_blocks > 0) {  // far prefetch into L2 (see kNearRows)
       const int64_t pf = p0 + far_blocks * kBlock;
@@ -328,6 +345,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
+      if constexpr (kScaled)  // score = scale_k · (q · k_int8); lanes past nb are set to −inf below
+        for (int64_t j = 0; j < nb; j += L)
+          hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::LoadU(df, kscale + j)), df, s + j);
       if (edit_scores) {
         // Score edits (kernels/score_edits.h): c·tanh(t/c), then ALiBi's m·(k_pos − q_pos) by
         // absolute positions; hidden keys become −inf below.
@@ -371,7 +391,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       for (int64_t j = 0; j < kBlock; j += L) {
         const auto x = hn::LoadU(df, s + j);
         const auto e = exp_nonpositive(df, hn::Sub(x, mv));  // 0 for masked (−inf) scores
-        hn::StoreU(e, df, s + j);
+        if constexpr (kScaled)
+          hn::StoreU(hn::Mul(e, hn::LoadU(df, vscale + j)), df, s + j);  // P · scale_v; l sums P alone
+        else
+          hn::StoreU(e, df, s + j);
         sum = hn::Add(sum, e);
       }
       l[rr] = saw_nan ? kNaN : l[rr] * corr[rr] + hn::GetLane(hn::SumOfLanes(df, sum));
@@ -386,6 +409,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
 void decode_item(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
   if (p.dtype == DType::BF16)
     decode_item_of<bf16>(p, index, partial, scratch);
+  else if (p.dtype == DType::I8)
+    decode_item_of<int8_t>(p, index, partial, scratch);
   else
     decode_item_of<float>(p, index, partial, scratch);
 }

@@ -26,9 +26,13 @@ void rope_inplace(const RopeParams& p);
 // ---- decode attention over a cache ---------------------------------------------------------
 struct DecodeParams {
   View4<const float> q;     // (B, h, T_q, d)
-  const void* k = nullptr;  // (B, kv, capacity, d) contiguous, float or bf16 by dtype
+  const void* k = nullptr;  // (B, kv, capacity, d) contiguous, float, bf16 or int8 by dtype
   const void* v = nullptr;  // (B, kv, capacity, d_v)
   DType dtype = DType::F32;
+  // int8 only: one scale per row of k / v (same row index, (B, kv, capacity) or the pool's
+  // (blocks, kv, block_size)); element = int8 value · its row's scale.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   int64_t kv_heads = 0, capacity = 0, d_v = 0;
   bool ring = false;  // position p lives in slot p mod capacity (else slot p); with sinks, p < sinks in
                       // slot p and later ones in slot sinks + (p − sinks) mod (capacity − sinks)

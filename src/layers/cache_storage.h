@@ -1,38 +1,126 @@
-// layers/cache_storage.h — sizing the K and V storage of a KV cache (contiguous KvCache or paged
-// PagedKvCache): (n0, n1, n2, d) elements each, float32 or bfloat16 by the cache's dtype.
+// layers/cache_storage.h — the K and V storage of a KV cache (contiguous KvCache or paged
+// PagedKvCache): (n0, n1, n2, d) elements each, float32, bfloat16 or int8 (with one float scale
+// per row) by the cache's dtype. Both caches address storage by row — one token of one K/V head —
+// and element row · dim + x; these helpers are the only code that knows the element types.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "kernels/common.h"
 #include "mha/error.h"
 #include "mha/kv_cache.h"
 #include "mha/tensor.h"
 
 namespace mha::detail {
 
-/// Resizes K to (n0, n1, n2, head_dim) and V to (n0, n1, n2, v_dim) elements in the vectors of
-/// `dtype` (the others stay empty). Sizes come from the caller or a file's metadata: every
-/// product is checked, bytes included, and an overflow fails naming `what` (e.g. "KvCache:
-/// (batch, kv_heads, capacity, d)") and the shape.
+/// Sizes K to (n0, n1, n2, head_dim) and V to (n0, n1, n2, v_dim) elements of `dtype` (int8: and
+/// one scale per row). Sizes come from the caller or a file's metadata: every product is checked,
+/// bytes included, and an overflow fails naming `what` (e.g. "KvCache: (batch, kv_heads,
+/// capacity, d)") and the shape.
 inline void size_cache_storage(const std::string& what, int64_t n0, int64_t n1, int64_t n2, int64_t head_dim,
-                               int64_t v_dim, CacheDtype dtype, std::vector<float>& k32, std::vector<float>& v32,
-                               std::vector<bf16>& k16, std::vector<bf16>& v16) {
-  const auto numel = [&](int64_t dim) {
+                               int64_t v_dim, CacheDtype dtype, CachePlane& k, CachePlane& v) {
+  const auto size = [&](CachePlane& plane, int64_t dim) {
     const std::string where = what + " = " + shape_str({n0, n1, n2, dim});
-    const int64_t n = checked_mul(checked_mul(checked_mul(n0, n1, where), n2, where), dim, where);
+    const int64_t rows = checked_mul(checked_mul(n0, n1, where), n2, where);
+    const int64_t n = checked_mul(rows, dim, where);
     (void)checked_mul(n, 4, where);
-    return static_cast<size_t>(n);
+    if (dtype == CacheDtype::BF16) {
+      plane.b16.resize(static_cast<size_t>(n));
+    } else if (dtype == CacheDtype::I8) {
+      plane.i8.resize(static_cast<size_t>(n));
+      plane.scale.resize(static_cast<size_t>(rows));
+    } else {
+      plane.f32.resize(static_cast<size_t>(n));
+    }
   };
-  const size_t nk = numel(head_dim), nv = numel(v_dim);
+  size(k, head_dim);
+  size(v, v_dim);
+}
+
+/// The element type the decode kernel reads.
+inline kernels::DType kernel_dtype(CacheDtype dtype) {
+  if (dtype == CacheDtype::BF16) return kernels::DType::BF16;
+  if (dtype == CacheDtype::I8) return kernels::DType::I8;
+  return kernels::DType::F32;
+}
+
+inline size_t plane_bytes(const CachePlane& p) {
+  return (p.f32.size() + p.scale.size()) * sizeof(float) + p.b16.size() * sizeof(bf16) + p.i8.size();
+}
+
+inline const void* plane_data(const CachePlane& p, CacheDtype dtype) {
+  if (dtype == CacheDtype::BF16) return p.b16.data();
+  if (dtype == CacheDtype::I8) return p.i8.data();
+  return p.f32.data();
+}
+
+inline const float* plane_scales(const CachePlane& p, CacheDtype dtype) {
+  return dtype == CacheDtype::I8 ? p.scale.data() : nullptr;
+}
+
+/// Element x of row `row` (dim elements a row), as float (int8: value · scale).
+inline float plane_at(const CachePlane& p, CacheDtype dtype, int64_t row, int64_t dim, int64_t x) {
+  const size_t i = static_cast<size_t>(row * dim + x);
+  if (dtype == CacheDtype::BF16) return to_float(p.b16[i]);
+  if (dtype == CacheDtype::I8) return static_cast<float>(p.i8[i]) * p.scale[static_cast<size_t>(row)];
+  return p.f32[i];
+}
+
+/// The int8 scale of a row whose largest magnitude is `absmax` (0 for a row of zeros, or one so
+/// small that absmax / 127 underflows: it then reads back as zeros, within absmax).
+inline float int8_scale(float absmax) { return absmax / 127.0f; }
+
+/// Writes row `row` from in[x · stride], x < dim, converting to the plane's dtype (int8:
+/// symmetric, scale = max|x| / 127, round to nearest). Values must be finite for int8
+/// (check_int8_finite).
+inline void plane_put_row(CachePlane& p, CacheDtype dtype, int64_t row, int64_t dim, const float* in, int64_t stride) {
+  const size_t at = static_cast<size_t>(row * dim);
   if (dtype == CacheDtype::BF16) {
-    k16.resize(nk);
-    v16.resize(nv);
+    for (int64_t x = 0; x < dim; ++x) p.b16[at + static_cast<size_t>(x)] = to_bf16(in[x * stride]);
+  } else if (dtype == CacheDtype::I8) {
+    float absmax = 0.0f;
+    for (int64_t x = 0; x < dim; ++x) absmax = std::max(absmax, std::fabs(in[x * stride]));
+    const float scale = int8_scale(absmax);
+    p.scale[static_cast<size_t>(row)] = scale;
+    for (int64_t x = 0; x < dim; ++x) {
+      const float q = scale > 0.0f ? std::nearbyint(in[x * stride] / scale) : 0.0f;
+      p.i8[at + static_cast<size_t>(x)] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+    }
   } else {
-    k32.resize(nk);
-    v32.resize(nv);
+    for (int64_t x = 0; x < dim; ++x) p.f32[at + static_cast<size_t>(x)] = in[x * stride];
   }
+}
+
+/// Copies rows [from, from + n) to [to, to + n) (dim elements a row; int8: with their scales).
+inline void plane_copy_rows(CachePlane& p, int64_t from, int64_t to, int64_t n, int64_t dim) {
+  const auto copy = [&](auto& v, int64_t width) {
+    if (v.empty()) return;
+    std::copy_n(v.begin() + static_cast<std::ptrdiff_t>(from * width), static_cast<size_t>(n * width),
+                v.begin() + static_cast<std::ptrdiff_t>(to * width));
+  };
+  copy(p.f32, dim);
+  copy(p.b16, dim);
+  copy(p.i8, dim);
+  copy(p.scale, 1);
+}
+
+/// For an int8 cache: fails, naming `who`, `name` and the position, when rows t < count of batch
+/// row b of src hold a non-finite value (no scale could represent it). Call before changing anything.
+inline void check_int8_finite(CacheDtype dtype, const char* who, const char* name, View4<const float> src, int64_t b,
+                              int64_t count) {
+  if (dtype != CacheDtype::I8) return;
+  for (int64_t g = 0; g < src.shape[1]; ++g)
+    for (int64_t t = 0; t < count; ++t) {
+      const float* in = src.row(b, g, t);
+      for (int64_t x = 0; x < src.shape[3]; ++x)
+        if (!std::isfinite(in[x * src.stride[3]]))
+          fail(who, ": an int8 cache takes finite values only, but ", name, " ", shape_str(src), " holds ",
+               in[x * src.stride[3]], " at (", b, ", ", g, ", ", t, ", ", x, ")");
+    }
 }
 
 }  // namespace mha::detail

@@ -17,6 +17,7 @@
 #include <map>
 #include <span>
 
+#include "layers/cache_storage.h"
 #include "layers/module_core.h"
 #include "mha/module.h"
 #include "mha/paged_kv_cache.h"
@@ -128,6 +129,12 @@ class PagedAccess final : public CacheAccess {
     attend_paged_cache(q, cache_, seqs_, start, o, out, lse);
   }
   void append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) override {
+    // An int8 pool refuses non-finite values: check every sequence's rows before appending any.
+    for (size_t b = 0; b < seqs_.size(); ++b) {
+      const int64_t n = counts[b], i = static_cast<int64_t>(b);
+      detail::check_int8_finite(cache_.config().dtype, kInc, "key", k, i, n);
+      detail::check_int8_finite(cache_.config().dtype, kInc, "value", v, i, n);
+    }
     for (size_t b = 0; b < seqs_.size(); ++b) {
       const auto rows = [&](View4<const float> x) {
         return View4<const float>{

@@ -12,20 +12,9 @@
 
 namespace mha {
 
-namespace {
-
-template <class T>
-void store(T& dst, float x);
-template <>
-void store(float& dst, float x) {
-  dst = x;
+const char* cache_dtype_name(CacheDtype dtype) {
+  return dtype == CacheDtype::BF16 ? "bf16" : dtype == CacheDtype::I8 ? "int8" : "f32";
 }
-template <>
-void store(bf16& dst, float x) {
-  dst = to_bf16(x);
-}
-
-}  // namespace
 
 KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   const KvCacheConfig& c = config_;
@@ -33,7 +22,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     fail("KvCache: batch, kv_heads, head_dim and capacity must be ≥ 1 (value_dim ≥ 0), got batch ", c.batch,
          ", kv_heads ", c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", capacity ", c.capacity);
   detail::size_cache_storage("KvCache: (batch, kv_heads, capacity, d)", c.batch, c.kv_heads, c.capacity, c.head_dim,
-                             c.v_dim(), c.dtype, k32_, v32_, k16_, v16_);
+                             c.v_dim(), c.dtype, k_, v_);
   if (c.sinks < 0 || (c.sinks > 0 && (!c.ring || c.sinks >= c.capacity)))
     fail("KvCache: sinks must be ≥ 0, and with sinks the cache must be a ring with capacity > sinks; got sinks ",
          c.sinks, ", capacity ", c.capacity, c.ring ? ", ring" : ", not a ring");
@@ -44,16 +33,12 @@ KvCache KvCache::clone() const {
   KvCache copy;
   copy.config_ = config_;
   copy.lengths_ = lengths_;
-  copy.k32_ = k32_;
-  copy.v32_ = v32_;
-  copy.k16_ = k16_;
-  copy.v16_ = v16_;
+  copy.k_ = k_;
+  copy.v_ = v_;
   return copy;
 }
 
-size_t KvCache::bytes() const {
-  return (k32_.size() + v32_.size()) * sizeof(float) + (k16_.size() + v16_.size()) * sizeof(bf16);
-}
+size_t KvCache::bytes() const { return detail::plane_bytes(k_) + detail::plane_bytes(v_); }
 
 void KvCache::check_batch_index(int64_t b, const char* who) const {
   if (b < 0 || b >= config_.batch)
@@ -81,12 +66,10 @@ int64_t KvCache::remaining(int64_t b) const {
   return config_.ring ? std::numeric_limits<int64_t>::max() : config_.capacity - length(b);
 }
 
-const void* KvCache::k_data() const {
-  return config_.dtype == CacheDtype::BF16 ? static_cast<const void*>(k16_.data()) : k32_.data();
-}
-const void* KvCache::v_data() const {
-  return config_.dtype == CacheDtype::BF16 ? static_cast<const void*>(v16_.data()) : v32_.data();
-}
+const void* KvCache::k_data() const { return detail::plane_data(k_, config_.dtype); }
+const void* KvCache::v_data() const { return detail::plane_data(v_, config_.dtype); }
+const float* KvCache::k_scales() const { return detail::plane_scales(k_, config_.dtype); }
+const float* KvCache::v_scales() const { return detail::plane_scales(v_, config_.dtype); }
 
 void KvCache::check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, int64_t dim, const char* who) const {
   check_batch_index(b, who);
@@ -100,18 +83,16 @@ void KvCache::check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, in
 
 float KvCache::k_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
   check_element_index(b, g, p, x, config_.head_dim, "k_at");
-  const size_t i =
-      static_cast<size_t>(((b * config_.kv_heads + g) * config_.capacity + slot(p)) * config_.head_dim + x);
-  return config_.dtype == CacheDtype::BF16 ? to_float(k16_[i]) : k32_[i];
+  return detail::plane_at(k_, config_.dtype, (b * config_.kv_heads + g) * config_.capacity + slot(p), config_.head_dim,
+                          x);
 }
 float KvCache::v_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
   check_element_index(b, g, p, x, config_.v_dim(), "v_at");
-  const size_t i = static_cast<size_t>(((b * config_.kv_heads + g) * config_.capacity + slot(p)) * config_.v_dim() + x);
-  return config_.dtype == CacheDtype::BF16 ? to_float(v16_[i]) : v32_[i];
+  return detail::plane_at(v_, config_.dtype, (b * config_.kv_heads + g) * config_.capacity + slot(p), config_.v_dim(),
+                          x);
 }
 
-template <class T>
-void KvCache::store_rows(std::vector<T>& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count,
+void KvCache::store_rows(detail::CachePlane& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count,
                          int64_t dim) {
   const int64_t len = lengths_[static_cast<size_t>(b)];
   // A ring keeps only the last `capacity` of the new rows (with sinks: the sinks, and the last
@@ -119,24 +100,17 @@ void KvCache::store_rows(std::vector<T>& dst, View4<const float> src, int64_t b_
   const int64_t recent = config_.capacity - config_.sinks;
   const int64_t keep_from = config_.ring ? std::max<int64_t>(0, count - recent) : 0;
   for (int64_t g = 0; g < config_.kv_heads; ++g) {
-    T* head = dst.data() + (b * config_.kv_heads + g) * config_.capacity * dim;
+    const int64_t head = (b * config_.kv_heads + g) * config_.capacity;
     for (int64_t t = 0; t < count; ++t) {
       if (t < keep_from && len + t >= config_.sinks) continue;
-      T* row = head + slot(len + t) * dim;
-      const float* in = src.row(b_src, g, t);
-      for (int64_t x = 0; x < dim; ++x) store(row[x], in[x * src.stride[3]]);
+      detail::plane_put_row(dst, config_.dtype, head + slot(len + t), dim, src.row(b_src, g, t), src.stride[3]);
     }
   }
 }
 
 void KvCache::store_sequence(View4<const float> k, View4<const float> v, int64_t b_src, int64_t b, int64_t n) {
-  if (config_.dtype == CacheDtype::BF16) {
-    store_rows(k16_, k, b_src, b, n, config_.head_dim);
-    store_rows(v16_, v, b_src, b, n, config_.v_dim());
-  } else {
-    store_rows(k32_, k, b_src, b, n, config_.head_dim);
-    store_rows(v32_, v, b_src, b, n, config_.v_dim());
-  }
+  store_rows(k_, k, b_src, b, n, config_.head_dim);
+  store_rows(v_, v, b_src, b, n, config_.v_dim());
   lengths_[static_cast<size_t>(b)] += n;
 }
 
@@ -159,6 +133,11 @@ void KvCache::append(View4<const float> k, View4<const float> v, std::span<const
   }
   if (T > 0 && (!k.defined() || !v.defined())) fail("KvCache::append: key or value has no data");
   for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t n = counts.empty() ? T : counts[static_cast<size_t>(b)];
+    detail::check_int8_finite(c.dtype, "KvCache::append", "key", k, b, n);
+    detail::check_int8_finite(c.dtype, "KvCache::append", "value", v, b, n);
+  }
+  for (int64_t b = 0; b < c.batch; ++b) {
     store_sequence(k, v, b, b, counts.empty() ? T : counts[static_cast<size_t>(b)]);
   }
 }
@@ -175,6 +154,8 @@ void KvCache::append_sequence(int64_t b, View4<const float> k, View4<const float
     fail("KvCache::append_sequence: sequence ", b, " holds ", length(b), " of ", c.capacity, " positions; appending ",
          n, " would exceed the capacity");
   if (n > 0 && (!k.defined() || !v.defined())) fail("KvCache::append_sequence: key or value has no data");
+  detail::check_int8_finite(c.dtype, "KvCache::append_sequence", "key", k, 0, n);
+  detail::check_int8_finite(c.dtype, "KvCache::append_sequence", "value", v, 0, n);
   store_sequence(k, v, 0, b, n);
 }
 
@@ -230,7 +211,9 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.q = q;
   p.k = cache.k_data();
   p.v = cache.v_data();
-  p.dtype = c.dtype == CacheDtype::BF16 ? kernels::DType::BF16 : kernels::DType::F32;
+  p.dtype = detail::kernel_dtype(c.dtype);
+  p.k_scale = cache.k_scales();
+  p.v_scale = cache.v_scales();
   p.kv_heads = c.kv_heads;
   p.capacity = c.capacity;
   p.d_v = c.v_dim();

@@ -19,14 +19,6 @@ namespace {
 
 constexpr const char* kPaged = "PagedKvCache";
 
-template <class T>
-void put(T& dst, float x) {
-  if constexpr (std::is_same_v<T, bf16>)
-    dst = to_bf16(x);
-  else
-    dst = x;
-}
-
 }  // namespace
 
 PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
@@ -38,7 +30,7 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
   if (c.num_blocks > std::numeric_limits<int32_t>::max())
     fail(kPaged, ": num_blocks ", c.num_blocks, " does not fit the int32 block table entries");
   detail::size_cache_storage(std::string(kPaged) + ": pool (blocks, kv_heads, block_size, d)", c.num_blocks, c.kv_heads,
-                             c.block_size, c.head_dim, c.v_dim(), c.dtype, k32_, v32_, k16_, v16_);
+                             c.block_size, c.head_dim, c.v_dim(), c.dtype, k_, v_);
   refs_.assign(static_cast<size_t>(c.num_blocks), 0);
   free_.resize(static_cast<size_t>(c.num_blocks));
   // Taken from the back: block 0 first.
@@ -99,23 +91,14 @@ int32_t PagedKvCache::take_block() {
   return b;
 }
 
-size_t PagedKvCache::element(int32_t block, int64_t g, int64_t row, int64_t x, int64_t dim) const {
-  return static_cast<size_t>(((block * config_.kv_heads + g) * config_.block_size + row) * dim + x);
+int64_t PagedKvCache::row_index(int32_t block, int64_t g, int64_t row) const {
+  return (block * config_.kv_heads + g) * config_.block_size + row;
 }
 
 void PagedKvCache::copy_block(int32_t from, int32_t to) {
-  const auto copy = [&](auto& pool, int64_t dim) {
-    const size_t n = static_cast<size_t>(config_.kv_heads * config_.block_size * dim);
-    std::copy_n(pool.begin() + static_cast<std::ptrdiff_t>(element(from, 0, 0, 0, dim)), n,
-                pool.begin() + static_cast<std::ptrdiff_t>(element(to, 0, 0, 0, dim)));
-  };
-  if (config_.dtype == CacheDtype::BF16) {
-    copy(k16_, config_.head_dim);
-    copy(v16_, config_.v_dim());
-  } else {
-    copy(k32_, config_.head_dim);
-    copy(v32_, config_.v_dim());
-  }
+  const int64_t rows = config_.kv_heads * config_.block_size;
+  detail::plane_copy_rows(k_, row_index(from, 0, 0), row_index(to, 0, 0), rows, config_.head_dim);
+  detail::plane_copy_rows(v_, row_index(from, 0, 0), row_index(to, 0, 0), rows, config_.v_dim());
 }
 
 void PagedKvCache::append(int64_t seq, View4<const float> k, View4<const float> v) {
@@ -127,6 +110,8 @@ void PagedKvCache::append(int64_t seq, View4<const float> k, View4<const float> 
     fail(kPaged, "::append: key ", shape_str(k), " and value ", shape_str(v), " must be ", shape_str(want_k), " and ",
          shape_str(want_v), " (1, kv_heads, T, d)");
   if (T > 0 && (!k.defined() || !v.defined())) fail(kPaged, "::append: key or value has no data");
+  detail::check_int8_finite(c.dtype, "PagedKvCache::append", "key", k, 0, T);
+  detail::check_int8_finite(c.dtype, "PagedKvCache::append", "value", v, 0, T);
   Sequence& s = seqs_[static_cast<size_t>(seq)];
   const int64_t bs = c.block_size, len = s.length;
   const int64_t have = static_cast<int64_t>(s.blocks.size());
@@ -144,42 +129,32 @@ void PagedKvCache::append(int64_t seq, View4<const float> k, View4<const float> 
     s.blocks.back() = fresh;
   }
   for (int64_t i = have; i < need; ++i) s.blocks.push_back(take_block());
-  const auto store = [&](auto& pool, View4<const float> src, int64_t dim) {
+  const auto store = [&](detail::CachePlane& pool, View4<const float> src, int64_t dim) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t pos = len + t;
       const int32_t block = s.blocks[static_cast<size_t>(pos / bs)];
-      for (int64_t g = 0; g < c.kv_heads; ++g) {
-        const float* in = src.row(0, g, t);
-        auto* out = pool.data() + element(block, g, pos % bs, 0, dim);
-        for (int64_t x = 0; x < dim; ++x) put(out[x], in[x * src.stride[3]]);
-      }
+      for (int64_t g = 0; g < c.kv_heads; ++g)
+        detail::plane_put_row(pool, c.dtype, row_index(block, g, pos % bs), dim, src.row(0, g, t), src.stride[3]);
     }
   };
-  if (c.dtype == CacheDtype::BF16) {
-    store(k16_, k, c.head_dim);
-    store(v16_, v, c.v_dim());
-  } else {
-    store(k32_, k, c.head_dim);
-    store(v32_, v, c.v_dim());
-  }
+  store(k_, k, c.head_dim);
+  store(v_, v, c.v_dim());
   s.length += T;
 }
 
-const void* PagedKvCache::k_data() const {
-  return config_.dtype == CacheDtype::BF16 ? static_cast<const void*>(k16_.data()) : k32_.data();
-}
-const void* PagedKvCache::v_data() const {
-  return config_.dtype == CacheDtype::BF16 ? static_cast<const void*>(v16_.data()) : v32_.data();
-}
+const void* PagedKvCache::k_data() const { return detail::plane_data(k_, config_.dtype); }
+const void* PagedKvCache::v_data() const { return detail::plane_data(v_, config_.dtype); }
+const float* PagedKvCache::k_scales() const { return detail::plane_scales(k_, config_.dtype); }
+const float* PagedKvCache::v_scales() const { return detail::plane_scales(v_, config_.dtype); }
 
 float PagedKvCache::k_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
   const Sequence& s = sequence(seq, "k_at");
   if (g < 0 || g >= config_.kv_heads || p < 0 || p >= s.length || x < 0 || x >= config_.head_dim)
     fail(kPaged, "::k_at: (head ", g, ", position ", p, ", feature ", x, ") is outside (", config_.kv_heads, ", ",
          s.length, ", ", config_.head_dim, ")");
-  const size_t i =
-      element(s.blocks[static_cast<size_t>(p / config_.block_size)], g, p % config_.block_size, x, config_.head_dim);
-  return config_.dtype == CacheDtype::BF16 ? to_float(k16_[i]) : k32_[i];
+  return detail::plane_at(k_, config_.dtype,
+                          row_index(s.blocks[static_cast<size_t>(p / config_.block_size)], g, p % config_.block_size),
+                          config_.head_dim, x);
 }
 
 float PagedKvCache::v_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
@@ -187,9 +162,9 @@ float PagedKvCache::v_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
   if (g < 0 || g >= config_.kv_heads || p < 0 || p >= s.length || x < 0 || x >= config_.v_dim())
     fail(kPaged, "::v_at: (head ", g, ", position ", p, ", feature ", x, ") is outside (", config_.kv_heads, ", ",
          s.length, ", ", config_.v_dim(), ")");
-  const size_t i =
-      element(s.blocks[static_cast<size_t>(p / config_.block_size)], g, p % config_.block_size, x, config_.v_dim());
-  return config_.dtype == CacheDtype::BF16 ? to_float(v16_[i]) : v32_[i];
+  return detail::plane_at(v_, config_.dtype,
+                          row_index(s.blocks[static_cast<size_t>(p / config_.block_size)], g, p % config_.block_size),
+                          config_.v_dim(), x);
 }
 
 void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::span<const int32_t> block_tables,
@@ -240,7 +215,9 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   p.q = q;
   p.k = cache.k_data();
   p.v = cache.v_data();
-  p.dtype = c.dtype == CacheDtype::BF16 ? kernels::DType::BF16 : kernels::DType::F32;
+  p.dtype = detail::kernel_dtype(c.dtype);
+  p.k_scale = cache.k_scales();
+  p.v_scale = cache.v_scales();
   p.kv_heads = c.kv_heads;
   p.capacity = table_width * c.block_size;
   p.d_v = c.v_dim();

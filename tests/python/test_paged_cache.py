@@ -10,7 +10,7 @@ def x(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
 def test_paged_cache_equals_contiguous_cache_token_by_token(rng, dtype):
     m = mha.MultiheadAttention(32, 4, num_kv_heads=2, batch_first=True, rope=mha.Rope(), seed=1,
                                alibi_slopes=mha.alibi_slopes(4), softcap=4.0).eval()
@@ -143,3 +143,25 @@ def test_attend_paged_cache_equals_sdpa_over_the_held_keys(rng):
         mha.attend_paged_cache(q, cache, [seqs[0], 9])
     with pytest.raises(TypeError, match="PagedKvCache"):
         mha.attend_paged_cache(q, m.new_cache(2, 8), seqs)
+
+
+def test_int8_cache_close_to_f32_and_refuses_non_finite(rng):
+    m = mha.MultiheadAttention(32, 4, num_kv_heads=2, batch_first=True, seed=3).eval()
+    xs = x(rng, 1, 9, 32)
+    flat, small = m.new_cache(1, 16), m.new_cache(1, 16, dtype="int8")
+    paged = m.new_paged_cache(num_blocks=4, block_size=4, dtype="int8")
+    seqs = [paged.add_sequence()]
+    for cache, kw in ((flat, {}), (small, {}), (paged, {"seqs": seqs})):
+        m.forward_incremental(xs[:, :5], xs[:, :5], xs[:, :5], cache, **kw)
+    step = xs[:, 5:6]
+    want = m.forward_incremental(step, step, step, flat)
+    got = m.forward_incremental(step, step, step, small)
+    np.testing.assert_allclose(got, want, atol=0.02)  # a few int8 steps (max|x|/127) of O(1) values
+    np.testing.assert_array_equal(m.forward_incremental(step, step, step, paged, seqs=seqs), got)
+    assert small.nbytes == 2 * 2 * 16 * (8 + 4)  # a byte per element and a float scale per row
+    bad = xs[:, 6:7].copy()
+    bad[0, 0, 0] = np.nan
+    for cache, kw in ((small, {}), (paged, {"seqs": seqs})):
+        with pytest.raises(ValueError, match="finite"):
+            m.forward_incremental(bad, bad, bad, cache, **kw)
+    assert small.length(0) == 6 and paged.length(seqs[0]) == 6
