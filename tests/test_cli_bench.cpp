@@ -69,6 +69,20 @@ TEST(CliBench, CausalCoreCountsHalfTheFlops) {
   EXPECT_EQ(j["flops"].get<double>(), 0.5 * 4.0 * 1 * 4 * 64 * 64 * 16);
 }
 
+// Each thread's busy time in the fused kernel per run, its balance (min / max) and its share of
+// the median time: for the core forward only.
+TEST(CliBench, CoreReportsEachThreadsBusyTime) {
+  const auto j = bench_json("--core --causal --batch 4 --seq 300 --embed-dim 64 --heads 4 --threads 2");
+  ASSERT_TRUE(j.contains("thread_busy_ms")) << j.dump();
+  ASSERT_EQ(j["thread_busy_ms"].size(), 2u);
+  for (const auto& ms : j["thread_busy_ms"]) EXPECT_GE(ms.get<double>(), 0.0);
+  EXPECT_GT(j["thread_busy_ms"][0].get<double>() + j["thread_busy_ms"][1].get<double>(), 0.0);
+  EXPECT_GE(j["busy_balance"].get<double>(), 0.0);
+  EXPECT_LE(j["busy_balance"].get<double>(), 1.0);
+  EXPECT_GT(j["busy_fraction"].get<double>(), 0.0);
+  EXPECT_FALSE(bench_json("--seq 16 --embed-dim 32 --heads 4").contains("thread_busy_ms"));
+}
+
 TEST(CliBench, ModuleForwardCountsProjectionsToo) {
   const auto j = bench_json("--batch 2 --seq 16 --kv-seq 24 --embed-dim 32 --heads 4 --kv-heads 2");
   expect_measurement_keys(j);

@@ -29,6 +29,7 @@ using testing::widened;
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr int64_t kQBlock = 128;  // the kernel's query block
 constexpr int64_t kKBlock = 64;   // and key block
 
@@ -304,6 +305,62 @@ TEST(FusedForward, ThreadCountDoesNotChangeABit) {
       EXPECT_TRUE(bitwise_equal(many.lse, one.lse)) << threads << " threads";
     }
   });
+}
+
+// Many short sequences (B = 32): items are taken by whichever thread is free, causal ones last
+// query block first; whichever thread runs an item, its rows get the same bits. Each batch pads
+// a different number of its last keys (NaN behind the padding); the last pads every key.
+TEST(FusedForward, ManyShortSequencesGiveTheSameBitsOnAnyThreadCount) {
+  for (const int64_t T : {kQBlock, 2 * kQBlock + 3}) {
+    for (const Causal causal : {Causal::none(), Causal::top_left(), Causal::bottom_right()}) {
+      Case c;
+      c.B = kSanitized ? 9 : 32, c.H = 2, c.KV = 1, c.Tq = T, c.Tk = T + (causal.enabled() ? 5 : 0), c.D = 16,
+      c.Dv = 16;
+      c.opt.masks.causal = causal;
+      c.make_inputs(static_cast<uint64_t>(T) + 3);
+      c.key_padding = BoolTensor({c.B, 1, 1, c.Tk});
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t j = 0; j < c.Tk; ++j) {
+          const bool pad = b == c.B - 1 || j >= c.Tk - (b * 7) % c.Tk;
+          c.key_padding.data()[b * c.Tk + j] = pad;
+          for (int64_t g = 0; g < c.KV && pad; ++g)
+            for (int64_t e = 0; e < c.D; ++e) c.k.at({b, g, j, e}) = c.v.at({b, g, j, e}) = kNaN;
+        }
+      c.opt.masks.key_padding.view = c.key_padding.view4();
+      for_each_fused_target([&] {
+        const Result one = run(c, Backend::Fused, 1);
+        EXPECT_FALSE(
+            std::any_of(one.out.values().begin(), one.out.values().end(), [](float x) { return std::isnan(x); }));
+        for (int threads : {2, 3}) {
+          const Result many = run(c, Backend::Fused, threads);
+          EXPECT_TRUE(bitwise_equal(many.out, one.out)) << threads << " threads, T=" << T;
+          EXPECT_TRUE(bitwise_equal(many.lse, one.lse)) << threads << " threads, T=" << T;
+        }
+      });
+    }
+  }
+}
+
+// The per-thread busy time a benchmark asks for: one entry per thread, added by every call.
+TEST(FusedForward, ThreadStatsCountEachThreadsBusyTime) {
+  Case c;
+  c.B = 8, c.H = 2, c.KV = 2, c.Tq = 2 * kQBlock, c.Tk = 2 * kQBlock, c.D = 16, c.Dv = 16;
+  c.make_inputs(5);
+  SdpaThreadStats stats;
+  c.opt.thread_stats = &stats;
+  for (int call = 1; call <= 2; ++call) {
+    run(c, Backend::Fused, 3);
+    EXPECT_EQ(stats.calls, call);
+    ASSERT_EQ(stats.busy_ms.size(), 3u);
+    for (double ms : stats.busy_ms) EXPECT_TRUE(std::isfinite(ms) && ms >= 0.0) << ms;
+    EXPECT_GT(stats.busy_ms[0] + stats.busy_ms[1] + stats.busy_ms[2], 0.0);
+  }
+  // The reference path has no work items: it counts the call, and no thread time.
+  SdpaThreadStats ref;
+  c.opt.thread_stats = &ref;
+  run(c, Backend::Reference, 2);
+  EXPECT_EQ(ref.calls, 1);
+  EXPECT_EQ(ref.busy_ms, std::vector<double>(2, 0.0));
 }
 
 /// Rows [i0, i0 + n) of a request as a request of their own (n ≤ one query block, so the kernel

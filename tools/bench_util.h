@@ -166,8 +166,13 @@ class CoreCase {
     }
     opt_.masks.causal = c.causal ? Causal::top_left() : Causal::none();
     opt_.threads = c.threads;
+    opt_.thread_stats = &stats_;
     apply_edits(c, edits_, opt_);
   }
+
+  /// Each thread's busy time in the fused kernel, summed over the calls since reset_stats().
+  const SdpaThreadStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
 
   void run() {
     SdpaOutputs outs;
@@ -199,7 +204,8 @@ class CoreCase {
   Tensor q_, k_, v_, out_;
   BF16Tensor q16_, k16_, v16_;
   EditStore edits_;
-  SdpaOptions opt_;
+  SdpaThreadStats stats_;
+  SdpaOptions opt_;  // points at stats_: a CoreCase stays where it was built (held by unique_ptr)
 };
 
 /// The whole module forward: MultiheadAttention::forward, batch-first, eval, need_weights as asked

@@ -4,11 +4,13 @@
 // bandwidth for the bytes the call must touch at least once (fraction_of_read_bw), and of its sgemm
 // throughput (a secondary reference). The measurement itself lives in bench_util.h, shared with
 // bench/bench_attention.cpp.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <string>
 
 #include "bench_util.h"
@@ -68,6 +70,23 @@ std::vector<double> time_each(const std::function<void()>& fn, int repeat, const
     std::fprintf(stderr, "bench: %s run %d/%d: %.1f ms\n", what, i + 1, repeat, ms.back());
   }
   return ms;
+}
+
+/// Each thread's busy time in the fused kernel per run, and how even it is (min / max).
+struct ThreadBusy {
+  std::vector<double> ms;
+  double balance = 1.0;
+  double mean() const {
+    return ms.empty() ? 0.0 : std::accumulate(ms.begin(), ms.end(), 0.0) / static_cast<double>(ms.size());
+  }
+};
+
+ThreadBusy thread_busy(const SdpaThreadStats& s) {
+  ThreadBusy b;
+  for (double ms : s.busy_ms) b.ms.push_back(ms / static_cast<double>(std::max<int64_t>(1, s.calls)));
+  const auto [lo, hi] = std::minmax_element(b.ms.begin(), b.ms.end());
+  if (!b.ms.empty() && *hi > 0) b.balance = *lo / *hi;
+  return b;
 }
 
 /// `--varlen`: attention core (f32, fused) on --varlen-seqs sequences with lengths drawn uniformly
@@ -218,7 +237,10 @@ void run_bench(BenchArgs a) {
   } else if (a.core) {
     core = std::make_unique<bench::CoreCase>(c);
     dispatch = core->dispatch();
-    run = [&] { core->run(); };
+    run = [&, calls = 0]() mutable {
+      if (calls++ == 1) core->reset_stats();  // the busy times count the timed runs, not the warm-up
+      core->run();
+    };
   } else if (a.backward) {
     module_train = std::make_unique<bench::ModuleTrainCase>(c);
     dispatch = bench::ModuleCase(c).dispatch();
@@ -248,6 +270,7 @@ void run_bench(BenchArgs a) {
   const std::vector<double> ms = bench::time_runs(run, a.repeat, progress);
   // Read the peak RSS before the machine measurements and the sgemm reference allocate their own.
   const double peak_mb = bench::peak_rss_mib();
+  const ThreadBusy busy = core ? thread_busy(core->stats()) : ThreadBusy{};
   core.reset();
   module.reset();
   core_backward.reset();
@@ -305,6 +328,11 @@ void run_bench(BenchArgs a) {
     j["min_bytes"] = bench::expected_tensor_bytes(c);
     j["min_bytes_gbs"] = min_gbs;
     j["fraction_of_read_bw"] = min_gbs / machine.read_gbs;
+    if (!busy.ms.empty()) {  // --core forward: each thread's time in the kernel's work items
+      j["thread_busy_ms"] = busy.ms;
+      j["busy_balance"] = busy.balance;
+      j["busy_fraction"] = busy.mean() / med;
+    }
     std::printf("%s\n", j.dump().c_str());
     return;
   }
@@ -324,6 +352,16 @@ void run_bench(BenchArgs a) {
       "  memory            read %.1f GB/s, triad %.1f GB/s; the %.1f MiB it must touch at %.1f GB/s: "
       "fraction of read bandwidth %.3f\n",
       machine.read_gbs, machine.triad_gbs, expected_mb, min_gbs, min_gbs / machine.read_gbs);
+  if (!busy.ms.empty()) {
+    std::string list;
+    for (double t : busy.ms) {
+      char one[32];
+      std::snprintf(one, sizeof one, "%s%.3f", list.empty() ? "" : ", ", t);
+      list += one;
+    }
+    std::printf("  threads busy      %s ms per run; balance (min/max) %.3f, %.0f%% of the median time\n", list.c_str(),
+                busy.balance, 100.0 * busy.mean() / med);
+  }
   std::printf("  sgemm (%lld^3)   %.2f GFLOP/s on %d threads; fraction %.3f\n", static_cast<long long>(a.sgemm_size),
               sgemm, threads, gflops / sgemm);
 }

@@ -40,6 +40,16 @@ enum class Backend : uint8_t {
   Fused,      ///< the tiled online-softmax kernel
 };
 
+/// How long each thread worked in the fused kernel (for benchmarks and load-balance checks). Every
+/// call given one (SdpaOptions::thread_stats) counts itself in `calls`, sizes busy_ms to at least
+/// its thread count and, on the fused path, adds to busy_ms[t] thread t's time from entering the
+/// parallel region to finishing its last work item, waits at barriers left out. The reference
+/// path adds no time.
+struct SdpaThreadStats {
+  std::vector<double> busy_ms;
+  int64_t calls = 0;
+};
+
 struct SdpaOptions {
   std::optional<float> scale;  ///< default 1/√d (d of Q/K, not of V)
   Masks masks;
@@ -49,6 +59,8 @@ struct SdpaOptions {
   Alibi alibi{};           ///< ALiBi slopes, one per query head (mha/masks.h); off when empty
   float softcap = 0.0f;    ///< c > 0: scores s → c·tanh(s/c) after scaling, before masks; 0 = off
   AttentionSinks sinks{};  ///< learned sink logit per query head (mha/masks.h); off when empty
+  /// When set, each thread's busy time is added here (SdpaThreadStats); off by default.
+  SdpaThreadStats* thread_stats = nullptr;
 };
 
 /// Where the results go. `out` is required; `weights` (B, h, T_q, T_k) and `lse` (B, h, T_q, 1)

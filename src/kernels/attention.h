@@ -61,6 +61,7 @@ struct SdpaParams {
   View4<float> weights_avg;  // (B, 1, T_q, T_k), optional: weights averaged over the h heads
   int threads = 1;
   Varlen varlen;  // packed sequences; when defined the masks are only causal (no dropout, no weights)
+  double* thread_busy_ms = nullptr;  // optional, `threads` entries: the fused kernel adds each thread's busy time
 
   int64_t batch() const { return q.shape[0]; }
   int64_t heads() const { return q.shape[1]; }

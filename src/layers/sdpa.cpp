@@ -53,7 +53,12 @@ void run_reference(kernels::SdpaParams p) {
       }
 }
 
-void run(const kernels::SdpaParams& p, Backend backend) {
+void run(kernels::SdpaParams p, Backend backend, SdpaThreadStats* stats) {
+  if (stats) {
+    ++stats->calls;
+    if (stats->busy_ms.size() < static_cast<size_t>(p.threads)) stats->busy_ms.resize(static_cast<size_t>(p.threads));
+    p.thread_busy_ms = stats->busy_ms.data();
+  }
   if (shape_numel(p.out.shape_vec()) == 0 && !p.weights.defined() && !p.weights_avg.defined()) return;
   if (use_fused(p, backend, nullptr)) {
     std::unique_ptr<float[]> workspace = scratch(kernels::fused_workspace_floats(p));
@@ -72,12 +77,12 @@ void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const flo
 
 void sdpa(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
           const SdpaOutputs& outputs) {
-  run(detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs), opt.backend);
+  run(detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs), opt.backend, opt.thread_stats);
 }
 
 void sdpa(View4<const bf16> q, View4<const bf16> k, View4<const bf16> v, const SdpaOptions& opt,
           const SdpaOutputs& outputs) {
-  run(detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs), opt.backend);
+  run(detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs), opt.backend, opt.thread_stats);
 }
 
 namespace {
@@ -88,7 +93,7 @@ void run_varlen(View4<const T> q, View4<const T> k, View4<const T> v, const Varl
                 const SdpaOutputs& outputs) {
   kernels::SdpaParams p = detail::prepare_sdpa(kVarlen, q, k, v, opt, outputs);
   detail::attach_varlen(kVarlen, p, seqs, opt);
-  run(p, opt.backend);
+  run(p, opt.backend, opt.thread_stats);
 }
 }  // namespace
 
