@@ -99,12 +99,12 @@ def main():
                 continue
             ms = statistics.median(r["median_ms"] for r in m)
             frac = statistics.median(r["fraction_of_peak"] for r in m if "fraction_of_peak" in r)
-            bal = [r["thread_balance"] for r in m if "thread_balance" in r]
+            bal = [r["busy_balance"] for r in m if "busy_balance" in r]
             entry = {"row": label, "threads": th, "mha_ms": ms, "fraction_of_peak": frac, "rounds_kept": len(m),
                      "mha_rounds_ms": [r["median_ms"] for r in m]}
             line = f"{label:26s} {th:3d} {ms:9.1f} {frac:8.2f} {statistics.median(bal) if bal else float('nan'):8.2f}"
             if bal:
-                entry["thread_balance"] = statistics.median(bal)
+                entry["busy_balance"] = statistics.median(bal)
             if a.base:
                 b = kept("base", label, th)
                 bms = statistics.median(r["median_ms"] for r in b) if b else float("nan")

@@ -11,10 +11,10 @@
 // of its group, and per head a running max m, running sum l and an output accumulator O
 // (kBq × d_v, float32) in the thread's scratch. It walks the keys in blocks of kBk = 64. Each
 // K/V block is packed — K transposed (d × kBk) so that S = Q·Kᵀ loads contiguous key vectors,
-// V as contiguous rows (kBk × d_v) — and then used by all `group` query heads. With more than
-// one query block the whole call's K/V is packed once, before the items, into the shared
-// workspace (the size of K and V: memory stays linear in T) and every item reads it; with one
-// query block (and for packed batches) each item packs the blocks it uses into its own scratch.
+// V as contiguous rows (kBk × d_v) — and then used by all `group` query heads. From 4096
+// queries on (PrepackPlan) the whole call's K/V is packed once, before the items, into the shared
+// workspace (the size of K and V: memory stays linear in T) and every item reads it; with fewer
+// (and for packed batches) each item packs the blocks it uses into its own scratch.
 // For each head: S (kBq × kBk, 32 KiB, stays in L1/L2) = scale·Q·Kᵀ + masks; online softmax
 // (m' = max(m, rowmax S), P = exp(S − m'), l = l·e^{m−m'} + ΣP); O = e^{m−m'}·O + P·V. Both
 // products are register-blocked micro-GEMMs (kMR rows × kNV vectors of accumulators). So K and V
@@ -63,7 +63,8 @@ constexpr int64_t kBk = 64;        // keys per K/V block (a multiple of every ta
 constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512)
 constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any target
 constexpr int64_t kRowsPad = kBq + kMaxMR;
-constexpr int64_t kMaxPrefetchBytes = 32 * 64;  // per K/V row: a wider (strided) row is not worth it
+constexpr int64_t kPrepackMinQueries = 32 * kBq;  // pack K/V once per call from 4096 queries on
+constexpr int64_t kMaxPrefetchBytes = 32 * 64;    // per K/V row: a wider (strided) row is not worth it
 
 /// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
 struct ScratchPlan {
@@ -111,8 +112,8 @@ inline int64_t varlen_items(const SdpaParams& p) {
 /// K/V packed once per call, before the work items (PrepackPlan::used): the transposed K block,
 /// the V block and the key-only masks of every (batch, kv-head, key block), laid out exactly as
 /// one thread's scratch holds them when an item packs for itself. Worth it when a K/V block
-/// would otherwise be packed by several items (more than one query block): at T_q = 4096 that
-/// is 32 times per block, which cost ~18% of the kernel's time. A packed batch keeps per-item
+/// would otherwise be packed by many items: at T_q = 4096, 32 times per block (see prepack_plan
+/// for where it stops paying). A packed batch keeps per-item
 /// packing (its key blocks start at each sequence's own offset).
 struct PrepackPlan {
   bool used = false;
@@ -124,7 +125,12 @@ struct PrepackPlan {
 
 inline PrepackPlan prepack_plan(const SdpaParams& p) {
   PrepackPlan P;
-  P.used = !p.varlen.defined() && p.t_q() > kBq && p.t_k() > 0;
+  // Packing per item costs a roughly fixed share of the products whatever T is (each item packs
+  // the blocks it reads); packing once saves that share but writes a workspace the size of K and V,
+  // whose fresh pages and DRAM traffic grow with B·T_k against products that grow with B·T_q·T_k.
+  // Measured on 2 threads (Zen 5, quiet): once per call is ~5% faster at B=1, T=4096, but 8% slower
+  // at B=8, T=1024 and 1.2–2× slower (and its threads unbalanced by page faults) at B=64, T=512.
+  P.used = !p.varlen.defined() && p.t_q() >= kPrepackMinQueries && p.t_k() > 0;
   if (!P.used) return P;
   const ScratchPlan L = scratch_plan(p);
   ScratchCarver c;
