@@ -339,7 +339,9 @@ void out_block(const float* p, const float* alpha, int64_t rows, const float* vp
 // Operands are bf16 pairs in 32-bit words: q2 (rows × ⌈d/2⌉), kt2 (⌈d/2⌉ × kBk keys), p2 (rows ×
 // kBk/2 key pairs), v2 (⌈nk/2⌉ key pairs × ldv). vdpbf16ps adds both products of a pair to a lane.
 #if HWY_TARGET == HWY_AVX3_DL
-#define MHA_BF16_DOT __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,fma,avx2")))
+// Every feature of the AVX3_DL target plus AVX512_BF16: these functions also call Highway ops,
+// which clang inlines only into functions compiled with all of the target's features.
+#define MHA_BF16_DOT __attribute__((target(HWY_TARGET_STR ",avx512bf16")))
 
 template <int NV>
 MHA_BF16_DOT inline void score_tile_dp(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t d2, float* s) {
