@@ -25,6 +25,15 @@ nlohmann::json bench_json(const std::string& args, const std::string& extra = " 
   return nlohmann::json::parse(r.out);
 }
 
+/// `mha bench-decode --json` on a small GQA cache (h=4, kv=2, d=16, 1 thread) with `args` added;
+/// null (and a test failure) when it does not exit 0.
+nlohmann::json decode_json(const std::string& args) {
+  const auto r = run_command(kCli + " bench-decode --heads 4 --kv-heads 2 --head-dim 16 " + args +
+                             " --repeat 2 --footprint-mib 1 --bw-mib 8 --threads 1 --json");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r.exit_code == 0 ? nlohmann::json::parse(r.out) : nlohmann::json();
+}
+
 void expect_measurement_keys(const nlohmann::json& j) {
   for (const char* key :
        {"median_ms", "gflops", "peak_rss_mb", "sgemm_gflops", "fraction_of_sgemm", "flops", "expected_tensor_mb"}) {
@@ -107,11 +116,8 @@ TEST(CliBench, ModuleForwardWithWeights) {
 }
 
 TEST(CliBench, DecodeJsonHasTheBandwidthAndPeakFractions) {
-  const auto r = run_command(kCli +
-                             " bench-decode --heads 4 --kv-heads 2 --head-dim 16 --contexts 64,100 --dtype f32 "
-                             "--repeat 2 --footprint-mib 1 --bw-mib 8 --threads 1 --json");
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  const auto j = nlohmann::json::parse(r.out);
+  const auto j = decode_json("--contexts 64,100 --dtype f32");
+  ASSERT_FALSE(j.is_null());
   for (const char* key : {"triad_gbs", "read_bw_gbs", "peak_f32_gflops"}) EXPECT_GT(j[key].get<double>(), 0.0) << key;
   EXPECT_FALSE(j["simd_target"].get<std::string>().empty());
   ASSERT_EQ(j["decode"].size(), 2u);
@@ -124,11 +130,8 @@ TEST(CliBench, DecodeJsonHasTheBandwidthAndPeakFractions) {
 }
 
 TEST(CliBench, DecodeInt8RowCountsItsScalesAndReportsItsError) {
-  const auto r = run_command(kCli +
-                             " bench-decode --heads 4 --kv-heads 2 --head-dim 16 --contexts 100 --dtype f32,int8 "
-                             "--repeat 2 --footprint-mib 1 --bw-mib 8 --threads 1 --json");
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  const auto j = nlohmann::json::parse(r.out);
+  const auto j = decode_json("--contexts 100 --dtype f32,int8");
+  ASSERT_FALSE(j.is_null());
   ASSERT_EQ(j["decode"].size(), 2u);
   const auto& f32 = j["decode"][0];
   const auto& q8 = j["decode"][1];
