@@ -25,7 +25,14 @@ namespace hn = hwy::HWY_NAMESPACE;
 template <class DF, class VF = hn::Vec<DF>>
 HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   const hn::RebindToSigned<DF> di;
-  const VF t = hn::Max(hn::Mul(x, hn::Set(df, 1.44269504088896341f)), hn::Set(df, -126.0f));
+  const VF t0 = hn::Mul(x, hn::Set(df, 1.44269504088896341f));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // vscalefps below takes any n, and every x < −87 (t < −125.5, −inf and NaN too) is zeroed at
+  // the end: the clamp that keeps 2ⁿ's exponent bits in range elsewhere changes no result here.
+  const VF t = hn::MaxLanes(df) == 16 ? t0 : hn::Max(t0, hn::Set(df, -126.0f));
+#else
+  const VF t = hn::Max(t0, hn::Set(df, -126.0f));
+#endif
   const VF n = hn::Round(t);
   const VF f = hn::Sub(t, n);
   VF p = hn::Set(df, 1.5403530393381606e-4f);

@@ -33,10 +33,12 @@
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
-// itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Blocks with no
-// per-element mask, score edit, dropout or weights take softmax_block_dp: the same arithmetic,
-// bitwise, with the rows' maxima and sums reduced 16 rows at a time and P written as bf16 pairs
-// directly. Elsewhere bf16 inputs are widened to float32 when packed.
+// itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Elsewhere bf16
+// inputs are widened to float32 when packed.
+// On AVX-512 (float32 and bf16), blocks with no per-element or partial causal mask, score edit,
+// dropout or weights take softmax_rows16: the score tiles scale and mask S and keep each row's max
+// while S is in registers, and the rest of the softmax reduces 16 rows' maxima and sums at a time
+// (bf16: P written as bf16 pairs directly). The same arithmetic as softmax_block, bitwise.
 #include <omp.h>
 
 #include <algorithm>
@@ -68,7 +70,7 @@ constexpr int64_t kMaxPrefetchBytes = 32 * 64;    // per K/V row: a wider (strid
 
 /// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
 struct ScratchPlan {
-  int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, l2 = 0, total = 0;
+  int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, rmax = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, l2 = 0, total = 0;
   int64_t ldq = 0;  // floats between Q rows (d rounded to even)
   int64_t ldv = 0;  // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
 };
@@ -84,6 +86,7 @@ inline ScratchPlan scratch_plan(const SdpaParams& p) {
   L.v = c.take(kBk * L.ldv);
   L.s = c.take(kRowsPad * kBk);
   L.p2 = c.take(kRowsPad * kBk / 2);
+  L.rmax = c.take(kRowsPad * kMaxLanes);  // the bf16 path's rows' max vectors (score_block_dp)
   L.o = c.take(group * kRowsPad * L.ldv);
   L.m = c.take(group * kRowsPad);
   L.l = c.take(group * kRowsPad);
@@ -236,6 +239,10 @@ constexpr int kMR = 4;  // 4 rows × 2 vectors, leaves room in 16 registers
 constexpr int kNV = 2;
 #endif
 static_assert(kMR <= kMaxMR);
+// AVX-512: one score tile (kNV vectors of 16) spans a block's kBk keys, and the common softmax
+// runs 16 rows at a time (softmax_rows16).
+constexpr bool kHaveRows16 = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
+static_assert(!kHaveRows16 || kNV * kMaxLanes == kBk);
 // The bf16 dot-product tiles: 4 rows × 4 vectors, so that a block of kBq = 128 rows needs no
 // padding rows (6 would make it 132).
 constexpr int kMRdp = HWY_TARGET == HWY_AVX3_DL ? 4 : kMR;
@@ -256,10 +263,14 @@ HWY_INLINE void with_count(int64_t n, F&& f) {
 using kernels::HWY_NAMESPACE::exp_nonpositive;
 
 // ---- S = Q·Kᵀ (float32) --------------------------------------------------------------------
-// q: MR rows of d floats, ld ldq; kt: d rows of kBk keys; s: MR rows of kBk.
-template <int MR, int NV>
+// q: MR rows of d floats, ld ldq; kt: d rows of kBk keys; s: MR rows of kBk. With kScaled (the
+// common softmax, softmax_rows16), each score leaves as x = s·scale + kb (exactly −inf where kb is
+// −inf, whatever Q holds: softmax_block's rule) and the row's running max over the tile's vectors
+// goes to rmax (16 floats a row): softmax_block's first pass, the same operations in the same
+// order (so the same bits), while S is in registers. Used where one tile spans the block's keys.
+template <int MR, int NV, bool kScaled>
 HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT kt, int64_t d,
-                           float* HWY_RESTRICT s) {
+                           float* HWY_RESTRICT s, float scale, const float* kb, float* rmax) {
   const DF df;
   const int64_t N = lanes();
   VF acc[MR][NV];
@@ -273,25 +284,58 @@ HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(qv, kv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, s + r * kBk + v * N);
+  if constexpr (kScaled) {
+    const VF vscale = hn::Set(df, scale), vneg_inf = hn::Set(df, kNegInf);
+    VF kbv[NV];
+    for (int v = 0; v < NV; ++v) kbv[v] = hn::LoadU(df, kb + v * N);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      VF vmax = vneg_inf;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const VF x = hn::IfThenElse(hn::Eq(kbv[v], vneg_inf), kbv[v], hn::MulAdd(acc[r][v], vscale, kbv[v]));
+        vmax = hn::Max(vmax, x);
+        hn::StoreU(x, df, s + r * kBk + v * N);
+      }
+      hn::StoreU(vmax, df, rmax + r * kMaxLanes);
+    }
+  } else {
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, s + r * kBk + v * N);
+  }
 }
 
-// MR rows of S: tiles of kNV vectors, then the last `nvec % kNV` vectors.
-template <int MR>
-HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* kt, int64_t nvec, float* s) {
+// MR rows of S: tiles of kNV vectors, then the last `nvec % kNV` vectors (scaled: one tile).
+template <int MR, bool kScaled>
+HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* kt, int64_t nvec, float* s, float scale,
+                           const float* kb, float* rmax) {
   const int64_t N = lanes();
   int64_t v0 = 0;
-  for (; v0 + kNV <= nvec; v0 += kNV) score_tile<MR, kNV>(q, ldq, kt + v0 * N, d, s + v0 * N);
-  with_count<kNV - 1>(nvec - v0, [&](auto nv) { score_tile<MR, nv>(q, ldq, kt + v0 * N, d, s + v0 * N); });
+  for (; v0 + kNV <= nvec; v0 += kNV) score_tile<MR, kNV, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kb, rmax);
+  with_count<kNV - 1>(
+      nvec - v0, [&](auto nv) { score_tile<MR, nv, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kb, rmax); });
 }
 
 // Rows are not padded to a multiple of kMR: the last rows % kMR form a smaller tile (at kBq = 128
-// and kMR = 6, padding would compute 132 rows, 3% of the products for nothing).
-void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s) {
+// and kMR = 6, padding would compute 132 rows, 3% of the products for nothing). With rmax (only
+// where kNV vectors span a block), scaled and with the rows' max vectors, as score_tile says.
+template <bool kScaled>
+void score_block_t(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
+                   float scale, const float* kb, float* rmax) {
   int64_t r0 = 0;
-  for (; r0 + kMR <= rows; r0 += kMR) score_rows<kMR>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk);
-  with_count<kMR - 1>(rows - r0, [&](auto mr) { score_rows<mr>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk); });
+  for (; r0 + kMR <= rows; r0 += kMR)
+    score_rows<kMR, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, rmax + r0 * kMaxLanes);
+  with_count<kMR - 1>(rows - r0, [&](auto mr) {
+    score_rows<mr, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, rmax + r0 * kMaxLanes);
+  });
+}
+
+void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
+                 float scale = 0.0f, const float* kb = nullptr, float* rmax = nullptr) {
+  if constexpr (kHaveRows16) {
+    if (rmax) return score_block_t<true>(q, ldq, rows, d, kt, nvec, s, scale, kb, rmax);
+  }
+  score_block_t<false>(q, ldq, rows, d, kt, nvec, s, scale, kb, rmax);
 }
 
 // ---- O = alpha·O + P·V (float32) -----------------------------------------------------------
@@ -306,14 +350,17 @@ HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT 
     const VF a = hn::Set(df, alpha[r]);
     for (int v = 0; v < NV; ++v) acc[r][v] = hn::Mul(hn::LoadU(df, o + r * ldv + v * N), a);
   }
-  for (int64_t j = 0; j < nk; ++j) {
+  // nk ≥ 1 (a block has a key): a loop without a zero-trip path keeps acc in registers (with the
+  // guard GCC 12 passes the accumulators through the stack where the two paths join).
+  int64_t j = 0;
+  do {
     VF vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = hn::LoadU(df, vp + j * ldv + v * N);
     for (int r = 0; r < MR; ++r) {
       const VF pv = hn::Set(df, p[r * kBk + j]);
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(pv, vv[v], acc[r][v]);
     }
-  }
+  } while (++j < nk);
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, o + r * ldv + v * N);
 }
@@ -343,42 +390,69 @@ void out_block(const float* p, const float* alpha, int64_t rows, const float* vp
 // which clang inlines only into functions compiled with all of the target's features.
 #define MHA_BF16_DOT __attribute__((target(HWY_TARGET_STR ",avx512bf16")))
 
-template <int NV>
-MHA_BF16_DOT inline void score_tile_dp(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t d2, float* s) {
+/// Scores of kMRdp rows × NV vectors of keys. With `scaled` (the common softmax of
+/// softmax_rows16), each score leaves as x = s·scale + kb (exactly −inf where kb is −inf), and
+/// the row's running max over its vectors goes to rmax (16 floats a row): softmax_block's first
+/// pass, the same operations in the same order (so the same bits), done while S is in registers.
+template <int NV, bool kScaled>
+MHA_BF16_DOT inline void score_tile_dp(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t d2, float* s,
+                                       float scale, const float* kb, float* rmax) {
   __m512 acc[kMRdp][NV];
   for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d2; ++c) {
+  // d2 ≥ 1 (sdpa refuses d = 0): as out_tile, no zero-trip path.
+  int64_t c = 0;
+  do {
     __m512i kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_si512(kt2 + c * kBk + v * 16);
     for (int r = 0; r < kMRdp; ++r) {
       const __m512i qv = _mm512_set1_epi32(static_cast<int>(q2[r * ldq2 + c]));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)qv, (__m512bh)kv[v]);
     }
+  } while (++c < d2);
+  if constexpr (kScaled) {
+    const __m512 vscale = _mm512_set1_ps(scale), vneg_inf = _mm512_set1_ps(kNegInf);
+    __m512 kbv[NV];
+    __mmask16 hidden[NV];
+    for (int v = 0; v < NV; ++v) {
+      kbv[v] = _mm512_loadu_ps(kb + v * 16);
+      hidden[v] = _mm512_cmp_ps_mask(kbv[v], vneg_inf, _CMP_EQ_OQ);
+    }
+    // Unrolled, so that acc stays in registers (a rolled r loop makes GCC index acc in memory).
+#pragma GCC unroll 4
+    for (int r = 0; r < kMRdp; ++r) {
+      __m512 vmax = vneg_inf;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        // A key never read (kb = −inf) scores exactly −inf, whatever Q holds (see softmax_block).
+        const __m512 x = _mm512_mask_blend_ps(hidden[v], _mm512_fmadd_ps(acc[r][v], vscale, kbv[v]), kbv[v]);
+        vmax = _mm512_max_ps(vmax, x);
+        _mm512_storeu_ps(s + r * kBk + v * 16, x);
+      }
+      _mm512_storeu_ps(rmax + r * 16, vmax);
+    }
+  } else {
+    for (int r = 0; r < kMRdp; ++r)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * kBk + v * 16, acc[r][v]);
   }
-  for (int r = 0; r < kMRdp; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * kBk + v * 16, acc[r][v]);
 }
 
+/// S = Q·Kᵀ for rows (a multiple of kMRdp) × nvec vectors of keys; with rmax non-null, scaled and
+/// with the rows' max vectors as score_tile_dp<…, true> says.
 MHA_BF16_DOT HWY_NOINLINE void score_block_dp(const uint32_t* q2, int64_t ldq2, int64_t rows, int64_t d2,
-                                              const uint32_t* kt2, int64_t nvec, float* s) {
+                                              const uint32_t* kt2, int64_t nvec, float* s, float scale = 0.0f,
+                                              const float* kb = nullptr, float* rmax = nullptr) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMRdp) {
     const uint32_t* qr = q2 + r0 * ldq2;
     float* sr = s + r0 * kBk;
-    switch (nvec) {
-      case 1:
-        score_tile_dp<1>(qr, ldq2, kt2, d2, sr);
-        break;
-      case 2:
-        score_tile_dp<2>(qr, ldq2, kt2, d2, sr);
-        break;
-      case 3:
-        score_tile_dp<3>(qr, ldq2, kt2, d2, sr);
-        break;
-      default:
-        score_tile_dp<4>(qr, ldq2, kt2, d2, sr);
-        break;
-    }
+    float* mr = rmax ? rmax + r0 * 16 : nullptr;
+    const auto tile = [&](auto nv) {
+      if (mr)
+        score_tile_dp<decltype(nv)::value, true>(qr, ldq2, kt2, d2, sr, scale, kb, mr);
+      else
+        score_tile_dp<decltype(nv)::value, false>(qr, ldq2, kt2, d2, sr, scale, kb, mr);
+    };
+    with_count<4>(std::clamp<int64_t>(nvec, 1, 4), tile);
   }
 }
 
@@ -390,21 +464,23 @@ MHA_BF16_DOT inline void out_tile_dp(const uint32_t* p2, const float* alpha, con
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldv + v * 16), a);
   }
-  for (int64_t j2 = 0; j2 < n2; ++j2) {
+  // n2 ≥ 1: as out_tile, no zero-trip path.
+  int64_t j2 = 0;
+  do {
     __m512i vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_si512(v2 + j2 * ldv + v * 16);
     for (int r = 0; r < kMRdp; ++r) {
       const __m512i pv = _mm512_set1_epi32(static_cast<int>(p2[r * (kBk / 2) + j2]));
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)pv, (__m512bh)vv[v]);
     }
-  }
+  } while (++j2 < n2);
   for (int r = 0; r < kMRdp; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * ldv + v * 16, acc[r][v]);
 }
 
 /// P (float32 probabilities, rows × kBk) rounded to bf16 (nearest even), consecutive keys paired:
 /// word j2 of a row = (p[2·j2], p[2·j2+1]). The general softmax's output goes through here; the
-/// fast one (softmax_block_dp) writes the same words itself.
+/// fast one (softmax_rows16) writes the same words itself.
 MHA_BF16_DOT HWY_NOINLINE void to_bf16_pairs(const float* s, int64_t rows, int64_t nk, uint32_t* p2) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < (nk + 31) / 32; ++c) {
@@ -436,14 +512,36 @@ MHA_BF16_DOT HWY_NOINLINE void out_block_dp(const uint32_t* p2, const float* alp
   }
 }
 
-// ---- the online softmax of the bf16 path, 16 rows at a time --------------------------------
+constexpr bool kHaveDot = true;
+#else
+// Never called: the dot-product path is chosen on AVX3_DL only.
+inline void score_block_dp(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, float*, float = 0.0f,
+                           const float* = nullptr, float* = nullptr) {}
+inline void to_bf16_pairs(const float*, int64_t, int64_t, uint32_t*) {}
+inline void out_block_dp(const uint32_t*, const float*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*) {}
+constexpr bool kHaveDot = false;
+#endif
+
+// ---- the common online softmax, 16 rows at a time (AVX-512) --------------------------------
+// Blocks with no score edit, per-element or partial causal mask, dropout or weights: the score
+// tiles scaled and masked S and left each row's max vector in rmax (score_block(…, rmax),
+// score_block_dp(…, rmax)); softmax_rows16 finishes softmax_block's arithmetic, bitwise, with the
+// rows' maxima and sums reduced 16 rows at a time, and writes P as float32 in S or, for the bf16
+// path, as bf16 pairs (to_bf16_pairs' layout) straight away.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3_DL
+#define MHA_ROWS16 MHA_BF16_DOT  // for the bf16 pairs' conversion; the float32 variant uses none of it
+#else
+#define MHA_ROWS16
+#endif
+
 // Horizontal reductions of 16 row vectors at once: lane r of the result is what
 // _mm512_reduce_{add,max}_ps (Highway's SumOfLanes / MaxOfLanes) gives for v[r], bitwise: the same
 // tree (halves of 8, 4, 2, 1 lanes folded) with the same operand order at every level, so a NaN
 // lane is kept or dropped exactly as there. 15 operations and 30 shuffles instead of 16 chains of
 // 4 dependent steps each.
 template <class Op>
-MHA_BF16_DOT inline __m512 reduce_rows16(const __m512* v, Op op) {
+MHA_ROWS16 inline __m512 reduce_rows16(const __m512* v, Op op) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // [v lo 8 | w lo 8] with [v hi 8 | w hi 8]
     a[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44));
@@ -456,15 +554,14 @@ MHA_BF16_DOT inline __m512 reduce_rows16(const __m512* v, Op op) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
 
-/// softmax_block for the common case of the bf16 path (no score edits, no per-element mask, no
-/// dropout, no weights): the same arithmetic, bitwise, but the rows' maxima and sums are reduced
-/// 16 rows at a time (reduce_rows16), and the probabilities go straight to bf16 pairs in p2
-/// (to_bf16_pairs' layout) instead of float32 S and a second pass.
-MHA_BF16_DOT HWY_NOINLINE void softmax_block_dp(float scale, int64_t nq, int64_t rows, int64_t nk, float* s,
-                                                const float* kb, float* m, float* l, float* alpha, uint32_t* p2) {
+/// s: rows × kBk scaled, masked scores (x = s·scale + kb); rmax: their rows' max vectors (16
+/// floats a row). Updates m, l and alpha for the rows < nq as softmax_block does, and writes the
+/// probabilities: kPairs, as bf16 pairs into p2 (rows ≥ nq zero); else as float32 over s.
+template <bool kPairs>
+MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m,
+                                            float* l, float* alpha, uint32_t* p2) {
   const DF df;
   const int64_t nvec = (nk + 15) / 16;
-  const __m512 vscale = _mm512_set1_ps(scale), vneg_inf = _mm512_set1_ps(kNegInf);
   const auto vmax_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
   const auto vadd_op = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
   alignas(64) float row_max[16], m_use[16];
@@ -472,21 +569,8 @@ MHA_BF16_DOT HWY_NOINLINE void softmax_block_dp(float scale, int64_t nq, int64_t
   for (int64_t r0 = 0; r0 < nq; r0 += 16) {
     const int64_t n = std::min<int64_t>(16, nq - r0);
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
-    for (int64_t r = 0; r < 16; ++r) {
-      red[r] = vneg_inf;
-      if (r >= n) continue;
-      float* row = s + (r0 + r) * kBk;
-      __m512 vmax = vneg_inf;
-      for (int64_t v = 0; v < nvec; ++v) {
-        // As softmax_block: a key never read (kb = −inf) scores exactly −inf, whatever Q holds.
-        const __m512 kbv = _mm512_loadu_ps(kb + v * 16);
-        const __m512 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(kbv, vneg_inf, _CMP_EQ_OQ),
-                                              _mm512_fmadd_ps(_mm512_loadu_ps(row + v * 16), vscale, kbv), kbv);
-        vmax = _mm512_max_ps(vmax, x);
-        _mm512_storeu_ps(row + v * 16, x);
-      }
-      red[r] = vmax;
-    }
+    for (int64_t r = 0; r < n; ++r) red[r] = _mm512_loadu_ps(rmax + (r0 + r) * 16);
+    for (int64_t r = n; r < 16; ++r) red[r] = _mm512_set1_ps(kNegInf);
     _mm512_store_ps(row_max, reduce_rows16(red, vmax_op));
     for (int64_t r = 0; r < n; ++r) {
       const float m_old = m[r0 + r], m_new = std::max(m_old, row_max[r]);
@@ -495,10 +579,9 @@ MHA_BF16_DOT HWY_NOINLINE void softmax_block_dp(float scale, int64_t nq, int64_t
       m[r0 + r] = m_new;
     }
     __mmask16 any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
-    for (int64_t r = 0; r < 16; ++r) {
-      red[r] = _mm512_setzero_ps();
-      if (r >= n) continue;
-      const float* row = s + (r0 + r) * kBk;
+    for (int64_t r = n; r < 16; ++r) red[r] = _mm512_setzero_ps();  // (not all 16 first: a memset)
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = s + (r0 + r) * kBk;
       const VF vm = hn::Set(df, m_use[r]);
       __mmask16 nan = 0;
       __m512 vsum = _mm512_setzero_ps();
@@ -509,9 +592,15 @@ MHA_BF16_DOT HWY_NOINLINE void softmax_block_dp(float scale, int64_t nq, int64_t
         vsum = _mm512_add_ps(vsum, e);
         return e;
       };
-      for (int64_t v = 0; v < nvec; v += 2) {  // two vectors (the second zero past nk): 16 words
-        const __m512 lo = prob(v), hi = v + 1 < nvec ? prob(v + 1) : _mm512_setzero_ps();
-        _mm512_storeu_si512(p2 + (r0 + r) * (kBk / 2) + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      if constexpr (kPairs) {
+#if HWY_TARGET == HWY_AVX3_DL
+        for (int64_t v = 0; v < nvec; v += 2) {  // two vectors (the second zero past nk): 16 words
+          const __m512 lo = prob(v), hi = v + 1 < nvec ? prob(v + 1) : _mm512_setzero_ps();
+          _mm512_storeu_si512(p2 + (r0 + r) * (kBk / 2) + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+#endif
+      } else {
+        for (int64_t v = 0; v < nvec; ++v) _mm512_storeu_ps(row + v * 16, prob(v));
       }
       red[r] = vsum;
       if (nan) any_nan = static_cast<__mmask16>(any_nan | (1u << r));
@@ -524,19 +613,16 @@ MHA_BF16_DOT HWY_NOINLINE void softmax_block_dp(float scale, int64_t nq, int64_t
   }
   // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
   for (int64_t r = nq; r < rows; ++r) {
-    std::memset(p2 + r * (kBk / 2), 0, sizeof(uint32_t) * static_cast<size_t>(kBk / 2));
+    if constexpr (kPairs)
+      std::memset(p2 + r * (kBk / 2), 0, sizeof(uint32_t) * static_cast<size_t>(kBk / 2));
+    else
+      std::memset(s + r * kBk, 0, sizeof(float) * static_cast<size_t>(kBk));
     alpha[r] = 0.0f;
   }
 }
-constexpr bool kHaveDot = true;
 #else
-// Never called: the dot-product path is chosen on AVX3_DL only.
-inline void score_block_dp(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
-inline void to_bf16_pairs(const float*, int64_t, int64_t, uint32_t*) {}
-inline void out_block_dp(const uint32_t*, const float*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*) {}
-inline void softmax_block_dp(float, int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*,
-                             uint32_t*) {}
-constexpr bool kHaveDot = false;
+template <bool kPairs>  // never called: the 16-row softmax is chosen on the AVX-512 targets only
+inline void softmax_rows16(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*) {}
 #endif
 
 // ---- online softmax over one block of scores ------------------------------------------------
@@ -947,10 +1033,16 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       const int64_t h = g * group + hh;
       float* oh = o + hh * kRowsPad * ldv;
       float* alpha = ws + L.alpha;
+      // The common case on AVX-512 scales, masks and takes the rows' maxima as it scores, and
+      // finishes the softmax 16 rows at a time (softmax_rows16).
+      const bool rows16 =
+          kHaveRows16 && !cx.weights && !cx.edit_scores && !partial && !per_element_masks && !p.dropout.active();
+      float* const rmax = rows16 ? ws + L.rmax : nullptr;
       if constexpr (kDot)
-        score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s);
+        score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s,
+                       p.scale, kb_use, rmax);
       else
-        score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt_use, nvec, s);
+        score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt_use, nvec, s, p.scale, kb_use, rmax);
       if (cx.weights) {
         // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
         std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
@@ -958,9 +1050,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
                       ws + L.l2, alpha);
         write_weights(cx, b, h, i0, nq, j0, nk, ws + L.l + hh * kRowsPad, s);
         if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
-      } else if (kDot && !cx.edit_scores && !partial && !per_element_masks && !p.dropout.active()) {
-        softmax_block_dp(p.scale, nq, rows, nk, s, kb_use, ws + L.m + hh * kRowsPad, ws + L.l + hh * kRowsPad, alpha,
-                         p2);
+      } else if (rows16) {
+        softmax_rows16<kDot>(nq, rows, nk, s, rmax, ws + L.m + hh * kRowsPad, ws + L.l + hh * kRowsPad, alpha, p2);
       } else {
         softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
                       ws + L.l + hh * kRowsPad, alpha);
