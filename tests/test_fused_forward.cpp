@@ -291,6 +291,35 @@ TEST(FusedForward, StridedAndMisalignedViews) {
   });
 }
 
+/// float32 Q and V with contiguous rows are read where they lie (V when d_v is whole vectors and
+/// no key is padded or biased), else copied and packed: the same values in the same order, so the
+/// same bits, for rows of any stride and alignment, partial key blocks and GQA included.
+TEST(FusedForward, QAndVReadInPlaceGiveTheSameBitsAsPacked) {
+  for (int64_t dv : {16, 48, 64})
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "d_v " << dv << " causal " << causal);
+      Case c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = 150, c.Tk = 197, c.D = 64, c.Dv = dv;
+      if (causal) c.opt.masks.causal = Causal::bottom_right();
+      c.make_inputs(static_cast<uint64_t>(dv + causal));
+      const Result want = run(c, Backend::Reference);
+      for_each_fused_target([&] {
+        const Result contiguous = run(c, Backend::Fused);
+        expect_close(c, contiguous, want);
+        for (int64_t step : {1, 2}) {  // rows 3 floats apart, misaligned; then strided elements (packed)
+          const Strided q(c.q, step), k(c.k, step), v(c.v, step);
+          Strided out(Shape{c.B, c.H, c.Tq, c.Dv}, 1), lse(Shape{c.B, c.H, c.Tq, 1}, 1);
+          SdpaOptions opt = c.opt;
+          opt.backend = Backend::Fused;
+          sdpa(q.view, k.view, v.view, opt, {out.view, {}, lse.view});
+          EXPECT_TRUE(bitwise_equal(out.gather(), contiguous.out)) << "step " << step;
+          EXPECT_TRUE(bitwise_equal(lse.gather(), contiguous.lse)) << "step " << step;
+        }
+      });
+      if (HasFailure()) return;
+    }
+}
+
 TEST(FusedForward, ThreadCountDoesNotChangeABit) {
   Case c;
   c.B = 2, c.H = 4, c.KV = 2, c.Tq = kSanitized ? 140 : 300, c.Tk = kSanitized ? 100 : 260, c.D = 64, c.Dv = 64;

@@ -42,6 +42,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -342,7 +343,7 @@ void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const flo
 // p: MR rows of kBk probabilities; vp: nk rows of ldv; o: MR rows of ldv.
 template <int MR, int NV>
 HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT alpha, const float* HWY_RESTRICT vp,
-                         int64_t ldv, int64_t nk, float* HWY_RESTRICT o) {
+                         int64_t ldvp, int64_t ldv, int64_t nk, float* HWY_RESTRICT o) {
   const DF df;
   const int64_t N = lanes();
   VF acc[MR][NV];
@@ -355,7 +356,7 @@ HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT 
   int64_t j = 0;
   do {
     VF vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = hn::LoadU(df, vp + j * ldv + v * N);
+    for (int v = 0; v < NV; ++v) vv[v] = hn::LoadU(df, vp + j * ldvp + v * N);
     for (int r = 0; r < MR; ++r) {
       const VF pv = hn::Set(df, p[r * kBk + j]);
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(pv, vv[v], acc[r][v]);
@@ -366,20 +367,23 @@ HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT 
 }
 
 template <int MR>
-HWY_INLINE void out_rows(const float* p, const float* alpha, const float* vp, int64_t ldv, int64_t nk, int64_t nvec_o,
-                         float* o) {
+HWY_INLINE void out_rows(const float* p, const float* alpha, const float* vp, int64_t ldvp, int64_t ldv, int64_t nk,
+                         int64_t nvec_o, float* o) {
   const int64_t N = lanes();
   int64_t v0 = 0;
-  for (; v0 + kNV <= nvec_o; v0 += kNV) out_tile<MR, kNV>(p, alpha, vp + v0 * N, ldv, nk, o + v0 * N);
-  with_count<kNV - 1>(nvec_o - v0, [&](auto nv) { out_tile<MR, nv>(p, alpha, vp + v0 * N, ldv, nk, o + v0 * N); });
+  for (; v0 + kNV <= nvec_o; v0 += kNV) out_tile<MR, kNV>(p, alpha, vp + v0 * N, ldvp, ldv, nk, o + v0 * N);
+  with_count<kNV - 1>(nvec_o - v0,
+                      [&](auto nv) { out_tile<MR, nv>(p, alpha, vp + v0 * N, ldvp, ldv, nk, o + v0 * N); });
 }
 
-void out_block(const float* p, const float* alpha, int64_t rows, const float* vp, int64_t ldv, int64_t nk,
+/// V rows ldvp floats apart: the packed block's ldv, or the caller's V itself (run_group's
+/// v_in_place); O rows ldv apart.
+void out_block(const float* p, const float* alpha, int64_t rows, const float* vp, int64_t ldvp, int64_t ldv, int64_t nk,
                int64_t nvec_o, float* o) {
   int64_t r0 = 0;
-  for (; r0 + kMR <= rows; r0 += kMR) out_rows<kMR>(p + r0 * kBk, alpha + r0, vp, ldv, nk, nvec_o, o + r0 * ldv);
-  with_count<kMR - 1>(rows - r0,
-                      [&](auto mr) { out_rows<mr>(p + r0 * kBk, alpha + r0, vp, ldv, nk, nvec_o, o + r0 * ldv); });
+  for (; r0 + kMR <= rows; r0 += kMR) out_rows<kMR>(p + r0 * kBk, alpha + r0, vp, ldvp, ldv, nk, nvec_o, o + r0 * ldv);
+  with_count<kMR - 1>(
+      rows - r0, [&](auto mr) { out_rows<mr>(p + r0 * kBk, alpha + r0, vp, ldvp, ldv, nk, nvec_o, o + r0 * ldv); });
 }
 
 // ---- the bf16 dot-product path (AVX3_DL with AVX512_BF16 only) ------------------------------
@@ -902,13 +906,60 @@ void pack_kv_block(const Ctx<T>& cx, int64_t b, int64_t g, int64_t j0, int64_t n
   }
 }
 
+// ---- the next item's rows, asked for while this one computes ------------------------------
+/// An item a thread has claimed but not started (b < 0: none).
+struct Upcoming {
+  int64_t b = -1, g = 0, qb = 0;
+};
+
+/// Prefetches part `part` of `parts` of what item `u` reads from memory first: its Q rows (every
+/// head of the group), the K and V rows of its first key block (unless packed once per call), and
+/// its output rows (the stores then find their lines in cache). A short item waits on these
+/// loads (at T = 128 about a sixth of its time); asked for one item ahead, a part per key block,
+/// they arrive while the products of the current item run. Locality 2: into L2 where the
+/// target's prefetch instruction tells the levels apart.
+template <class T>
+void prefetch_upcoming(const Ctx<T>& cx, const Upcoming& u, int64_t part, int64_t parts) {
+  if (u.b < 0) return;
+  const SdpaParams& p = *cx.p;
+  const int64_t group = p.group(), i0 = u.qb * kBq, nq = std::min(kBq, cx.t_q - i0);
+  const KeyRange keys = cx.causal.visible_keys(i0, i0 + nq, 0, cx.t_k);
+  const int64_t nk = cx.prepacked ? 0 : std::min(kBk, keys.hi - keys.lo);
+  // The rows in order: Q head by head, output head by head, K, V; this part is [lo, hi).
+  const int64_t rows = 2 * group * nq + 2 * nk, lo = rows * part / parts, hi = rows * (part + 1) / parts;
+  // Rows [first, first + count) of the list, `stride` elements apart from `row0`: those in [lo, hi).
+  const auto rows_of = [&](int64_t first, int64_t count, const auto* row0, int64_t stride, int64_t bytes) {
+    const int64_t a = std::max(lo, first), z = std::min(hi, first + count);
+    bytes = std::min(bytes, kMaxPrefetchBytes);
+    for (int64_t r = a; r < z; ++r) {
+      // An empty asm statement, no instruction: without it GCC 12 deletes this loop of
+      // prefetches outright (no prefetch of it was left in the binary), as a loop with no effect.
+      asm volatile("");
+      prefetch_bytes<2>(row0 + (r - first) * stride, 0, bytes);
+    }
+  };
+  const int64_t q_bytes = p.d() * cx.q.stride[3] * static_cast<int64_t>(sizeof(T));
+  const int64_t o_bytes = p.d_v() * cx.out.stride[3] * static_cast<int64_t>(sizeof(float));
+  for (int64_t hh = 0; hh < group; ++hh) {
+    const int64_t h = u.g * group + hh;
+    rows_of(hh * nq, nq, cx.q.row(u.b, h, i0), cx.q.stride[2], q_bytes);
+    rows_of((group + hh) * nq, nq, cx.out.row(u.b, h, i0), cx.out.stride[2], o_bytes);
+  }
+  if (nk == 0) return;
+  rows_of(2 * group * nq, nk, cx.k.row(u.b, u.g, keys.lo), cx.k.stride[2],
+          p.d() * cx.k.stride[3] * static_cast<int64_t>(sizeof(T)));
+  rows_of(2 * group * nq + nk, nk, cx.v.row(u.b, u.g, keys.lo), cx.v.stride[2],
+          p.d_v() * cx.v.stride[3] * static_cast<int64_t>(sizeof(T)));
+}
+
 // ---- (batch b, kv-head g, query block qb) for every query head of the group ----------------
 // Without weights: one pass over the keys with the online softmax. With weights: a first pass
 // finds each row's max m and sum l (no P·V, no dropout); a second recomputes the scores block by
 // block, forms the final probabilities keep_scale·exp(s − m)/l (dropout applied), writes them
 // as weights and accumulates P·V with no rescaling.
 template <class T, bool kDot>
-HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, float* ws) {
+HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, float* ws,
+                            const Upcoming& upcoming = {}) {
   const SdpaParams& p = *cx.p;
   const ScratchPlan& L = cx.L;
   const int64_t group = p.group(), Tq = cx.t_q, Tk = cx.t_k, D = p.d(), Dv = p.d_v();
@@ -927,11 +978,22 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   auto* const q2 = reinterpret_cast<uint32_t*>(qp);
   auto* const p2 = reinterpret_cast<uint32_t*>(ws + L.p2);
 
-  // Q of every head of the group, rows ≥ nq zero.
+  // float32 Q with contiguous rows is read where it lies (ldq_use apart; the float32 tiles need
+  // no padding rows); else Q of every head of the group is copied, rows ≥ nq zero. For a short
+  // item the copy was a sixth of the time outside the products.
+  constexpr bool kF32 = std::is_same_v<T, float> && !kDot;
+  const bool q_in_place = kF32 && cx.q.stride[3] == 1;
+  const int64_t ldq_use = q_in_place ? cx.q.stride[2] : L.ldq;
+  const auto q_head = [&](int64_t hh) -> const float* {
+    if constexpr (kF32) {
+      if (q_in_place) return cx.q.row(b, g * group + hh, i0);
+    }
+    return qp + hh * kRowsPad * L.ldq;
+  };
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t h = g * group + hh;
     float* qh = qp + hh * kRowsPad * L.ldq;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < (q_in_place ? 0 : rows); ++r) {
       if (r >= nq) {  // padding rows of the register tiles, in whichever layout is in use
         if constexpr (kDot)
           std::memset(q2 + (hh * kRowsPad + r) * ldq2, 0, sizeof(uint32_t) * static_cast<size_t>(ldq2));
@@ -964,7 +1026,14 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   // packed them (a block this item uses in full, else one whose tail lanes the item must not see:
   // its masks are copied with those lanes −inf), else packed into this thread's scratch.
   const float *kt_use = kt, *vp_use = vp, *kb_use = kb;
+  // float32 V is read where it lies (rows ldvp apart) when its rows are contiguous, whole vectors
+  // wide, and no key is hidden by padding or key_bias (those rows must read as zeros, and could
+  // hold anything); else packed with K (ldv apart, zero where hidden).
+  const bool v_in_place =
+      kF32 && vs == 1 && Dv % N == 0 && !p.masks.key_padding.view.defined() && !p.masks.key_bias.view.defined();
+  int64_t ldvp = ldv;
   const auto pack_block = [&](int64_t j0, int64_t nk, bool with_v) {
+    ldvp = ldv;
     const int64_t width = std::min(kBk, Tk - j0);
     // bf16 pairs: an odd nk short of the packed width would pair the last key with one no row may
     // see (its V row would enter a product), so that block is packed here.
@@ -980,10 +1049,13 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       }
       return;
     }
-    pack_kv_block<T, kDot>(cx, b, g, j0, nk, with_v, kt, vp, kb);
+    pack_kv_block<T, kDot>(cx, b, g, j0, nk, with_v && !v_in_place, kt, vp, kb);
     kt_use = kt;
     vp_use = vp;
     kb_use = kb;
+    if constexpr (kF32) {
+      if (v_in_place) vp_use = cx.v.row(b, g, j0), ldvp = cx.v.stride[2];
+    }
     // Ask for the next K/V block now: packing reads it from L3 or memory, and the products
     // below give the prefetches time to land. (A prefetch reads no value; padded rows stay unread.)
     if (j0 + kBk < j_end) {
@@ -1008,7 +1080,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         if constexpr (kDot)
           score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s);
         else
-          score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt_use, nvec, s);
+          score_block(q_head(hh), ldq_use, rows, D, kt_use, nvec, s);
         softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
                       ws + L.l + hh * kRowsPad, ws + L.alpha, /*apply_dropout=*/false);
       }
@@ -1024,9 +1096,11 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       for (int64_t r = 0; r < nq; ++r) add_sink(p.edits.sinks[g * group + hh], m[r], l[r], rescale);
     }
   }
+  const int64_t key_blocks = (j_end - j_begin + kBk - 1) / kBk;
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
     const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
     pack_block(j0, nk, true);
+    const int64_t block_at = (j0 - j_begin) / kBk;
     // Blocks that straddle the causal diagonal or the window's lower edge are masked per element.
     const bool partial = cx.causal.tile(i0, i0 + nq, j0, j0 + nk) != TileVis::All;
     for (int64_t hh = 0; hh < group; ++hh) {
@@ -1038,11 +1112,14 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       const bool rows16 =
           kHaveRows16 && !cx.weights && !cx.edit_scores && !partial && !per_element_masks && !p.dropout.active();
       float* const rmax = rows16 ? ws + L.rmax : nullptr;
+      // The next item's rows in small parts: before these scores, and before this P·V below.
+      const int64_t part = 2 * (block_at * group + hh), parts = 2 * key_blocks * group;
+      prefetch_upcoming(cx, upcoming, part, parts);
       if constexpr (kDot)
         score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s,
                        p.scale, kb_use, rmax);
       else
-        score_block(qp + hh * kRowsPad * L.ldq, L.ldq, rows, D, kt_use, nvec, s, p.scale, kb_use, rmax);
+        score_block(q_head(hh), ldq_use, rows, D, kt_use, nvec, s, p.scale, kb_use, rmax);
       if (cx.weights) {
         // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
         std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
@@ -1057,10 +1134,11 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
                       ws + L.l + hh * kRowsPad, alpha);
         if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
       }
+      prefetch_upcoming(cx, upcoming, part + 1, parts);
       if constexpr (kDot)
         out_block_dp(p2, alpha, rows, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk, nvec_o, oh);
       else
-        out_block(s, alpha, rows, vp_use, ldv, nk, nvec_o, oh);
+        out_block(s, alpha, rows, vp_use, ldvp, ldv, nk, nvec_o, oh);
     }
   }
 
@@ -1099,11 +1177,14 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
 // (batch, kv-head, query block); with averaged weights (batch, query block) and every kv-head in
 // turn, so that one item owns each averaged row: zeroed, summed over heads in order, divided by h.
 template <class T, bool kDot>
-void run_item(const Ctx<T>& cx, int64_t item, float* ws) {
+void run_item(const Ctx<T>& cx, int64_t item, float* ws, int64_t next_item = -1) {
   const SdpaParams& p = *cx.p;
   const int64_t KV = p.kv_heads(), qb = item % cx.q_blocks;
   if (!p.weights_avg.defined()) {
-    run_group<T, kDot>(cx, item / (cx.q_blocks * KV), (item / cx.q_blocks) % KV, qb, ws);
+    Upcoming next;
+    if (next_item >= 0)
+      next = {next_item / (cx.q_blocks * KV), (next_item / cx.q_blocks) % KV, next_item % cx.q_blocks};
+    run_group<T, kDot>(cx, item / (cx.q_blocks * KV), (item / cx.q_blocks) % KV, qb, ws, next);
     return;
   }
   const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, cx.t_q - i0), Tk = cx.t_k;
@@ -1237,6 +1318,7 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   // items, longest first within each (batch, kv-head) and taken by whichever thread is free
   // (item_at). Every output row belongs to exactly one item, whose arithmetic does not depend
   // on the thread or the order, so the thread count cannot change any result.
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(threads)
   {
     BusyClock busy(p.thread_busy_ms);
@@ -1255,9 +1337,16 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
 #pragma omp barrier
       busy.resume();
     }
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t it = 0; it < items; ++it)
-      with_dot<T>(dot, [&](auto kDot) { run_item<T, decltype(kDot)::value>(cx, item_at(cx, it), ws); });
+    // Items are claimed one ahead of the one in hand, so that the next one's rows can be
+    // prefetched while this one computes (prefetch_upcoming); still first come, first served.
+    int64_t it = next_item.fetch_add(1, std::memory_order_relaxed);
+    while (it < items) {
+      const int64_t ahead = next_item.fetch_add(1, std::memory_order_relaxed);
+      with_dot<T>(dot, [&](auto kDot) {
+        run_item<T, decltype(kDot)::value>(cx, item_at(cx, it), ws, ahead < items ? item_at(cx, ahead) : -1);
+      });
+      it = ahead;
+    }
   }
 }
 
