@@ -505,6 +505,16 @@ void expect_fast_softmax_is_the_general_one(const Case& c, const Inputs& q, cons
   });
 }
 
+/// The same for the case's float32 inputs and for them rounded to bf16.
+void expect_fast_softmax_is_the_general_one(const Case& c) {
+  {
+    SCOPED_TRACE("float32");
+    expect_fast_softmax_is_the_general_one(c, c.q, c.k, c.v);
+  }
+  SCOPED_TRACE("bf16");
+  expect_fast_softmax_is_the_general_one(c, to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v));
+}
+
 TEST(FusedForward, FastSoftmaxIsBitwiseTheGeneralOne) {
   for (int64_t tq : {1, 7, 15, 17, 130})
     for (int64_t tk : {1, 31, 64, 65, 150})
@@ -520,16 +530,54 @@ TEST(FusedForward, FastSoftmaxIsBitwiseTheGeneralOne) {
           c.opt.masks.causal = Causal::bottom_right();
         }
         if (variant == 2) c.q.at({0, 1, tq / 2, 3}) = std::numeric_limits<float>::quiet_NaN();
-        {
-          SCOPED_TRACE("float32");
-          expect_fast_softmax_is_the_general_one(c, c.q, c.k, c.v);
-        }
-        {
-          SCOPED_TRACE("bf16");
-          expect_fast_softmax_is_the_general_one(c, to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v));
-        }
+        expect_fast_softmax_is_the_general_one(c);
         if (HasFailure()) return;
       }
+}
+
+// Under a causal mask (and window) a query block's rows meet each key block in runs of 16: rows
+// that see none of its keys skip it, rows that see all take the unmasked softmax, and the rest
+// stop their products at the last key any of them sees. Every such split must give the bits of the
+// element-by-element path, which takes each row over the whole block.
+TEST(FusedForward, CausalRowRunsAreBitwiseTheMaskedPath) {
+  const Causal kinds[] = {Causal::top_left(), Causal::bottom_right(), Causal::top_left().with_window(23),
+                          Causal::bottom_right().with_window(70), Causal::with_offset(-40)};
+  for (int64_t tq : {1, 16, 17, 100, 128, 129, 300})
+    for (int64_t tk : {1, 64, 65, 200})
+      for (size_t kind = 0; kind < std::size(kinds); ++kind) {
+        SCOPED_TRACE(::testing::Message() << "T_q " << tq << " T_k " << tk << " causal kind " << kind);
+        Case c;
+        c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = 64, c.Dv = 40;
+        c.opt.masks.causal = kinds[kind];
+        c.make_inputs(static_cast<uint64_t>(tq * 1000 + tk * 10 + kind));
+        for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] *= 3.0f;  // maxima move between blocks
+        expect_fast_softmax_is_the_general_one(c);
+        if (HasFailure()) return;
+      }
+}
+
+// A key hidden by the causal rule from a whole run of rows is not read for them: a NaN in its V
+// row reaches at most the rows of its own 16-row run (docs/semantics.md: keys hidden from some
+// queries may reach other rows of the same tile), never rows a run or more before it.
+TEST(FusedForward, CausalRowsBeforeAKeysRunNeverReadIt) {
+  for (int64_t t : {100, 128, 200}) {
+    SCOPED_TRACE(::testing::Message() << "T " << t);
+    Case c;
+    c.H = 2, c.KV = 1, c.Tq = t, c.Tk = t, c.D = 32, c.Dv = 32;
+    c.opt.masks.causal = Causal::top_left();
+    c.make_inputs(static_cast<uint64_t>(t));
+    const int64_t key = t - 3;  // V row of a late key: NaN
+    for (int64_t x = 0; x < c.Dv; ++x) c.v.at({0, 0, key, x}) = kNaN;
+    const int64_t clean_rows = key / 16 * 16;  // rows of the runs before the key's own
+    for_each_fused_target([&] {
+      const Result r = run(c, Backend::Fused);
+      for (int64_t h = 0; h < c.H; ++h) {
+        for (int64_t i = 0; i < clean_rows; ++i)
+          for (int64_t x = 0; x < c.Dv; ++x) ASSERT_TRUE(std::isfinite(r.out.at({0, h, i, x}))) << h << " " << i;
+        for (int64_t i = key; i < t; ++i) EXPECT_TRUE(std::isnan(r.out.at({0, h, i, 0}))) << h << " " << i;
+      }
+    });
+  }
 }
 
 TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {

@@ -20,9 +20,11 @@
 // products are register-blocked micro-GEMMs (kMR rows × kNV vectors of accumulators). So K and V
 // are streamed from memory T_q / kBq times per kv-head (not once per query head), Q and O once;
 // nothing of size T_q × T_k exists. Causal masks limit each item to the keys that some row of
-// the block can see (≈ half the blocks skipped); only blocks that straddle the diagonal or the
-// window edge, or any block when a per-element mask is given, are masked element by element with
-// key_hidden(), the rule the reference uses. A packed variable-length batch (SdpaParams::varlen)
+// the block can see (≈ half the blocks skipped), and within a block that straddles the diagonal
+// or the window edge the rows go in runs of 16 (RowRun): rows that see none of its keys skip it,
+// rows that see all of them take the unmasked softmax, and only the rest are masked, their
+// products cut at the last key they see. Any block when a per-element mask is given is masked
+// element by element with key_hidden(), the rule the reference uses. A packed variable-length batch (SdpaParams::varlen)
 // has items (sequence, kv-head, query block) over the sequences' own rows, costed by the query
 // rows times the keys they may see and taken longest first (run_varlen): work is Σ T_q·T_k over
 // the sequences, never the padded B·max². Padded keys (and keys whose key_bias is −inf) are
@@ -68,6 +70,38 @@ constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any targe
 constexpr int64_t kRowsPad = kBq + kMaxMR;
 constexpr int64_t kPrepackMinQueries = 32 * kBq;  // pack K/V once per call from 4096 queries on
 constexpr int64_t kMaxPrefetchBytes = 32 * 64;    // per K/V row: a wider (strided) row is not worth it
+
+/// Rows [r0, r1) of a query block that the causal rule (with its window) treats alike against one
+/// key block: None, no key of the block is visible to them, so the block is skipped for them (m,
+/// l and O stay as they are: what masking all of their scores gives, for finite V); All, every
+/// key is, so they take the unmasked softmax; Partial, some are, all among the block's first nk
+/// keys, so their products stop there. Under a causal mask the rows of a diagonal block split
+/// this way instead of all taking the masked path over every key: at T = 128 half of the pairs
+/// the products computed were hidden ones. Runs are whole groups of kRunRows rows (the 16-row
+/// softmax's unit and a multiple of the bf16 tiles' 4 rows), the last one ending at the block's nq.
+struct RowRun {
+  int64_t r0 = 0, r1 = 0, nk = 0;
+  TileVis vis = TileVis::All;
+};
+constexpr int64_t kRunRows = 16;
+constexpr int64_t kMaxRuns = kBq / kRunRows;
+
+/// The runs of rows [0, nq) of the query block at i0 against keys [j0, j0 + nk); returns their
+/// count. None and All groups next to each other merge; each Partial group keeps its own nk.
+inline int64_t row_runs(const CausalRule& causal, int64_t i0, int64_t nq, int64_t j0, int64_t nk, RowRun* runs) {
+  int64_t n = 0;
+  for (int64_t r0 = 0; r0 < nq; r0 += kRunRows) {
+    const int64_t r1 = std::min(nq, r0 + kRunRows);
+    const TileVis vis = causal.tile(i0 + r0, i0 + r1, j0, j0 + nk);
+    if (n > 0 && vis != TileVis::Partial && runs[n - 1].vis == vis) {
+      runs[n - 1].r1 = r1;
+      continue;
+    }
+    const int64_t seen = vis == TileVis::Partial ? causal.visible_keys(i0 + r0, i0 + r1, j0, j0 + nk).hi - j0 : nk;
+    runs[n++] = {r0, r1, seen, vis};
+  }
+  return n;
+}
 
 /// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
 struct ScratchPlan {
@@ -1098,47 +1132,68 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   }
   const int64_t key_blocks = (j_end - j_begin + kBk - 1) / kBk;
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
-    const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
+    const int64_t nk = std::min(kBk, j_end - j0);
     pack_block(j0, nk, true);
     const int64_t block_at = (j0 - j_begin) / kBk;
-    // Blocks that straddle the causal diagonal or the window's lower edge are masked per element.
-    const bool partial = cx.causal.tile(i0, i0 + nq, j0, j0 + nk) != TileVis::All;
+    // The block's rows in runs by causal visibility (RowRun). With weights, every row takes the
+    // whole block (the second pass writes each row's probabilities over it); blocks that straddle
+    // the causal diagonal or the window's lower edge are masked per element there.
+    RowRun runs[kMaxRuns];
+    int64_t n_runs = 1;
+    if (cx.weights)
+      runs[0] = {0, nq, nk, cx.causal.tile(i0, i0 + nq, j0, j0 + nk) == TileVis::All ? TileVis::All : TileVis::Partial};
+    else
+      n_runs = row_runs(cx.causal, i0, nq, j0, nk, runs);
     for (int64_t hh = 0; hh < group; ++hh) {
       const int64_t h = g * group + hh;
-      float* oh = o + hh * kRowsPad * ldv;
-      float* alpha = ws + L.alpha;
-      // The common case on AVX-512 scales, masks and takes the rows' maxima as it scores, and
-      // finishes the softmax 16 rows at a time (softmax_rows16).
-      const bool rows16 =
-          kHaveRows16 && !cx.weights && !cx.edit_scores && !partial && !per_element_masks && !p.dropout.active();
-      float* const rmax = rows16 ? ws + L.rmax : nullptr;
-      // The next item's rows in small parts: before these scores, and before this P·V below.
+      // The next item's rows in small parts: before these scores, and after this P·V.
       const int64_t part = 2 * (block_at * group + hh), parts = 2 * key_blocks * group;
       prefetch_upcoming(cx, upcoming, part, parts);
-      if constexpr (kDot)
-        score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s,
-                       p.scale, kb_use, rmax);
-      else
-        score_block(q_head(hh), ldq_use, rows, D, kt_use, nvec, s, p.scale, kb_use, rmax);
-      if (cx.weights) {
-        // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
-        std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
-        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
-                      ws + L.l2, alpha);
-        write_weights(cx, b, h, i0, nq, j0, nk, ws + L.l + hh * kRowsPad, s);
-        if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
-      } else if (rows16) {
-        softmax_rows16<kDot>(nq, rows, nk, s, rmax, ws + L.m + hh * kRowsPad, ws + L.l + hh * kRowsPad, alpha, p2);
-      } else {
-        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
-                      ws + L.l + hh * kRowsPad, alpha);
-        if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
+      for (int64_t ri = 0; ri < n_runs; ++ri) {
+        const RowRun& run = runs[ri];
+        if (run.vis == TileVis::None) continue;
+        const bool partial = run.vis == TileVis::Partial;
+        const int64_t r0 = run.r0, nq_run = run.r1 - r0;
+        // Padding rows of the bf16 tiles belong to the last run.
+        const int64_t rows_run = (run.r1 == nq ? rows : run.r1) - r0;
+        // A per-element mask is applied to the block's keys [0, nk) only, so its rows keep them all.
+        const int64_t nk_run = per_element_masks ? nk : run.nk, nvec = (nk_run + N - 1) / N;
+        float* const oh = o + (hh * kRowsPad + r0) * ldv;
+        float* const m = ws + L.m + hh * kRowsPad + r0;
+        float* const l = ws + L.l + hh * kRowsPad + r0;
+        float* const alpha = ws + L.alpha + r0;
+        float* const sr = s + r0 * kBk;
+        uint32_t* const p2r = p2 + r0 * (kBk / 2);
+        const uint32_t* const q2r = q2 + (hh * kRowsPad + r0) * ldq2;
+        // The common case on AVX-512 scales, masks and takes the rows' maxima as it scores, and
+        // finishes the softmax 16 rows at a time (softmax_rows16).
+        const bool rows16 =
+            kHaveRows16 && !cx.weights && !cx.edit_scores && !partial && !per_element_masks && !p.dropout.active();
+        float* const rmax = rows16 ? ws + L.rmax + r0 * kMaxLanes : nullptr;
+        if constexpr (kDot)
+          score_block_dp(q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use,
+                         rmax);
+        else
+          score_block(q_head(hh) + r0 * ldq_use, ldq_use, rows_run, D, kt_use, nvec, sr, p.scale, kb_use, rmax);
+        if (cx.weights) {
+          // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
+          std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
+          softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, m, ws + L.l2, alpha);
+          write_weights(cx, b, h, i0, nq, j0, nk, l, s);
+          if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
+        } else if (rows16) {
+          softmax_rows16<kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+        } else {
+          softmax_block(cx, b, h, i0 + r0, nq_run, rows_run, j0, nk_run, partial || per_element_masks, sr, kb_use, m, l,
+                        alpha);
+          if constexpr (kDot) to_bf16_pairs(sr, rows_run, nk_run, p2r);
+        }
+        if constexpr (kDot)
+          out_block_dp(p2r, alpha, rows_run, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk_run, nvec_o, oh);
+        else
+          out_block(sr, alpha, rows_run, vp_use, ldvp, ldv, nk_run, nvec_o, oh);
       }
       prefetch_upcoming(cx, upcoming, part + 1, parts);
-      if constexpr (kDot)
-        out_block_dp(p2, alpha, rows, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk, nvec_o, oh);
-      else
-        out_block(s, alpha, rows, vp_use, ldvp, ldv, nk, nvec_o, oh);
     }
   }
 
