@@ -2,6 +2,7 @@
 
 #include <hwy/targets.h>
 
+#include "kernels/backward_fused.h"
 #include "kernels/fused_forward.h"
 
 #include <sys/wait.h>
@@ -142,18 +143,33 @@ CommandResult run_command(const std::string& command_line) {
   return r;
 }
 
-void for_each_fused_target(const std::function<void()>& body) {
+namespace {
+/// Runs body once per target of `compiled` that this CPU supports, with dispatch forced to it and
+/// `dispatched()` checked against it.
+void for_each_target(const std::vector<int64_t>& compiled, int64_t (*dispatched)(), const std::function<void()>& body) {
   hwy::SetSupportedTargetsForTest(0);
   const int64_t supported = hwy::SupportedTargets();
-  for (int64_t target : kernels::fused_compiled_targets()) {
+  int ran = 0;
+  for (int64_t target : compiled) {
     if (!(supported & target)) continue;
     hwy::SetSupportedTargetsForTest(target);
     SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
-    ASSERT_EQ(kernels::fused_dispatch_target(), target);
+    ASSERT_EQ(dispatched(), target);
+    ++ran;
     body();
     if (::testing::Test::HasFatalFailure()) break;
   }
   hwy::SetSupportedTargetsForTest(0);
+  EXPECT_GE(ran, 1);
+}
+}  // namespace
+
+void for_each_fused_target(const std::function<void()>& body) {
+  for_each_target(kernels::fused_compiled_targets(), kernels::fused_dispatch_target, body);
+}
+
+void for_each_fused_backward_target(const std::function<void()>& body) {
+  for_each_target(kernels::fused_backward_compiled_targets(), kernels::fused_backward_dispatch_target, body);
 }
 
 }  // namespace mha::testing

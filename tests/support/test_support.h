@@ -59,5 +59,7 @@ std::string temp_dir();
 /// Runs `body` once per compiled SIMD target of the fused forward kernel that this CPU supports,
 /// with dispatch forced to it (and checked), then restores the normal dispatch.
 void for_each_fused_target(const std::function<void()>& body);
+/// The same for the fused backward kernel's targets.
+void for_each_fused_backward_target(const std::function<void()>& body);
 
 }  // namespace mha::testing
