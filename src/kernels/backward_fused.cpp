@@ -28,9 +28,10 @@
 // identical for any thread count.
 //
 // Masks: causal blocks that no (query, key) pair can see are skipped; blocks that straddle the
-// diagonal or the window edge, or any block when a per-element mask exists, are masked with
-// key_hidden(), the rule every kernel shares. Padded keys (and keys whose key_bias is −inf) are
-// never read: a block with such keys copies its K/V rows with zeros in their place, and their
+// diagonal or the window edge run their products in groups of 16 rows and keys, each over only
+// the pairs it can see (run_block), and are masked with a vector cut per row; any block when a
+// per-element mask exists is masked with key_hidden(), the rule every kernel shares. Padded keys (and keys whose
+// key_bias is −inf) are never read: a block with such keys copies its K/V rows with zeros in their place, and their
 // dK/dV rows come out 0. Rows whose lse is −inf (fully masked) get P = 0, hence zero gradient;
 // rows whose lse is NaN (a visible NaN in the forward) get P = NaN on their visible keys, so the
 // NaN reaches dQ, dK and dV as it would by differentiating the forward (docs/semantics.md, 'NaN').
@@ -53,7 +54,8 @@
 #define MHA_BACKWARD_FUSED_ONCE
 namespace mha::kernels::bwd {
 
-constexpr int64_t kBc = 64;  // keys per block (also the scores' row stride)
+constexpr int64_t kBc = 64;       // keys per block (also the scores' row stride)
+constexpr int64_t kCutRows = 16;  // rows (and keys) per group of a block cut by the causal diagonal
 
 /// Query rows per block: 64, fewer for wide heads so that kBr·kBc·max(d, d_v) ≤ 2¹⁸ (each product
 /// at most 2¹⁸ multiply-adds): the Q and dO rows of a block shrink as d grows, keeping its
@@ -363,10 +365,33 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   const int64_t lddo = p.dout.stride[2];
   float lse[64];
   for (int64_t r = 0; r < nr; ++r) lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
+  // A block that straddles the causal diagonal is computed in groups of kCutRows: each group of
+  // query rows against only the keys some row of it sees (S, dP̃, dQ), each group of keys over
+  // only the query rows from the first that sees one of them on (dV, dK). The terms left out
+  // are exact zeros (P = dS = 0 for hidden pairs), so the sums are those of the whole block:
+  // only the sign of an all-zero sum could differ. A diagonal block thus costs about 5/8 of a
+  // whole one (4 groups of 64: 1, 2, 3, 4 quarters of the keys).
+  const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  const bool cut = vis == TileVis::Partial && cx.causal.on;
+  const int64_t group = cut ? kCutRows : std::max<int64_t>(nr, nc);
+  const auto keys_seen = [&](int64_t r0, int64_t r1) {  // keys [0, n) of the block hold all that rows [r0, r1) see
+    return cut ? std::min(nc, cx.causal.visible_keys(job.i0 + r0, job.i0 + r1, job.j0, job.j1).hi - job.j0) : nc;
+  };
+  const auto first_row = [&](int64_t c0) {  // no row before it sees key c0 or a later one
+    return cut ? std::clamp(job.j0 + c0 - cx.causal.offset - job.i0, int64_t{0}, nr) : int64_t{0};
+  };
 
-  // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd).
-  block_gemm({q, ldq, 1, job.kt, kBc, s, kBc}, nr, cols, D, f.scale, false);
-  for (int64_t r = 0; r < nr; ++r) std::fill(s + r * kBc + nc, s + r * kBc + cols, kNegInf);
+  // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd). And
+  // forward "out = P̃ V": dP̃ = dO Vᵀ (into pt); its columns left out are 0.
+  for (int64_t r0 = 0; r0 < nr; r0 += group) {
+    const int64_t r1 = std::min(nr, r0 + group), n = std::min(cols, round_up(keys_seen(r0, r1), N));
+    block_gemm({q + r0 * ldq, ldq, 1, job.kt, kBc, s + r0 * kBc, kBc}, r1 - r0, n, D, f.scale, false);
+    block_gemm({dout + r0 * lddo, lddo, 1, job.vt, kBc, pt + r0 * kBc, kBc}, r1 - r0, n, Dv, 1.0f, false);
+    for (int64_t r = r0; r < r1; ++r) {
+      std::fill(s + r * kBc + std::min(n, nc), s + r * kBc + cols, kNegInf);
+      std::fill(pt + r * kBc + n, pt + r * kBc + cols, 0.0f);
+    }
+  }
   const bool masked = vis == TileVis::Partial || cx.element_masks || job.padded;
   if (masked && !cx.edit_scores && !cx.element_masks && !job.padded) {
     // Only the causal rule (and its window) cuts this block: row i sees keys [lo, hi), key_hidden's
@@ -412,8 +437,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   }
   // Forward "softmax": P = exp(S − lse).
   probabilities(s, lse, nr, cols, prob);
-  // Forward "out = P̃ V": dP̃ = dO Vᵀ (into pt), then dropout's keep/(1 − p) on both P̃ and dP.
-  block_gemm({dout, lddo, 1, job.vt, kBc, pt, kBc}, nr, cols, Dv, 1.0f, false);
+  // Dropout's keep/(1 − p) on both P̃ and dP.
   const float* p_used = prob;  // P̃
   if (f.dropout.active()) {
     // P̃ goes into s (free until dS is formed); dP stays in pt.
@@ -430,7 +454,12 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   if (dv_acc) {
     int64_t ldb = 0;
     const float* b = whole_vectors(dout, lddo, nr, Dv, ws + cx.L.dop, cx.L.ldv, &ldb);
-    block_gemm({p_used, 1, kBc, b, ldb, dv_acc, cx.L.ldv}, nc, Dv, nr, 1.0f, true);
+    for (int64_t c0 = 0; c0 < nc; c0 += group) {
+      const int64_t r_lo = first_row(c0);
+      if (r_lo < nr)
+        block_gemm({p_used + r_lo * kBc + c0, 1, kBc, b + r_lo * ldb, ldb, dv_acc + c0 * cx.L.ldv, cx.L.ldv},
+                   std::min(nc - c0, group), Dv, nr - r_lo, 1.0f, true);
+    }
   }
   // Softmax backward: dS = P ∘ (dP − D) (into s: P̃ has been used).
   score_grads(prob, pt, cx.rowdot + (job.b * f.heads() + job.h) * f.t_q() + job.i0, nr, cols, s);
@@ -442,10 +471,20 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   if (dk_acc) {
     int64_t ldb = 0;
     const float* b = whole_vectors(q, ldq, nr, D, ws + cx.L.qp, cx.L.ldk, &ldb);
-    block_gemm({s, 1, kBc, b, ldb, dk_acc, cx.L.ldk}, nc, D, nr, f.scale, true);
+    for (int64_t c0 = 0; c0 < nc; c0 += group) {
+      const int64_t r_lo = first_row(c0);
+      if (r_lo < nr)
+        block_gemm({s + r_lo * kBc + c0, 1, kBc, b + r_lo * ldb, ldb, dk_acc + c0 * cx.L.ldk, cx.L.ldk},
+                   std::min(nc - c0, group), D, nr - r_lo, f.scale, true);
+    }
   }
   if (want_dq)
-    block_gemm({s, kBc, 1, job.kb, job.ldkb, p.dq.row(job.b, job.h, job.i0), p.dq.stride[2]}, nr, D, nc, f.scale, true);
+    for (int64_t r0 = 0; r0 < nr; r0 += group) {
+      const int64_t r1 = std::min(nr, r0 + group), k = keys_seen(r0, r1);
+      if (k > 0)
+        block_gemm({s + r0 * kBc, kBc, 1, job.kb, job.ldkb, p.dq.row(job.b, job.h, job.i0 + r0), p.dq.stride[2]},
+                   r1 - r0, D, k, f.scale, true);
+    }
 }
 
 /// xt (width × kBc) = xᵀ for rows × width floats x (ld apart), zero past the block's rows.
