@@ -71,9 +71,11 @@ constexpr int64_t kRowsPerTile = 16;          // query rows per work item (G hea
 //   block at each block start (as before), streaming and arithmetic took turns (our reading: the
 //   burst fills the core's miss buffers and the loads behind it wait; this VM has no counters to
 //   confirm it). Measured on a Zen 4 (1 thread, a loaded shared machine, medians over rounds of
-//   the best step): f32 5.5–5.8 → 4.2–4.5 ms, bf16 2.75 → 2.55 ms; int8, bound by its arithmetic,
-//   gained nothing and keeps none. A distance of 2 blocks was no better than 1; T0 and NTA hints
-//   were slower than T1.
+//   the best step): f32 5.5–5.8 → 4.2–4.5 ms, bf16 2.7–2.8 → 2.4–2.6 ms; int8, bound by its
+//   arithmetic, gained nothing and keeps none. A distance of 2 blocks was no better than 1; T0 and
+//   NTA hints were slower than T1. With K/V already in cache (context 512, 1 thread) the extra
+//   requests cost f32 and bf16 about 15% (f32 31 → 37 ns per key and K/V head, bf16 27 → 31):
+//   decoding reads a cache that outgrows the LLC, so the loops are tuned for that.
 constexpr int64_t kNearRows = 16;
 template <class T>
 constexpr int64_t kFarBlocks = 1;
