@@ -64,13 +64,23 @@ constexpr int64_t kRowsPerTile = 16;          // query rows per work item (G hea
 // threads, against the previous single burst of the next block into L1: f32 −8%, bf16 −20%):
 // - near: inside the score and P·V loops, the K or V row kNearRows keys ahead into L1, so the
 //   loads of the arithmetic hit L1 instead of waiting on L2 (4 to 32 rows were within noise);
-// - far: at each block start, for f32 only, the rows of the block kFarBlocks on into L2 (a
-//   T1 hint). For bf16 the hardware prefetchers keep up alone and the burst only cost time.
+// - far: the rows of the block kFarBlocks on into L2 (a T1 hint), spread over the loops: each
+//   K row's far partner is asked for next to its near prefetch in the score loop, each V row's
+//   in the P·V loop, and the item's first kFarBlocks blocks in one burst at its start. Spread,
+//   the requests can keep memory busy while the arithmetic runs; issued as one burst of a whole
+//   block at each block start (as before), streaming and arithmetic took turns (our reading: the
+//   burst fills the core's miss buffers and the loads behind it wait; this VM has no counters to
+//   confirm it). Measured on a Zen 4 (1 thread, a loaded shared machine, medians over rounds of
+//   the best step): f32 5.5–5.8 → 4.2–4.5 ms, bf16 2.7–2.8 → 2.4–2.6 ms; int8, bound by its
+//   arithmetic, gained nothing and keeps none. A distance of 2 blocks was no better than 1; T0 and
+//   NTA hints were slower than T1. With K/V already in cache (context 512, 1 thread) the extra
+//   requests cost f32 and bf16 about 15% (f32 31 → 37 ns per key and K/V head, bf16 27 → 31):
+//   decoding reads a cache that outgrows the LLC, so the loops are tuned for that.
 constexpr int64_t kNearRows = 16;
 template <class T>
-constexpr int64_t kFarBlocks = 0;
+constexpr int64_t kFarBlocks = 1;
 template <>
-constexpr int64_t kFarBlocks<float> = 2;
+constexpr int64_t kFarBlocks<int8_t> = 0;
 
 /// How the work is cut; a function of the shapes and the split count only.
 struct Plan {
@@ -187,17 +197,37 @@ constexpr int64_t row_bytes(int64_t n) {
   return n * static_cast<int64_t>(sizeof(T));
 }
 
+/// A row of the block kFarBlocks on, into L2 (see kNearRows): prefetch_bytes<2> with an empty asm
+/// statement (no instruction) in its loop. Without it GCC 12 drops these prefetches (no prefetcht1
+/// was left in the score or P·V loops of the binary), as it drops loops it finds to have no effect.
+HWY_INLINE void prefetch_far(const void* row, int64_t bytes) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t a = start; a < end; a += 256) {
+    asm volatile("");
+    const char* c = reinterpret_cast<const char*>(a);
+    __builtin_prefetch(c, 0, 2);
+    __builtin_prefetch(c + 64, 0, 2);
+    __builtin_prefetch(c + 128, 0, 2);
+    __builtin_prefetch(c + 192, 0, 2);
+  }
+}
+
 /// Scores of rows [r0, r0 + NR) against keys [j0, j0 + NK) of the block: sc[r][j] = q_r · k_j
 /// (q pre-scaled). With NR·NK = L the sums are reduced as one tile.
 template <int NR, int NK, class T>
-HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, int64_t j0, int64_t r0, float* sc) {
+HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, const T* const* far, int64_t j0,
+                           int64_t r0, float* sc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   const int64_t dv = d / L * L;
   hn::Vec<DF> acc[NR * NK];
   for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(df);
   if (r0 == 0)  // the first row tile passes over the keys first
-    for (int k = 0; k < NK; ++k) prefetch_bytes<3>(keys[j0 + k], kNearRows * row_bytes<T>(d), row_bytes<T>(d));
+    for (int k = 0; k < NK; ++k) {
+      prefetch_bytes<3>(keys[j0 + k], kNearRows * row_bytes<T>(d), row_bytes<T>(d));
+      if (far && far[j0 + k]) prefetch_far(far[j0 + k], row_bytes<T>(d));
+    }
   for (int64_t c = 0; c < dv; c += L) {
     hn::Vec<DF> kv[NK];
     for (int k = 0; k < NK; ++k) kv[k] = load_row(df, keys[j0 + k] + c);
@@ -224,19 +254,21 @@ HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, int
     }
 }
 
-/// Scores of rows [r0, r0 + NR) against the block's `nb` keys.
+/// Scores of rows [r0, r0 + NR) against the block's `nb` keys; far[j] (if far is set and far[j]
+/// is not null) is the row to prefetch into L2 along with key j.
 template <int NR, class T>
-HWY_INLINE void score_rows(const float* qs, int64_t d, const T* const* keys, int64_t nb, int64_t r0, float* sc) {
+HWY_INLINE void score_rows(const float* qs, int64_t d, const T* const* keys, const T* const* far, int64_t nb,
+                           int64_t r0, float* sc) {
   constexpr int NK = kLanes / NR;
   int64_t j = 0;
-  for (; j + NK <= nb; j += NK) score_tile<NR, NK>(qs, d, keys, j, r0, sc);
-  for (; j < nb; ++j) score_tile<NR, 1>(qs, d, keys, j, r0, sc);
+  for (; j + NK <= nb; j += NK) score_tile<NR, NK>(qs, d, keys, far, j, r0, sc);
+  for (; j < nb; ++j) score_tile<NR, 1>(qs, d, keys, far, j, r0, sc);
 }
 
 /// acc_r = acc_r · corr_r + Σ_j P[r][j] · v_j for rows [r0, r0 + NR), columns [c0, c0 + NC·L).
 template <int NR, int NC, class T>
-HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* const* vals, int64_t nb, int64_t d_v,
-                                int64_t r0, int64_t c0, float* acc) {
+HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* const* vals, const T* const* far,
+                                int64_t nb, int64_t d_v, int64_t r0, int64_t c0, float* acc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   hn::Vec<DF> a[NR * NC];
@@ -245,8 +277,10 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
     for (int i = 0; i < NC; ++i) a[r * NC + i] = hn::Mul(hn::LoadU(df, acc + (r0 + r) * d_v + c0 + i * L), cv);
   }
   for (int64_t j = 0; j < nb; ++j) {
-    if (r0 == 0 && c0 == 0)
-      prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));  // the first tile to pass over V
+    if (r0 == 0 && c0 == 0) {  // the first tile to pass over V
+      prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));
+      if (far && far[j]) prefetch_far(far[j], row_bytes<T>(d_v));
+    }
     hn::Vec<DF> vv[NC];
     for (int i = 0; i < NC; ++i) vv[i] = load_row(df, vals[j] + c0 + i * L);
     for (int r = 0; r < NR; ++r) {
@@ -258,17 +292,17 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
     for (int i = 0; i < NC; ++i) hn::StoreU(a[r * NC + i], df, acc + (r0 + r) * d_v + c0 + i * L);
 }
 
-/// The P·V update of rows [r0, r0 + NR) over all of d_v.
+/// The P·V update of rows [r0, r0 + NR) over all of d_v; far as in score_rows, for the V rows.
 template <int NR, class T>
-HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* const* vals, int64_t nb, int64_t d_v,
-                                int64_t r0, float* acc) {
+HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* const* vals, const T* const* far,
+                                int64_t nb, int64_t d_v, int64_t r0, float* acc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   constexpr int NC = kLanes / NR >= 4 ? 4 : kLanes / NR;
   const int64_t dvv = d_v / L * L;
   int64_t c = 0;
-  for (; c + NC * L <= dvv; c += NC * L) accumulate_tile<NR, NC>(P, corr, vals, nb, d_v, r0, c, acc);
-  for (; c < dvv; c += L) accumulate_tile<NR, 1>(P, corr, vals, nb, d_v, r0, c, acc);
+  for (; c + NC * L <= dvv; c += NC * L) accumulate_tile<NR, NC>(P, corr, vals, far, nb, d_v, r0, c, acc);
+  for (; c < dvv; c += L) accumulate_tile<NR, 1>(P, corr, vals, far, nb, d_v, r0, c, acc);
   for (c = dvv; c < d_v; ++c)
     for (int r = 0; r < NR; ++r) {
       float x = acc[(r0 + r) * d_v + c] * corr[r0 + r];
@@ -315,6 +349,17 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   };
   const T* keys[kBlock];
   const T* vals[kBlock];
+  constexpr int64_t far_blocks = kFarBlocks<T>;
+  const T* far_keys[kBlock];  // the rows of the block far_blocks on (null past the item's end)
+  const T* far_vals[kBlock];
+  const T* const* const fk = far_blocks > 0 ? far_keys : nullptr;
+  const T* const* const fv = far_blocks > 0 ? far_vals : nullptr;
+  if constexpr (far_blocks > 0)  // the first blocks have no earlier block to be asked for in
+    for (int64_t pos = it.lo; pos < std::min(it.hi, it.lo + far_blocks * kBlock); ++pos) {
+      const int64_t row = row_of(pos);
+      prefetch_bytes<2>(kpool + row * d, 0, row_bytes<T>(d));
+      prefetch_bytes<2>(vpool + row * d_v, 0, row_bytes<T>(d_v));
+    }
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
   float kscale[kScaled ? kBlock : 1], vscale[kScaled ? kBlock : 1];  // int8: the block's row scales
   const auto neg_inf = hn::Set(df, kNegInf);
@@ -328,18 +373,17 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       if constexpr (kScaled) kscale[j] = p.k_scale[row], vscale[j] = p.v_scale[row];
     }
     if constexpr (kScaled) std::fill(kscale + nb, kscale + kBlock, 0.0f), std::fill(vscale + nb, vscale + kBlock, 0.0f);
-    constexpr int64_t far_blocks = kFarBlocks<T>;
-    if constexpr (far_blocks > 0) {  // far prefetch into L2 (see kNearRows)
+    if constexpr (far_blocks > 0) {  // the far rows, asked for in the loops below (see kNearRows)
       const int64_t pf = p0 + far_blocks * kBlock;
-      for (int64_t j = 0; j < kBlock && pf + j < it.hi; ++j) {
-        const int64_t row = row_of(pf + j);
-        prefetch_bytes<2>(kpool + row * d, 0, row_bytes<T>(d));
-        prefetch_bytes<2>(vpool + row * d_v, 0, row_bytes<T>(d_v));
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t row = pf + j < it.hi ? row_of(pf + j) : -1;
+        far_keys[j] = row < 0 ? nullptr : kpool + row * d;
+        far_vals[j] = row < 0 ? nullptr : vpool + row * d_v;
       }
     }
     int64_t r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, nb, r, sc);
-    for (; r < rows; ++r) score_rows<1>(qs, d, keys, nb, r, sc);
+    for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, fk, nb, r, sc);
+    for (; r < rows; ++r) score_rows<1>(qs, d, keys, fk, nb, r, sc);
     // Causal / window masks, only where the block is not visible to every row.
     const bool all_visible = causal.tile(q_first, q_last + 1, p0, p0 + nb) == TileVis::All;
     for (int64_t rr = 0; rr < rows; ++rr) {
@@ -401,8 +445,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       m[rr] = m_new;
     }
     r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows) accumulate_rows<kTileRows>(sc, corr, vals, nb, d_v, r, acc);
-    for (; r < rows; ++r) accumulate_rows<1>(sc, corr, vals, nb, d_v, r, acc);
+    for (; r + kTileRows <= rows; r += kTileRows) accumulate_rows<kTileRows>(sc, corr, vals, fv, nb, d_v, r, acc);
+    for (; r < rows; ++r) accumulate_rows<1>(sc, corr, vals, fv, nb, d_v, r, acc);
   }
 }
 
