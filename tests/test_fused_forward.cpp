@@ -738,6 +738,16 @@ TEST(FusedWeights, NaNRowsAreNaNThroughout) {
   for_each_fused_target([&] { expect_weights_close(c, run_weights(c, Backend::Fused), want); });
 }
 
+TEST(FusedWeights, WindowPastTheLastKeyGivesZeroRows) {
+  // Top-left with T_q > T_k + window: the last query block's window starts past the last key, so
+  // its rows see nothing and are zeros, and nothing is written past the rows' T_k elements.
+  Case c;
+  c.B = 1, c.H = 2, c.KV = 1, c.Tq = 2 * kQBlock + 5, c.Tk = 40, c.D = 8, c.Dv = 8;
+  c.make_inputs(23);
+  c.opt.masks.causal = Causal::top_left().with_window(8);
+  check_weights_all_targets(c);
+}
+
 TEST(FusedWeights, PerHeadAveragedOrBothGiveTheSameBits) {
   Case c;
   c.B = 2, c.H = 6, c.KV = 3, c.Tq = 150, c.Tk = 140, c.D = 32, c.Dv = 32;

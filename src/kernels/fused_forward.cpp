@@ -832,6 +832,9 @@ template <class T>
 void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRange keys, float l) {
   const SdpaParams& p = *cx.p;
   const int64_t Tk = cx.t_k;
+  // A window's lower edge can lie past the last key (top-left, T_q > T_k + window): visible_keys
+  // then gives an empty range starting beyond T_k, and the row is zeros up to T_k only.
+  keys.lo = std::min(keys.lo, Tk);
   if (std::isnan(l)) {
     if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN);
     if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN);
