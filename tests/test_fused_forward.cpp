@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/fused_forward.h"
+#include "layers/sdpa_prepare.h"
 #include "mha/sdpa.h"
 #include "support/test_support.h"
 
@@ -599,19 +600,26 @@ struct WeightsResult {
 
 enum WantWeights : uint8_t { kPerHead = 1, kAveraged = 2, kBoth = 3 };
 
-template <class Q>
-WeightsResult run_weights(const Case& c, const Q& q, const Q& k, const Q& v, Backend backend, int threads = 2,
-                          WantWeights want = kBoth) {
+/// Output buffers for `want`, weights pre-filled so that anything left unwritten shows.
+WeightsResult weights_buffers(const Case& c, WantWeights want, SdpaOutputs& outs) {
   WeightsResult r{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1}), {}, {}};
-  SdpaOutputs outs{r.out.view4(), {}, r.lse.view4(), {}};
+  outs = {r.out.view4(), {}, r.lse.view4(), {}};
   if (want & kPerHead) {
-    r.w = Tensor({c.B, c.H, c.Tq, c.Tk}, 123.0f);  // anything left unwritten shows
+    r.w = Tensor({c.B, c.H, c.Tq, c.Tk}, 123.0f);
     outs.weights = r.w.view4();
   }
   if (want & kAveraged) {
     r.avg = Tensor({c.B, 1, c.Tq, c.Tk}, 123.0f);
     outs.averaged_weights = r.avg.view4();
   }
+  return r;
+}
+
+template <class Q>
+WeightsResult run_weights(const Case& c, const Q& q, const Q& k, const Q& v, Backend backend, int threads = 2,
+                          WantWeights want = kBoth) {
+  SdpaOutputs outs;
+  WeightsResult r = weights_buffers(c, want, outs);
   SdpaOptions opt = c.opt;
   opt.backend = backend;
   opt.threads = threads;
@@ -738,6 +746,16 @@ TEST(FusedWeights, NaNRowsAreNaNThroughout) {
   for_each_fused_target([&] { expect_weights_close(c, run_weights(c, Backend::Fused), want); });
 }
 
+TEST(FusedWeights, WindowPastTheLastKeyGivesZeroRows) {
+  // Top-left with T_q > T_k + window: the last query block's window starts past the last key, so
+  // its rows see nothing and are zeros, and nothing is written past the rows' T_k elements.
+  Case c;
+  c.B = 1, c.H = 2, c.KV = 1, c.Tq = 2 * kQBlock + 5, c.Tk = 40, c.D = 8, c.Dv = 8;
+  c.make_inputs(23);
+  c.opt.masks.causal = Causal::top_left().with_window(8);
+  check_weights_all_targets(c);
+}
+
 TEST(FusedWeights, PerHeadAveragedOrBothGiveTheSameBits) {
   Case c;
   c.B = 2, c.H = 6, c.KV = 3, c.Tq = 150, c.Tk = 140, c.D = 32, c.Dv = 32;
@@ -795,6 +813,169 @@ TEST(FusedWeights, StridedWeightsViewGivesTheSameBits) {
     EXPECT_TRUE(bitwise_equal(w.gather(), contiguous.w));
     EXPECT_TRUE(bitwise_equal(avg.gather(), contiguous.avg));
     EXPECT_TRUE(bitwise_equal(out, contiguous.out));
+  });
+}
+
+// ---- attention weights in one pass, and the two-pass path beyond its scratch bound ---------
+
+/// Scores spread (Q times 3) so that rows' maxima move from key block to key block: the one-pass
+/// fix-up's factors exp(m_j − m) are then not all 1.
+void spread_scores(Case& c) {
+  for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] *= 3.0f;
+}
+
+/// The fused kernel called directly with its one-pass weights' scratch bounded to max_bytes
+/// (SdpaParams::weights_one_pass_max_bytes; 0: the kernel's own bound): how a test reaches the
+/// two-pass path on small shapes. *one_pass (if given): which path the call took.
+WeightsResult run_weights_bounded(const Case& c, int64_t max_bytes, int threads = 2, WantWeights want = kBoth,
+                                  bool* one_pass = nullptr) {
+  SdpaOutputs outs;
+  WeightsResult r = weights_buffers(c, want, outs);
+  SdpaOptions opt = c.opt;
+  opt.backend = Backend::Fused;
+  opt.threads = threads;
+  kernels::SdpaParams p = detail::prepare_sdpa("sdpa", c.q.view4(), c.k.view4(), c.v.view4(), opt, outs);
+  p.weights_one_pass_max_bytes = max_bytes;
+  if (one_pass) *one_pass = kernels::fused_weights_one_pass(p);
+  std::vector<float> workspace(kernels::fused_workspace_floats(p));
+  kernels::sdpa_fused(p, workspace.data());
+  return r;
+}
+
+TEST(FusedWeights, OnePassMatchesTheReferenceAcrossBlockEdgesEveryMaskAndDropout) {
+  using Len = std::pair<int64_t, int64_t>;
+  const std::vector<Len> lens = kSanitized ? std::vector<Len>{{kQBlock + 1, kKBlock + 1}}
+                                           : std::vector<Len>{{kQBlock - 1, kKBlock - 1},
+                                                              {kQBlock, kKBlock},
+                                                              {kQBlock + 1, kKBlock + 1},
+                                                              {kQBlock + 2, 3 * kKBlock + 1}};
+  for (auto [tq, tk] : lens)
+    for (const MaskCase& mc : mask_cases())
+      for (float drop : {0.0f, 0.25f}) {
+        SCOPED_TRACE(::testing::Message() << mc.name << ", T_q " << tq << " T_k " << tk << " dropout " << drop);
+        Case c;
+        c.B = 2, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = 16, c.Dv = 8;
+        c.make_inputs(static_cast<uint64_t>(tq * 7 + tk));
+        spread_scores(c);
+        mc.apply(c);
+        if (drop > 0) c.opt.dropout = {drop, 77};
+        check_weights_all_targets(c);
+        if (HasFatalFailure()) return;
+      }
+}
+
+/// With weights in one pass, out and lse are the weights-free path's, bit for bit: the same key
+/// loop runs (the 16-row softmax included), and the weights are only kept on the side.
+template <class Inputs>
+void expect_out_and_lse_as_without_weights(const Case& c, const Inputs& q, const Inputs& k, const Inputs& v) {
+  for_each_fused_target([&] {
+    Result plain{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
+    SdpaOptions opt = c.opt;
+    opt.backend = Backend::Fused;
+    sdpa(q.view4(), k.view4(), v.view4(), opt, {plain.out.view4(), {}, plain.lse.view4()});
+    for (WantWeights want : {kPerHead, kAveraged, kBoth}) {
+      const WeightsResult got = run_weights(c, q, k, v, Backend::Fused, 2, want);
+      EXPECT_TRUE(bitwise_equal(got.out, plain.out)) << "weights " << int{want};
+      EXPECT_TRUE(bitwise_equal(got.lse, plain.lse)) << "weights " << int{want};
+    }
+  });
+}
+
+TEST(FusedWeights, OutAndLseAreTheWeightsFreePathsBits) {
+  for (auto [tq, tk] : std::vector<std::pair<int64_t, int64_t>>{{7, 1}, {kQBlock + 1, kKBlock + 1}, {70, 197}})
+    for (const MaskCase& mc : mask_cases()) {
+      SCOPED_TRACE(::testing::Message() << mc.name << ", T_q " << tq << " T_k " << tk);
+      Case c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = 32, c.Dv = 33;
+      c.make_inputs(static_cast<uint64_t>(tq + tk));
+      spread_scores(c);
+      mc.apply(c);
+      if (tq == 70) c.q.at({1, 2, 9, 0}) = kNaN;  // a NaN row among them
+      {
+        SCOPED_TRACE("float32");
+        expect_out_and_lse_as_without_weights(c, c.q, c.k, c.v);
+      }
+      {
+        SCOPED_TRACE("bf16");
+        expect_out_and_lse_as_without_weights(c, to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v));
+      }
+      if (HasFailure()) return;
+    }
+}
+
+TEST(FusedWeights, TwoPassBeyondTheScratchBound) {
+  // The bound: group × 128 query rows × T_k (rounded to 16) floats of scratch, 16 MiB by default,
+  // i.e. T_k·group ≤ 32768; the same choice for per-head, averaged or both.
+  for (int64_t tk : {8192, 8193})
+    for (WantWeights want : {kPerHead, kAveraged, kBoth}) {
+      Case c;
+      c.H = 8, c.KV = 2, c.Tq = 1, c.Tk = tk, c.D = 1, c.Dv = 1;
+      c.make_inputs(3);
+      SdpaOutputs outs;
+      const WeightsResult r = weights_buffers(c, want, outs);
+      const kernels::SdpaParams p = detail::prepare_sdpa("sdpa", c.q.view4(), c.k.view4(), c.v.view4(), c.opt, outs);
+      EXPECT_EQ(kernels::fused_weights_one_pass(p), tk == 8192) << "T_k " << tk << ", weights " << int{want};
+    }
+  // Forced below any shape: the two-pass path, against the reference and on 1, 2, 3 threads
+  // bitwise; one byte short of the scratch or exactly it picks the path as the bound says.
+  for (const MaskCase& mc : mask_cases()) {
+    SCOPED_TRACE(mc.name);
+    Case c;
+    c.B = 2, c.H = 4, c.KV = 2, c.Tq = kQBlock + 3, c.Tk = 2 * kKBlock + 5, c.D = 16, c.Dv = 12;
+    c.make_inputs(61);
+    spread_scores(c);
+    mc.apply(c);
+    const int64_t scratch_bytes = 2 * kQBlock * 144 * static_cast<int64_t>(sizeof(float));  // group 2, T_k to 144
+    const WeightsResult want = run_weights(c, Backend::Reference);
+    for_each_fused_target([&] {
+      bool one_pass = true;
+      const WeightsResult two = run_weights_bounded(c, 1, 1, kBoth, &one_pass);
+      EXPECT_FALSE(one_pass);
+      expect_weights_close(c, two, want);
+      for (int threads : {2, 3}) {
+        const WeightsResult many = run_weights_bounded(c, 1, threads, kBoth);
+        EXPECT_TRUE(bitwise_equal(many.out, two.out) && bitwise_equal(many.lse, two.lse) &&
+                    bitwise_equal(many.w, two.w) && bitwise_equal(many.avg, two.avg))
+            << threads << " threads";
+      }
+      const WeightsResult averaged = run_weights_bounded(c, 1, 2, kAveraged);
+      EXPECT_TRUE(bitwise_equal(averaged.avg, two.avg));
+      run_weights_bounded(c, scratch_bytes - 1, 1, kAveraged, &one_pass);
+      EXPECT_FALSE(one_pass);
+      const WeightsResult fits = run_weights_bounded(c, scratch_bytes, 1, kAveraged, &one_pass);
+      EXPECT_TRUE(one_pass);
+      EXPECT_TRUE(bitwise_equal(fits.avg, run_weights(c, Backend::Fused, 1, kAveraged).avg));
+    });
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(FusedWeights, EitherPathGivesTheSameBitsOnAnyThreadCount) {
+  // Several query blocks and items per thread, maxima moving between key blocks, padding, a
+  // window and dropout; the one-pass path (bound 0: the kernel's own) and the two-pass one (1).
+  Case c;
+  c.B = 2, c.H = 6, c.KV = 3, c.Tq = kSanitized ? 140 : 3 * kQBlock + 7, c.Tk = kSanitized ? 100 : 5 * kKBlock + 3;
+  c.D = 24, c.Dv = 40;
+  c.make_inputs(19);
+  spread_scores(c);
+  set_key_padding(c);
+  c.opt.masks.causal = Causal::bottom_right().with_window(150);
+  c.opt.dropout = {0.15f, 8};
+  for_each_fused_target([&] {
+    for (int64_t bound : {0, 1})
+      for (WantWeights want : {kPerHead, kAveraged, kBoth}) {
+        const WeightsResult one = run_weights_bounded(c, bound, 1, want);
+        for (int threads : {2, 3}) {
+          const WeightsResult many = run_weights_bounded(c, bound, threads, want);
+          EXPECT_TRUE(bitwise_equal(many.out, one.out) && bitwise_equal(many.lse, one.lse)) << threads << " threads";
+          if (want & kPerHead) {
+            EXPECT_TRUE(bitwise_equal(many.w, one.w)) << threads << " threads, bound " << bound;
+          }
+          if (want & kAveraged) {
+            EXPECT_TRUE(bitwise_equal(many.avg, one.avg)) << threads << " threads, bound " << bound;
+          }
+        }
+      }
   });
 }
 

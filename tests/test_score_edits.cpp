@@ -190,9 +190,9 @@ TEST(ScoreEditsFused, MatchesReferenceOnEveryTargetAndThreadCount) {
   });
 }
 
-// The fused kernel's weights path (a statistics pass, then the normalised probabilities written
-// block by block) applies the edits in both passes and lets the sink into the denominator
-// before the second: its weights, per head and averaged, match the reference's.
+// The fused kernel's weights path (each block's probabilities kept with the running max they were
+// taken against, normalised once at the end with the sink in the denominator) matches the
+// reference's weights, per head and averaged, and leaves out and lse exactly as without weights.
 TEST(ScoreEditsFused, WeightsMatchTheReferenceOnEveryTargetAndThreadCount) {
   for_each_fused_target([] {
     uint64_t seed = 500;
@@ -219,6 +219,8 @@ TEST(ScoreEditsFused, WeightsMatchTheReferenceOnEveryTargetAndThreadCount) {
           const auto [want, w_want, avg_want] = weights(Backend::Reference, 1);
           const auto [one, w_one, avg_one] = weights(Backend::Fused, 1);
           expect_close(c, one, want);
+          const Result plain = run(c, Backend::Fused, 1);
+          EXPECT_TRUE(bitwise_equal(one.out, plain.out) && bitwise_equal(one.lse, plain.lse)) << "as without weights";
           EXPECT_TRUE(all_close(w_one, w_want, 8 * kEps * (1 + c.score_bound()), 0)) << "per-head weights";
           EXPECT_TRUE(all_close(avg_one, avg_want, 8 * kEps * (1 + c.score_bound()), 0)) << "averaged weights";
           for (int threads : {2, 3}) {

@@ -62,6 +62,9 @@ struct SdpaParams {
   int threads = 1;
   Varlen varlen;  // packed sequences; when defined the masks are only causal (no dropout, no weights)
   double* thread_busy_ms = nullptr;  // optional, `threads` entries: the fused kernel adds each thread's busy time
+  // The fused kernel's bound on its one-pass weights scratch in bytes (0: its own,
+  // fused::kOnePassWeightsMaxBytes); tests lower it to reach the two-pass path on small shapes.
+  int64_t weights_one_pass_max_bytes = 0;
 
   int64_t batch() const { return q.shape[0]; }
   int64_t heads() const { return q.shape[1]; }

@@ -24,23 +24,29 @@
 // or the window edge the rows go in runs of 16 (RowRun): rows that see none of its keys skip it,
 // rows that see all of them take the unmasked softmax, and only the rest are masked, their
 // products cut at the last key they see. Any block when a per-element mask is given is masked
-// element by element with key_hidden(), the rule the reference uses. A packed variable-length batch (SdpaParams::varlen)
-// has items (sequence, kv-head, query block) over the sequences' own rows, costed by the query
+// element by element with key_hidden(), the rule the reference uses. A packed variable-length batch
+// (SdpaParams::varlen) has items (sequence, kv-head, query block) over the sequences' own rows, costed by the query
 // rows times the keys they may see and taken longest first (run_varlen): work is Σ T_q·T_k over
 // the sequences, never the padded B·max². Padded keys (and keys whose key_bias is −inf) are
 // packed as zeros without reading K or V, and their scores are −inf.
 // Score edits (kernels/score_edits.h) cost nothing when off: softcap and ALiBi take a second
 // vector loop over S (a vector tanh; ALiBi's distances from an iota), and a sink enters only the
 // final normalisation of each row (m, l and O rescaled once).
+// Attention weights come from the same single pass over the keys: each block's probabilities are
+// kept with the running max they were taken against and normalised once when the item ends
+// (finish_weights_one_pass). Only where the thread's scratch for that would exceed
+// kOnePassWeightsMaxBytes (T_k·group > 32768) do weights take the older two passes, the scores
+// computed twice.
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
 // itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Elsewhere bf16
 // inputs are widened to float32 when packed.
 // On AVX-512 (float32 and bf16), blocks with no per-element or partial causal mask, score edit,
-// dropout or weights take softmax_rows16: the score tiles scale and mask S and keep each row's max
-// while S is in registers, and the rest of the softmax reduces 16 rows' maxima and sums at a time
-// (bf16: P written as bf16 pairs directly). The same arithmetic as softmax_block, bitwise.
+// dropout or two-pass weights take softmax_rows16: the score tiles scale and mask S and keep each
+// row's max while S is in registers, and the rest of the softmax reduces 16 rows' maxima and sums
+// at a time (bf16: P written as bf16 pairs directly, unless one-pass weights need P as float32).
+// The same arithmetic as softmax_block, bitwise.
 #include <omp.h>
 
 #include <algorithm>
@@ -70,6 +76,25 @@ constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any targe
 constexpr int64_t kRowsPad = kBq + kMaxMR;
 constexpr int64_t kPrepackMinQueries = 32 * kBq;  // pack K/V once per call from 4096 queries on
 constexpr int64_t kMaxPrefetchBytes = 32 * 64;    // per K/V row: a wider (strided) row is not worth it
+// Attention weights in one pass keep, per thread, one item's unnormalised weights for every head
+// of its group: group × kBq × T_k floats, 1 MiB at T_k = 2048 for one head, so that the fix-up at
+// the item's end finds them in L2/L3 and each output row is written once. (Fixing per-head
+// weights up where they lie in p.weights instead cost ~40 ms more CPU time per module call of
+// ~300 ms at T = 2048, h = 8, 1 thread: their 128 MiB written, then read and written again.)
+// The bound keeps that scratch from growing without limit (at T_k = 1M it would be 512 MiB per
+// thread) and caps it where it would no longer fit any cache: 16 MiB, i.e. T_k·group ≤ 32768.
+// Beyond it every weights output takes the two-pass path, so that per-head, averaged and both
+// keep giving the same bits (FusedWeights.PerHeadAveragedOrBothGiveTheSameBits).
+constexpr int64_t kOnePassWeightsMaxBytes = int64_t{16} << 20;
+
+/// One-pass weights (see kOnePassWeightsMaxBytes): the floats of their scratch, group × kBq rows of T_k (rounded to
+/// kMaxLanes), and whether the call takes that path.
+inline int64_t one_pass_weights_floats(const SdpaParams& p) { return p.group() * kBq * round_up(p.t_k(), kMaxLanes); }
+inline bool weights_one_pass(const SdpaParams& p) {
+  if (!p.weights.defined() && !p.weights_avg.defined()) return false;
+  const int64_t bound = p.weights_one_pass_max_bytes > 0 ? p.weights_one_pass_max_bytes : kOnePassWeightsMaxBytes;
+  return one_pass_weights_floats(p) * static_cast<int64_t>(sizeof(float)) <= bound;
+}
 
 /// Rows [r0, r1) of a query block that the causal rule (with its window) treats alike against one
 /// key block: None, no key of the block is visible to them, so the block is skipped for them (m,
@@ -108,6 +133,9 @@ struct ScratchPlan {
   int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, rmax = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, l2 = 0, total = 0;
   int64_t ldq = 0;  // floats between Q rows (d rounded to even)
   int64_t ldv = 0;  // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
+  // One-pass weights: wm, the running max each key block's weights were taken against (group ×
+  // kRowsPad rows of wblocks); wp, the unnormalised weights (group × kBq rows, ldw apart).
+  int64_t wm = 0, wp = 0, wblocks = 0, ldw = 0;
 };
 
 inline ScratchPlan scratch_plan(const SdpaParams& p) {
@@ -127,7 +155,14 @@ inline ScratchPlan scratch_plan(const SdpaParams& p) {
   L.l = c.take(group * kRowsPad);
   L.alpha = c.take(kRowsPad);
   L.kb = c.take(kBk);
-  if (p.weights.defined() || p.weights_avg.defined()) L.l2 = c.take(kRowsPad);  // the weights' second pass
+  if (weights_one_pass(p)) {
+    L.wblocks = (p.t_k() + kBk - 1) / kBk;
+    L.wm = c.take(group * kRowsPad * L.wblocks);
+    L.ldw = round_up(p.t_k(), kMaxLanes);
+    L.wp = c.take(one_pass_weights_floats(p));
+  } else if (p.weights.defined() || p.weights_avg.defined()) {
+    L.l2 = c.take(kRowsPad);  // the weights' second pass
+  }
   L.total = c.total();
   return L;
 }
@@ -231,9 +266,10 @@ struct Ctx {
   CausalRule causal;
   int64_t q_blocks = 0;
   float keep_scale = 1.0f;
-  bool weights = false;      // weights (per head and/or averaged) are written: two passes per item
-  bool edit_scores = false;  // softcap or ALiBi: the scores take the edited path
-  int64_t alibi_offset = 0;  // q_pos = row + this (kernels/attention.h, alibi_offset)
+  bool weights_two_pass = false;  // weights (per head and/or averaged) from two passes per item
+  bool weights_one_pass = false;  // or from one pass and a fix-up (weights_one_pass(p))
+  bool edit_scores = false;       // softcap or ALiBi: the scores take the edited path
+  int64_t alibi_offset = 0;       // q_pos = row + this (kernels/attention.h, alibi_offset)
   PrepackPlan prepack;
   const float* prepacked = nullptr;  // the prepacked K/V blocks when prepack.used
 };
@@ -561,8 +597,8 @@ constexpr bool kHaveDot = false;
 #endif
 
 // ---- the common online softmax, 16 rows at a time (AVX-512) --------------------------------
-// Blocks with no score edit, per-element or partial causal mask, dropout or weights: the score
-// tiles scaled and masked S and left each row's max vector in rmax (score_block(…, rmax),
+// Blocks with no score edit, per-element or partial causal mask, dropout or two-pass weights: the
+// score tiles scaled and masked S and left each row's max vector in rmax (score_block(…, rmax),
 // score_block_dp(…, rmax)); softmax_rows16 finishes softmax_block's arithmetic, bitwise, with the
 // rows' maxima and sums reduced 16 rows at a time, and writes P as float32 in S or, for the bf16
 // path, as bf16 pairs (to_bf16_pairs' layout) straight away.
@@ -832,6 +868,9 @@ template <class T>
 void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRange keys, float l) {
   const SdpaParams& p = *cx.p;
   const int64_t Tk = cx.t_k;
+  // A window's lower edge can lie past the last key (top-left, T_q > T_k + window): visible_keys
+  // then gives an empty range starting beyond T_k, and the row is zeros up to T_k only.
+  keys.lo = std::min(keys.lo, Tk);
   if (std::isnan(l)) {
     if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN);
     if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN);
@@ -840,6 +879,104 @@ void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRa
   if (p.weights.defined()) {
     fill_row(p.weights, b, h, i, 0, keys.lo, 0.0f);
     fill_row(p.weights, b, h, i, keys.hi, Tk, 0.0f);
+  }
+}
+
+// ---- attention weights in one pass ---------------------------------------------------------
+// The key loop runs the weights-free online softmax unchanged (so out and lse are that path's,
+// bit for bit) and keeps each key block's P = exp(s − m_j), dropout applied, in the thread's
+// scratch, with m_j, the row's running max after block j (what P was taken against). When the
+// item ends, one fix-up scales block j's segment by exp(m_j − m)·keep_scale/l with the row's
+// final m and l, the sink folded in as add_sink does, and writes the rows out: three products
+// per block of weights become two.
+
+/// Row r of head hh's weights while unnormalised, in the thread's scratch (T_k floats).
+template <class T>
+float* one_pass_row(const Ctx<T>& cx, float* ws, int64_t hh, int64_t r) {
+  return ws + cx.L.wp + (hh * kBq + r) * cx.L.ldw;
+}
+
+/// Before the key loop: every block's m_j −inf, so a block a row never visits counts as one it
+/// saw nothing in (its weights are zeros).
+template <class T>
+void start_weights_one_pass(const Ctx<T>& cx, float* ws) {
+  float* wm = ws + cx.L.wm;
+  std::fill(wm, wm + cx.p->group() * kRowsPad * cx.L.wblocks, kNegInf);
+}
+
+/// After block `block_at` ([j0, j0 + nk)) of head hh for the item's rows [r0, r0 + nq), which saw
+/// its first nk_seen keys (a run of RowRun; the rest hidden from them: zeros): s and m are those
+/// rows' P and running max.
+template <class T>
+void keep_weights_block(const Ctx<T>& cx, float* ws, int64_t hh, int64_t r0, int64_t nq, int64_t j0, int64_t nk_seen,
+                        int64_t nk, int64_t block_at, const float* s, const float* m) {
+  float* wm = ws + cx.L.wm + (hh * kRowsPad + r0) * cx.L.wblocks + block_at;
+  for (int64_t r = 0; r < nq; ++r) {
+    wm[r * cx.L.wblocks] = m[r];
+    float* w = one_pass_row(cx, ws, hh, r0 + r) + j0;
+    std::memcpy(w, s + r * kBk, sizeof(float) * static_cast<size_t>(nk_seen));
+    std::fill(w + nk_seen, w + nk, 0.0f);
+  }
+}
+
+/// n floats times f, in place.
+inline void scale_in_place(float* x, int64_t n, float f) {
+  const DF df;
+  const int64_t N = lanes();
+  const VF vf = hn::Set(df, f);
+  int64_t j = 0;
+  for (; j + N <= n; j += N) hn::StoreU(hn::Mul(hn::LoadU(df, x + j), vf), df, x + j);
+  for (; j < n; ++j) x[j] *= f;
+}
+
+/// The item's end: each row of each head of group g normalised in the scratch (block j's segment
+/// by exp(m_j − m)·keep_scale/l), then copied to the per-head weights and added into the averaged
+/// ones in head order (the same values either way, so per-head, averaged and both agree bitwise);
+/// zeros outside the keys the item visited and NaN rows NaN (finish_weights_row, as on the
+/// two-pass path). A row with l = 0 saw no key (m = −inf) and a block with m_j = −inf only −inf
+/// scores: their weights are zeros, written rather than scaled (exp(−inf − m) is NaN at m = −inf).
+template <class T>
+void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, int64_t i0, int64_t nq, KeyRange keys) {
+  const SdpaParams& p = *cx.p;
+  const int64_t group = p.group();
+  keys.hi = std::min(keys.hi, cx.t_k);  // empty past the last key (see finish_weights_row)
+  keys.lo = std::min(keys.lo, keys.hi);
+  for (int64_t hh = 0; hh < group; ++hh) {
+    const int64_t h = g * group + hh;
+    const float* m = ws + cx.L.m + hh * kRowsPad;
+    const float* l = ws + cx.L.l + hh * kRowsPad;
+    const float* wm = ws + cx.L.wm + hh * kRowsPad * cx.L.wblocks;
+    for (int64_t r = 0; r < nq; ++r) {
+      float mr = m[r], lr = l[r], rescale = 1.0f;
+      if (p.edits.sinks) add_sink(p.edits.sinks[h], mr, lr, rescale);
+      finish_weights_row(cx, b, h, i0 + r, keys, lr);
+      if (std::isnan(lr)) continue;
+      const float f = lr == 0.0f ? 0.0f : cx.keep_scale / lr;
+      float* w = one_pass_row(cx, ws, hh, r);
+      for (int64_t j0 = keys.lo, k = 0; j0 < keys.hi; j0 += kBk, ++k) {
+        const int64_t nk = std::min(kBk, keys.hi - j0);
+        const float mj = wm[r * cx.L.wblocks + k];
+        if (f == 0.0f || mj == kNegInf)
+          std::fill(w + j0, w + j0 + nk, 0.0f);
+        else
+          scale_in_place(w + j0, nk, std::exp(mj - mr) * f);
+      }
+      if (p.weights.defined()) {
+        float* dst = &p.weights(b, h, i0 + r, 0);
+        const int64_t ds = p.weights.stride[3];
+        if (ds == 1)
+          std::copy(w + keys.lo, w + keys.hi, dst + keys.lo);
+        else
+          for (int64_t j = keys.lo; j < keys.hi; ++j) dst[j * ds] = w[j];
+      }
+      if (!p.weights_avg.defined()) continue;
+      float* a = &p.weights_avg(b, 0, i0 + r, 0);
+      const int64_t as = p.weights_avg.stride[3];
+      if (as == 1)  // the common case, in a loop the compiler vectorises
+        for (int64_t j = keys.lo; j < keys.hi; ++j) a[j] += w[j];
+      else
+        for (int64_t j = keys.lo; j < keys.hi; ++j) a[j * as] += w[j];
+    }
   }
 }
 
@@ -987,10 +1124,13 @@ void prefetch_upcoming(const Ctx<T>& cx, const Upcoming& u, int64_t part, int64_
 }
 
 // ---- (batch b, kv-head g, query block qb) for every query head of the group ----------------
-// Without weights: one pass over the keys with the online softmax. With weights: a first pass
-// finds each row's max m and sum l (no P·V, no dropout); a second recomputes the scores block by
-// block, forms the final probabilities keep_scale·exp(s − m)/l (dropout applied), writes them
-// as weights and accumulates P·V with no rescaling.
+// Without weights: one pass over the keys with the online softmax. With weights in one pass
+// (weights_one_pass), the same pass keeps each block's probabilities and the max they were taken
+// against, and finish_weights_one_pass normalises them at the end. With weights in two passes
+// (beyond kOnePassWeightsMaxBytes): a first pass finds each row's max m and sum l
+// (no P·V, no dropout); a second recomputes the scores block by block, forms the final
+// probabilities keep_scale·exp(s − m)/l (dropout applied), writes them as weights and
+// accumulates P·V with no rescaling.
 template <class T, bool kDot>
 HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, float* ws,
                             const Upcoming& upcoming = {}) {
@@ -1103,8 +1243,9 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     }
   };
 
-  // With weights, the first pass: each row's max m and sum l over every key block.
-  if (cx.weights) {
+  if (cx.weights_one_pass) start_weights_one_pass(cx, ws);
+  // With weights in two passes, the first: each row's max m and sum l over every key block.
+  if (cx.weights_two_pass) {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
       const int64_t nk = std::min(kBk, j_end - j0), nvec = (nk + N - 1) / N;
       pack_block(j0, nk, false);
@@ -1120,9 +1261,9 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       }
     }
   }
-  // With weights and sinks, the sink joins m and l now, so that the second pass writes the final
-  // probabilities and accumulates P·V with them.
-  if (cx.weights && p.edits.sinks) {
+  // With weights in two passes and sinks, the sink joins m and l now, so that the second pass
+  // writes the final probabilities and accumulates P·V with them.
+  if (cx.weights_two_pass && p.edits.sinks) {
     for (int64_t hh = 0; hh < group; ++hh) {
       float* m = ws + L.m + hh * kRowsPad;
       float* l = ws + L.l + hh * kRowsPad;
@@ -1135,12 +1276,14 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     const int64_t nk = std::min(kBk, j_end - j0);
     pack_block(j0, nk, true);
     const int64_t block_at = (j0 - j_begin) / kBk;
-    // The block's rows in runs by causal visibility (RowRun). With weights, every row takes the
-    // whole block (the second pass writes each row's probabilities over it); blocks that straddle
-    // the causal diagonal or the window's lower edge are masked per element there.
+    // The block's rows in runs by causal visibility (RowRun). With weights in two passes, every
+    // row takes the whole block (the second pass writes each row's probabilities over it); blocks
+    // that straddle the causal diagonal or the window's lower edge are masked per element there.
+    // One-pass weights take the runs as the weights-free path does (keep_weights_block zeroes
+    // what a run does not see; a row skipped by a block keeps m_j = −inf there: zeros).
     RowRun runs[kMaxRuns];
     int64_t n_runs = 1;
-    if (cx.weights)
+    if (cx.weights_two_pass)
       runs[0] = {0, nq, nk, cx.causal.tile(i0, i0 + nq, j0, j0 + nk) == TileVis::All ? TileVis::All : TileVis::Partial};
     else
       n_runs = row_runs(cx.causal, i0, nq, j0, nk, runs);
@@ -1167,27 +1310,32 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         const uint32_t* const q2r = q2 + (hh * kRowsPad + r0) * ldq2;
         // The common case on AVX-512 scales, masks and takes the rows' maxima as it scores, and
         // finishes the softmax 16 rows at a time (softmax_rows16).
-        const bool rows16 =
-            kHaveRows16 && !cx.weights && !cx.edit_scores && !partial && !per_element_masks && !p.dropout.active();
+        const bool rows16 = kHaveRows16 && !cx.weights_two_pass && !cx.edit_scores && !partial && !per_element_masks &&
+                            !p.dropout.active();
         float* const rmax = rows16 ? ws + L.rmax + r0 * kMaxLanes : nullptr;
         if constexpr (kDot)
           score_block_dp(q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use,
                          rmax);
         else
           score_block(q_head(hh) + r0 * ldq_use, ldq_use, rows_run, D, kt_use, nvec, sr, p.scale, kb_use, rmax);
-        if (cx.weights) {
+        if (cx.weights_two_pass) {
           // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
           std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
           softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, m, ws + L.l2, alpha);
           write_weights(cx, b, h, i0, nq, j0, nk, l, s);
           if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
-        } else if (rows16) {
+        } else if (rows16 && !(kDot && cx.weights_one_pass)) {
           softmax_rows16<kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+        } else if (rows16) {
+          // One-pass weights keep P as float32; its bf16 pairs are then the words softmax_rows16<true> writes.
+          softmax_rows16<false>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+          to_bf16_pairs(sr, rows_run, nk_run, p2r);
         } else {
           softmax_block(cx, b, h, i0 + r0, nq_run, rows_run, j0, nk_run, partial || per_element_masks, sr, kb_use, m, l,
                         alpha);
           if constexpr (kDot) to_bf16_pairs(sr, rows_run, nk_run, p2r);
         }
+        if (cx.weights_one_pass) keep_weights_block(cx, ws, hh, r0, nq_run, j0, nk_run, nk, block_at, sr, m);
         if constexpr (kDot)
           out_block_dp(p2r, alpha, rows_run, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk_run, nvec_o, oh);
         else
@@ -1207,7 +1355,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     for (int64_t r = 0; r < nq; ++r) {
       float* dst = cx.out.row(b, h, i0 + r);
       const int64_t os = cx.out.stride[3];
-      if (cx.weights) {  // P was normalised in the second pass, by an l that holds the sink already
+      if (cx.weights_two_pass) {  // P was normalised in the second pass, by an l that holds the sink already
         const bool empty_row = l[r] == 0.0f;
         finish_weights_row(cx, b, h, i0 + r, keys, l[r]);
         const float fill = std::isnan(l[r]) ? kNaN : 0.0f;
@@ -1226,6 +1374,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       if (cx.lse.defined()) cx.lse(b, h, i0 + r, 0) = empty_row ? kNegInf : mr + std::log(lr);
     }
   }
+  if (cx.weights_one_pass) finish_weights_one_pass(cx, ws, b, g, i0, nq, keys);
 }
 
 // ---- one work item ---------------------------------------------------------------------------
@@ -1354,7 +1503,8 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.causal = CausalRule::of(p.masks.causal, p.t_q(), p.t_k());
   cx.q_blocks = (p.t_q() + kBq - 1) / kBq;
   cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
-  cx.weights = p.weights.defined() || p.weights_avg.defined();
+  cx.weights_one_pass = weights_one_pass(p);
+  cx.weights_two_pass = !cx.weights_one_pass && (p.weights.defined() || p.weights_avg.defined());
   cx.edit_scores = p.edits.capped() || p.edits.alibi();
   cx.alibi_offset = alibi_offset(p);
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
@@ -1444,6 +1594,7 @@ void sdpa_fused(const SdpaParams& p, float* workspace) {
 std::vector<int64_t> fused_compiled_targets() { return target_bits(HWY_TARGETS); }
 int64_t fused_dispatch_target() { return HWY_DYNAMIC_DISPATCH(fused::dispatch_target)(); }
 bool fused_bf16_uses_dot_instructions() { return HWY_DYNAMIC_DISPATCH(fused::bf16_dot)(); }
+bool fused_weights_one_pass(const SdpaParams& p) { return fused::weights_one_pass(p); }
 
 }  // namespace mha::kernels
 #endif  // HWY_ONCE

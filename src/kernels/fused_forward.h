@@ -19,5 +19,9 @@ std::vector<int64_t> fused_compiled_targets();
 int64_t fused_dispatch_target();
 /// Whether bf16 Q·Kᵀ and P·V would use the CPU's bf16 dot-product instruction (vdpbf16ps) now.
 bool fused_bf16_uses_dot_instructions();
+/// Whether a call with attention weights takes the one-pass path (each block's probabilities kept
+/// and normalised once at the end) rather than the two-pass one: false without weights, and
+/// when its scratch would exceed the bound (SdpaParams::weights_one_pass_max_bytes).
+bool fused_weights_one_pass(const SdpaParams& p);
 
 }  // namespace mha::kernels
