@@ -111,12 +111,16 @@ inline std::vector<int64_t> target_bits(int64_t targets) {
 /// Asks for the cache lines of bytes [offset, offset + bytes) from `base`, four lines a step (a
 /// few lines past the end may come along; for rows of one K/V head they are the next row's).
 /// kLocality: 3 into L1, 2 into L2. The address is formed as an integer, since it may lie past
-/// the end of base's buffer; a prefetch reads no value and never faults.
+/// the end of base's buffer; a prefetch reads no value and never faults. The empty asm statement
+/// (no instruction) keeps the loop: without it GCC 12 deleted whole loops of these prefetches
+/// (the decode kernel's far prefetches, the fused forward's next-item ones: no prefetch of them
+/// was left in the binary), as loops with no effect.
 template <int kLocality = 3>
 inline void prefetch_bytes(const void* base, int64_t offset, int64_t bytes) {
   const uintptr_t start = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(offset);
   const uintptr_t end = start + static_cast<uintptr_t>(bytes);
   for (uintptr_t a = start & ~uintptr_t{63}; a < end; a += 256) {
+    asm volatile("");
     const char* c = reinterpret_cast<const char*>(a);
     __builtin_prefetch(c, 0, kLocality);
     __builtin_prefetch(c + 64, 0, kLocality);

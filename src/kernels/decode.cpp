@@ -197,22 +197,6 @@ constexpr int64_t row_bytes(int64_t n) {
   return n * static_cast<int64_t>(sizeof(T));
 }
 
-/// A row of the block kFarBlocks on, into L2 (see kNearRows): prefetch_bytes<2> with an empty asm
-/// statement (no instruction) in its loop. Without it GCC 12 drops these prefetches (no prefetcht1
-/// was left in the score or P·V loops of the binary), as it drops loops it finds to have no effect.
-HWY_INLINE void prefetch_far(const void* row, int64_t bytes) {
-  const uintptr_t start = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
-  const uintptr_t end = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
-  for (uintptr_t a = start; a < end; a += 256) {
-    asm volatile("");
-    const char* c = reinterpret_cast<const char*>(a);
-    __builtin_prefetch(c, 0, 2);
-    __builtin_prefetch(c + 64, 0, 2);
-    __builtin_prefetch(c + 128, 0, 2);
-    __builtin_prefetch(c + 192, 0, 2);
-  }
-}
-
 /// Scores of rows [r0, r0 + NR) against keys [j0, j0 + NK) of the block: sc[r][j] = q_r · k_j
 /// (q pre-scaled). With NR·NK = L the sums are reduced as one tile.
 template <int NR, int NK, class T>
@@ -226,7 +210,7 @@ HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, con
   if (r0 == 0)  // the first row tile passes over the keys first
     for (int k = 0; k < NK; ++k) {
       prefetch_bytes<3>(keys[j0 + k], kNearRows * row_bytes<T>(d), row_bytes<T>(d));
-      if (far && far[j0 + k]) prefetch_far(far[j0 + k], row_bytes<T>(d));
+      if (far && far[j0 + k]) prefetch_bytes<2>(far[j0 + k], 0, row_bytes<T>(d));
     }
   for (int64_t c = 0; c < dv; c += L) {
     hn::Vec<DF> kv[NK];
@@ -279,7 +263,7 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
   for (int64_t j = 0; j < nb; ++j) {
     if (r0 == 0 && c0 == 0) {  // the first tile to pass over V
       prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));
-      if (far && far[j]) prefetch_far(far[j], row_bytes<T>(d_v));
+      if (far && far[j]) prefetch_bytes<2>(far[j], 0, row_bytes<T>(d_v));
     }
     hn::Vec<DF> vv[NC];
     for (int i = 0; i < NC; ++i) vv[i] = load_row(df, vals[j] + c0 + i * L);

@@ -1102,12 +1102,7 @@ void prefetch_upcoming(const Ctx<T>& cx, const Upcoming& u, int64_t part, int64_
   const auto rows_of = [&](int64_t first, int64_t count, const auto* row0, int64_t stride, int64_t bytes) {
     const int64_t a = std::max(lo, first), z = std::min(hi, first + count);
     bytes = std::min(bytes, kMaxPrefetchBytes);
-    for (int64_t r = a; r < z; ++r) {
-      // An empty asm statement, no instruction: without it GCC 12 deletes this loop of
-      // prefetches outright (no prefetch of it was left in the binary), as a loop with no effect.
-      asm volatile("");
-      prefetch_bytes<2>(row0 + (r - first) * stride, 0, bytes);
-    }
+    for (int64_t r = a; r < z; ++r) prefetch_bytes<2>(row0 + (r - first) * stride, 0, bytes);
   };
   const int64_t q_bytes = p.d() * cx.q.stride[3] * static_cast<int64_t>(sizeof(T));
   const int64_t o_bytes = p.d_v() * cx.out.stride[3] * static_cast<int64_t>(sizeof(float));
