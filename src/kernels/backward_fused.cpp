@@ -30,11 +30,11 @@
 // Masks: causal blocks that no (query, key) pair can see are skipped; blocks that straddle the
 // diagonal or the window edge run their products in groups of 16 rows and keys, each over only
 // the pairs it can see (run_block), and are masked with a vector cut per row; any block when a
-// per-element mask exists is masked with key_hidden(), the rule every kernel shares. Padded keys (and keys whose
-// key_bias is −inf) are never read: a block with such keys copies its K/V rows with zeros in their place, and their
-// dK/dV rows come out 0. Rows whose lse is −inf (fully masked) get P = 0, hence zero gradient;
-// rows whose lse is NaN (a visible NaN in the forward) get P = NaN on their visible keys, so the
-// NaN reaches dQ, dK and dV as it would by differentiating the forward (docs/semantics.md, 'NaN').
+// per-element mask exists is masked with key_hidden(), the rule every kernel shares. Padded keys
+// (and keys whose key_bias is −inf) are never read: a block with such keys copies its K/V rows
+// with zeros in their place, and their dK/dV rows come out 0. Rows whose lse is −inf (fully masked) get P = 0, hence
+// zero gradient; rows whose lse is NaN (a visible NaN in the forward) get P = NaN on their visible keys, so the NaN
+// reaches dQ, dK and dV as it would by differentiating the forward (docs/semantics.md, 'NaN').
 #include <omp.h>
 
 #include <algorithm>
@@ -375,7 +375,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   const bool cut = vis == TileVis::Partial && cx.causal.on;
   const int64_t group = cut ? kCutRows : std::max<int64_t>(nr, nc);
   const auto keys_seen = [&](int64_t r0, int64_t r1) {  // keys [0, n) of the block hold all that rows [r0, r1) see
-    return cut ? std::min(nc, cx.causal.visible_keys(job.i0 + r0, job.i0 + r1, job.j0, job.j1).hi - job.j0) : nc;
+    return cut ? cx.causal.visible_keys(job.i0 + r0, job.i0 + r1, job.j0, job.j1).hi - job.j0 : nc;
   };
   const auto first_row = [&](int64_t c0) {  // no row before it sees key c0 or a later one
     return cut ? std::clamp(job.j0 + c0 - cx.causal.offset - job.i0, int64_t{0}, nr) : int64_t{0};
@@ -393,16 +393,14 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     }
   }
   const bool masked = vis == TileVis::Partial || cx.element_masks || job.padded;
-  if (masked && !cx.edit_scores && !cx.element_masks && !job.padded) {
+  if (vis == TileVis::Partial && !cx.element_masks && !job.padded && !cx.edit_scores) {
     // Only the causal rule (and its window) cuts this block: row i sees keys [lo, hi), key_hidden's
     // rule, and with no bias its scores need no additive term. Two fills per row instead of a
     // key_hidden test per score, which made a diagonal block cost about as much as two whole ones.
     for (int64_t r = 0; r < nr; ++r) {
       const KeyRange seen = cx.causal.visible_keys(job.i0 + r, job.i0 + r + 1, job.j0, job.j1);
-      const int64_t lo = std::min(seen.lo, job.j1) - job.j0;
-      const int64_t hi = std::max(lo, std::min(seen.hi, job.j1) - job.j0);
-      std::fill(s + r * kBc, s + r * kBc + lo, kNegInf);
-      std::fill(s + r * kBc + hi, s + r * kBc + nc, kNegInf);
+      std::fill(s + r * kBc, s + r * kBc + (seen.lo - job.j0), kNegInf);
+      std::fill(s + r * kBc + (seen.hi - job.j0), s + r * kBc + nc, kNegInf);
     }
   } else if (masked && !cx.edit_scores)
     for (int64_t r = 0; r < nr; ++r)

@@ -24,19 +24,16 @@
 // or the window edge the rows go in runs of 16 (RowRun): rows that see none of its keys skip it,
 // rows that see all of them take the unmasked softmax, and only the rest are masked, their
 // products cut at the last key they see. Any block when a per-element mask is given is masked
-// element by element with key_hidden(), the rule the reference uses. A packed variable-length batch
-// (SdpaParams::varlen) has items (sequence, kv-head, query block) over the sequences' own rows, costed by the query
-// rows times the keys they may see and taken longest first (run_varlen): work is Σ T_q·T_k over
-// the sequences, never the padded B·max². Padded keys (and keys whose key_bias is −inf) are
-// packed as zeros without reading K or V, and their scores are −inf.
-// Score edits (kernels/score_edits.h) cost nothing when off: softcap and ALiBi take a second
-// vector loop over S (a vector tanh; ALiBi's distances from an iota), and a sink enters only the
-// final normalisation of each row (m, l and O rescaled once).
-// Attention weights come from the same single pass over the keys: each block's probabilities are
-// kept with the running max they were taken against and normalised once when the item ends
-// (finish_weights_one_pass). Only where the thread's scratch for that would exceed
-// kOnePassWeightsMaxBytes (T_k·group > 32768) do weights take the older two passes, the scores
-// computed twice.
+// element by element with key_hidden(), the rule the reference uses. A packed variable-length
+// batch (SdpaParams::varlen) has items (sequence, kv-head, query block) over the sequences' own
+// rows, costed by the query rows times the keys they may see and taken longest first
+// (run_varlen): work is Σ T_q·T_k over the sequences, never the padded B·max². Padded keys (and keys whose key_bias is
+// −inf) are packed as zeros without reading K or V, and their scores are −inf. Score edits (kernels/score_edits.h) cost
+// nothing when off: softcap and ALiBi take a second vector loop over S (a vector tanh; ALiBi's distances from an iota),
+// and a sink enters only the final normalisation of each row (m, l and O rescaled once). Attention weights come from
+// the same single pass over the keys: each block's probabilities are kept with the running max they were taken against
+// and normalised once when the item ends (finish_weights_one_pass). Only where the thread's scratch for that would
+// exceed kOnePassWeightsMaxBytes (T_k·group > 32768) do weights take the older two passes, the scores computed twice.
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
@@ -87,8 +84,8 @@ constexpr int64_t kMaxPrefetchBytes = 32 * 64;    // per K/V row: a wider (strid
 // keep giving the same bits (FusedWeights.PerHeadAveragedOrBothGiveTheSameBits).
 constexpr int64_t kOnePassWeightsMaxBytes = int64_t{16} << 20;
 
-/// One-pass weights (see kOnePassWeightsMaxBytes): the floats of their scratch, group × kBq rows of T_k (rounded to
-/// kMaxLanes), and whether the call takes that path.
+/// One-pass weights (see kOnePassWeightsMaxBytes): the floats of their scratch, group × kBq rows
+/// of T_k (rounded to kMaxLanes), and whether the call takes that path.
 inline int64_t one_pass_weights_floats(const SdpaParams& p) { return p.group() * kBq * round_up(p.t_k(), kMaxLanes); }
 inline bool weights_one_pass(const SdpaParams& p) {
   if (!p.weights.defined() && !p.weights_avg.defined()) return false;
@@ -868,9 +865,6 @@ template <class T>
 void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRange keys, float l) {
   const SdpaParams& p = *cx.p;
   const int64_t Tk = cx.t_k;
-  // A window's lower edge can lie past the last key (top-left, T_q > T_k + window): visible_keys
-  // then gives an empty range starting beyond T_k, and the row is zeros up to T_k only.
-  keys.lo = std::min(keys.lo, Tk);
   if (std::isnan(l)) {
     if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN);
     if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN);
@@ -936,11 +930,10 @@ inline void scale_in_place(float* x, int64_t n, float f) {
 /// two-pass path). A row with l = 0 saw no key (m = −inf) and a block with m_j = −inf only −inf
 /// scores: their weights are zeros, written rather than scaled (exp(−inf − m) is NaN at m = −inf).
 template <class T>
-void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, int64_t i0, int64_t nq, KeyRange keys) {
+void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, int64_t i0, int64_t nq,
+                             const KeyRange& keys) {
   const SdpaParams& p = *cx.p;
   const int64_t group = p.group();
-  keys.hi = std::min(keys.hi, cx.t_k);  // empty past the last key (see finish_weights_row)
-  keys.lo = std::min(keys.lo, keys.hi);
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t h = g * group + hh;
     const float* m = ws + cx.L.m + hh * kRowsPad;
@@ -1322,7 +1315,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         } else if (rows16 && !(kDot && cx.weights_one_pass)) {
           softmax_rows16<kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
         } else if (rows16) {
-          // One-pass weights keep P as float32; its bf16 pairs are then the words softmax_rows16<true> writes.
+          // One-pass weights keep P as float32; its bf16 pairs are then the words that
+          // softmax_rows16<true> writes.
           softmax_rows16<false>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
           to_bf16_pairs(sr, rows_run, nk_run, p2r);
         } else {

@@ -45,12 +45,14 @@ struct CausalRule {
 
   /// The keys of [k_lo, k_hi) that some query of [i0, i1) (i1 > i0) sees:
   /// (i0 + offset − window, i1 − 1 + offset] ∩ [k_lo, k_hi). Every key of the result is seen by
-  /// at least one of the queries, so a key loop over it skips nothing that matters.
+  /// at least one of the queries, so a key loop over it skips nothing that matters. The result
+  /// always lies within [k_lo, k_hi): an empty one where a window's lower edge is past k_hi
+  /// (top-left, T_q > T_k + window) is [k_hi, k_hi), so callers may use its ends as indices.
   KeyRange visible_keys(int64_t i0, int64_t i1, int64_t k_lo, int64_t k_hi) const {
     int64_t lo = k_lo, hi = k_hi;
     if (on) {
       hi = std::min(hi, i1 + offset);
-      if (window > 0) lo = std::max(lo, i0 + offset - window + 1);
+      if (window > 0) lo = std::min(k_hi, std::max(lo, i0 + offset - window + 1));
     }
     return {lo, std::max(lo, hi)};
   }
