@@ -155,6 +155,23 @@ void set_key_bias(Case& c) {
   c.opt.masks.key_bias.view = c.key_bias.view4();
 }
 
+/// Scores spread (Q times 3) so that rows' maxima move from key block to key block: the online
+/// softmax's rescaling (and the one-pass weights' fix-up factors exp(m_j − m)) are then not all 1.
+void spread_scores(Case& c) {
+  for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] *= 3.0f;
+}
+
+/// check(q, k, v) on the case's float32 inputs, then on them rounded to bf16.
+template <class Check>
+void with_f32_and_bf16(const Case& c, const Check& check) {
+  {
+    SCOPED_TRACE("float32");
+    check(c.q, c.k, c.v);
+  }
+  SCOPED_TRACE("bf16");
+  check(to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v));
+}
+
 /// Padding: batch 0 pads its last keys and a few in the middle, batch 1 pads every key. The
 /// padded K and V rows hold NaN: if any were read, NaN would reach the output.
 void set_key_padding(Case& c) {
@@ -506,16 +523,6 @@ void expect_fast_softmax_is_the_general_one(const Case& c, const Inputs& q, cons
   });
 }
 
-/// The same for the case's float32 inputs and for them rounded to bf16.
-void expect_fast_softmax_is_the_general_one(const Case& c) {
-  {
-    SCOPED_TRACE("float32");
-    expect_fast_softmax_is_the_general_one(c, c.q, c.k, c.v);
-  }
-  SCOPED_TRACE("bf16");
-  expect_fast_softmax_is_the_general_one(c, to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v));
-}
-
 TEST(FusedForward, FastSoftmaxIsBitwiseTheGeneralOne) {
   for (int64_t tq : {1, 7, 15, 17, 130})
     for (int64_t tk : {1, 31, 64, 65, 150})
@@ -525,13 +532,15 @@ TEST(FusedForward, FastSoftmaxIsBitwiseTheGeneralOne) {
         c.B = variant == 1 ? 2 : 1, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.Dv = 33;
         c.D = variant == 1 ? 7 : variant == 3 ? 1 : 64;
         c.make_inputs(static_cast<uint64_t>(tq * 100 + tk + variant));
-        for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] *= 3.0f;  // spread scores: maxima move between blocks
+        spread_scores(c);
         if (variant == 1) {
           set_key_padding(c);
           c.opt.masks.causal = Causal::bottom_right();
         }
         if (variant == 2) c.q.at({0, 1, tq / 2, 3}) = std::numeric_limits<float>::quiet_NaN();
-        expect_fast_softmax_is_the_general_one(c);
+        with_f32_and_bf16(c, [&](const auto& q, const auto& k, const auto& v) {
+          expect_fast_softmax_is_the_general_one(c, q, k, v);
+        });
         if (HasFailure()) return;
       }
 }
@@ -551,8 +560,10 @@ TEST(FusedForward, CausalRowRunsAreBitwiseTheMaskedPath) {
         c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = tk, c.D = 64, c.Dv = 40;
         c.opt.masks.causal = kinds[kind];
         c.make_inputs(static_cast<uint64_t>(tq * 1000 + tk * 10 + kind));
-        for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] *= 3.0f;  // maxima move between blocks
-        expect_fast_softmax_is_the_general_one(c);
+        spread_scores(c);
+        with_f32_and_bf16(c, [&](const auto& q, const auto& k, const auto& v) {
+          expect_fast_softmax_is_the_general_one(c, q, k, v);
+        });
         if (HasFailure()) return;
       }
 }
@@ -818,12 +829,6 @@ TEST(FusedWeights, StridedWeightsViewGivesTheSameBits) {
 
 // ---- attention weights in one pass, and the two-pass path beyond its scratch bound ---------
 
-/// Scores spread (Q times 3) so that rows' maxima move from key block to key block: the one-pass
-/// fix-up's factors exp(m_j − m) are then not all 1.
-void spread_scores(Case& c) {
-  for (int64_t i = 0; i < c.q.numel(); ++i) c.q.data()[i] *= 3.0f;
-}
-
 /// The fused kernel called directly with its one-pass weights' scratch bounded to max_bytes
 /// (SdpaParams::weights_one_pass_max_bytes; 0: the kernel's own bound): how a test reaches the
 /// two-pass path on small shapes. *one_pass (if given): which path the call took.
@@ -891,14 +896,8 @@ TEST(FusedWeights, OutAndLseAreTheWeightsFreePathsBits) {
       spread_scores(c);
       mc.apply(c);
       if (tq == 70) c.q.at({1, 2, 9, 0}) = kNaN;  // a NaN row among them
-      {
-        SCOPED_TRACE("float32");
-        expect_out_and_lse_as_without_weights(c, c.q, c.k, c.v);
-      }
-      {
-        SCOPED_TRACE("bf16");
-        expect_out_and_lse_as_without_weights(c, to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v));
-      }
+      with_f32_and_bf16(
+          c, [&](const auto& q, const auto& k, const auto& v) { expect_out_and_lse_as_without_weights(c, q, k, v); });
       if (HasFailure()) return;
     }
 }
