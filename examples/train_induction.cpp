@@ -26,7 +26,8 @@
 //
 // After training, the model is evaluated on fresh sequences twice: by the full causal forward, and
 // by decoding token by token through MultiheadAttention::forward_incremental with a KV cache per
-// layer in float32, bfloat16 and int8 (mha/kv_cache.h); it prints the accuracy of each and the
+// layer in float32, bfloat16, int8, and int8 with per-channel key scales (KIVI, groups of 8
+// of the 24 positions; mha/kv_cache.h); it prints the accuracy of each and the
 // largest logit difference from the full forward, so a cache dtype's cost in accuracy shows.
 #include <algorithm>
 #include <cmath>
@@ -184,7 +185,8 @@ Tensor run_model(const mha::MultiheadAttention& layer1, const mha::MultiheadAtte
   }
   mha::KvCacheConfig cc;
   cc.batch = B, cc.kv_heads = kHeads, cc.head_dim = kE / kHeads, cc.capacity = T;
-  cc.dtype = cache == "bf16" ? mha::CacheDtype::BF16 : cache == "int8" ? mha::CacheDtype::I8 : mha::CacheDtype::F32;
+  cc.dtype = cache == "bf16" ? mha::CacheDtype::BF16 : cache == "f32" ? mha::CacheDtype::F32 : mha::CacheDtype::I8;
+  if (cache == "int8-channel") cc.int8_keys = mha::Int8KeyScales::PerChannel, cc.key_group = 8;
   mha::KvCache c1(cc), c2(cc);
   mha::IncrementalOptions io;
   io.threads = 2;
@@ -204,7 +206,7 @@ Tensor run_model(const mha::MultiheadAttention& layer1, const mha::MultiheadAtte
 void evaluate_decoding(const mha::MultiheadAttention& layer1, const mha::MultiheadAttention& layer2,
                        const Tensor& tok_emb, const Tensor& pos_emb, const Tensor& w_out, int batches) {
   Rng rng{777};  // its own stream: evaluating changes nothing in training
-  const std::vector<std::string> ways{"", "f32", "bf16", "int8"};
+  const std::vector<std::string> ways{"", "f32", "bf16", "int8", "int8-channel"};
   std::vector<int64_t> correct(ways.size(), 0);
   std::vector<double> worst(ways.size(), 0.0);
   int64_t n = 0;

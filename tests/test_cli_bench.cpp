@@ -149,6 +149,21 @@ TEST(CliBench, DecodeInt8RowCountsItsScalesAndReportsItsError) {
   EXPECT_NE(bad.err.find("int8"), std::string::npos) << bad.err;
 }
 
+TEST(CliBench, DecodeInt8ChannelRowCountsItsGroupScales) {
+  const auto j = decode_json("--contexts 100 --dtype f32,int8-channel --key-group 25");
+  ASSERT_FALSE(j.is_null());
+  ASSERT_EQ(j["decode"].size(), 2u);
+  const auto& kivi = j["decode"][1];
+  EXPECT_EQ(kivi["dtype"], "int8-channel");
+  // 100 positions × 2 heads: K 16 bytes a row plus 16 float scales per group of 25 rows; V 16 + 4.
+  EXPECT_NEAR(kivi["kv_bytes_per_token"].get<double>(), 100 * 2 * (16 + 16.0 * 4 / 25) + 100 * 2 * (16 + 4), 1e-9);
+  EXPECT_GT(kivi["max_abs_error_vs_f32"].get<double>(), 0.0);
+  EXPECT_LT(kivi["max_abs_error_vs_f32"].get<double>(), 0.02);
+  const auto bad = run_command(kCli + " bench-decode --dtype int8-channel --key-group 0");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("--key-group"), std::string::npos) << bad.err;
+}
+
 TEST(CliBench, Bf16CoreRunsOrSaysItIsUnavailable) {
   const auto r = run_command(kCli +
                              " bench --core --dtype bf16 --seq 32 --embed-dim 64 --heads 4 --repeat 1 "

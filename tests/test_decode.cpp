@@ -51,6 +51,7 @@ struct DecodeSetup {
   Rope rope;
   CacheDtype dtype = CacheDtype::F32;
   bool ring = false;
+  int64_t key_group = 0;  // int8: > 0 = per-channel key scales over groups of this many positions
 };
 
 DecodeSetup setup(int64_t E = 32, int64_t h = 4, int64_t kv = 4, int64_t window = 0, Rope rope = {},
@@ -81,6 +82,7 @@ KvCache make_cache(const DecodeSetup& s, int64_t batch, int64_t capacity) {
   cc.capacity = s.ring ? s.window : capacity;
   cc.dtype = s.dtype;
   cc.ring = s.ring;
+  if (s.key_group > 0) cc.int8_keys = Int8KeyScales::PerChannel, cc.key_group = s.key_group;
   return KvCache(cc);
 }
 
@@ -151,6 +153,12 @@ TEST(Incremental, Int8CacheWithinInt8Rounding) {
   // row's largest value); the outputs move by about that much. A ring and a window too.
   expect_incremental_matches(setup(32, 4, 2, 0, Rope::half_split(), CacheDtype::I8), 2, 12, 4, 8.0 / 254);
   expect_incremental_matches(setup(32, 4, 2, 4, Rope{}, CacheDtype::I8, true), 1, 14, 6, 8.0 / 254);
+  // Per-channel key scales (groups of 4: the prompt fills one and a half, decoding the rest, so
+  // open groups are quantised again as tokens arrive). A key element is within half a step of its
+  // channel's largest value in the group.
+  DecodeSetup channel = setup(32, 4, 2, 0, Rope::half_split(), CacheDtype::I8);
+  channel.key_group = 4;
+  expect_incremental_matches(channel, 2, 13, 6, 8.0 / 254);
 }
 
 TEST(Incremental, SplitCountDoesNotChangeTheAnswer) {
@@ -320,10 +328,12 @@ struct CacheCase {
   Tensor q;
 };
 
-/// A (B=2, kv=2) cache of different lengths per sequence and h = 6 queries of T_q rows.
-CacheCase cache_case(CacheDtype dtype, int64_t tq, int64_t d = 20) {
-  CacheCase c{KvCache(KvCacheConfig{.batch = 2, .kv_heads = 2, .head_dim = d, .capacity = 700, .dtype = dtype}),
-              random_tensor({2, 6, tq, d}, 9)};
+/// A (B=2, kv=2) cache of different lengths per sequence and h = 6 queries of T_q rows;
+/// key_group > 0: int8 keys with per-channel scales over groups of that many positions.
+CacheCase cache_case(CacheDtype dtype, int64_t tq, int64_t d = 20, int64_t key_group = 0) {
+  KvCacheConfig config{.batch = 2, .kv_heads = 2, .head_dim = d, .capacity = 700, .dtype = dtype};
+  if (key_group > 0) config.int8_keys = Int8KeyScales::PerChannel, config.key_group = key_group;
+  CacheCase c{KvCache(config), random_tensor({2, 6, tq, d}, 9)};
   const Tensor k = random_tensor({2, 2, 700, d}, 10, -2.0f, 2.0f), v = random_tensor({2, 2, 700, d}, 11);
   const std::vector<int64_t> lens{700, 333};
   c.cache.append(k.view4(), v.view4(), lens);
@@ -420,6 +430,28 @@ TEST(DecodeKernel, Int8CacheMatchesReferenceOnTheDequantisedCacheOnEveryTarget) 
   hwy::SetSupportedTargetsForTest(0);
 }
 
+TEST(DecodeKernel, Int8ChannelKeysMatchReferenceOnTheDequantisedCacheOnEveryTarget) {
+  // Per-channel key scales fold into the query once per run of keys in one group; the oracle
+  // reads k_int8 · scale[group][x]. Groups of 1, of an odd size, of a SIMD block's width, of a
+  // kernel block (128) and wider than one, against lengths 700 and 333 and splits that cut
+  // groups in the middle.
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (int64_t group : {1, 7, 32, 128, 200}) {
+      SCOPED_TRACE(::testing::Message() << "key_group " << group);
+      const CacheCase c = cache_case(CacheDtype::I8, 3, 20, group);
+      EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
+      EXPECT_TRUE(all_close(attend(c, 2, 2, 50), oracle(c, 50), kF32Tol, kF32Tol));
+    }
+    for (int64_t d : {19, 64, 72}) {
+      const CacheCase c = cache_case(CacheDtype::I8, 1, d, 32);
+      EXPECT_TRUE(all_close(attend(c, 5, 2), oracle(c, 0), kF32Tol, kF32Tol));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 TEST(DecodeKernel, Int8CacheWithinItsQuantisationStepOfFloat32) {
   // Every int8 element is within s/2 of the float32 one (s = its row's max|x| / 127; here K in
   // [−2, 2): s_k ≤ 2/127, V in [−1, 1): s_v ≤ 1/127). A score scale·q·k then moves by at most
@@ -460,11 +492,14 @@ TEST(DecodeKernel, SameSplitsAnyThreadsBitwise) {
                           {CacheDtype::BF16, 64},
                           {CacheDtype::I8, 20},
                           {CacheDtype::I8, 64}}) {
-    const CacheCase c = cache_case(dtype, 1, d);
-    const Tensor base = attend(c, 5, 1);
-    EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), base));
-    EXPECT_TRUE(bitwise_equal(attend(c, 5, 3), base));
-    EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), attend(c, 5, 2)));
+    for (int64_t key_group : {int64_t{0}, int64_t{32}}) {
+      if (key_group > 0 && dtype != CacheDtype::I8) continue;
+      const CacheCase c = cache_case(dtype, 1, d, key_group);
+      const Tensor base = attend(c, 5, 1);
+      EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), base));
+      EXPECT_TRUE(bitwise_equal(attend(c, 5, 3), base));
+      EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), attend(c, 5, 2)));
+    }
   }
 }
 

@@ -124,17 +124,145 @@ TEST(Int8Cache, NonFiniteValuesAreErrorsThatChangeNothing) {
   EXPECT_NO_THROW(plain.append(k.view4(), v.view4()));
 }
 
+// ---- per-channel key scales (KIVI) -----------------------------------------------------------
+
+KvCacheConfig channel_config(int64_t batch, int64_t kv, int64_t d, int64_t capacity, int64_t group) {
+  KvCacheConfig c = int8_config(batch, kv, d, capacity);
+  c.int8_keys = Int8KeyScales::PerChannel, c.key_group = group;
+  return c;
+}
+
+/// Positions [t0, t1) of x (B, kv, T, d).
+Tensor slice_tokens(const Tensor& x, int64_t t0, int64_t t1) {
+  Tensor out({x.size(0), x.size(1), t1 - t0, x.size(3)});
+  for (int64_t b = 0; b < x.size(0); ++b)
+    for (int64_t g = 0; g < x.size(1); ++g)
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t e = 0; e < x.size(3); ++e) out.at({b, g, t - t0, e}) = x.at({b, g, t, e});
+  return out;
+}
+
+/// What a per-channel cache must hold for key element (b, g, p, x) after positions [0, len) of
+/// `k` were appended: the group's channel scale over its appended positions, and the element
+/// rounded to it (the same float32 division and rounding as a per-token row).
+float channel_key(const Tensor& k, int64_t b, int64_t g, int64_t p, int64_t x, int64_t group, int64_t len) {
+  const int64_t g0 = p / group * group, g1 = std::min(len, g0 + group);
+  float absmax = 0;
+  for (int64_t i = g0; i < g1; ++i) absmax = std::max(absmax, std::fabs(k.at({b, g, i, x})));
+  const float scale = absmax / 127.0f;
+  return scale > 0 ? std::nearbyint(k.at({b, g, p, x}) / scale) * scale : 0.0f;
+}
+
+TEST(Int8ChannelKeys, EachGroupHasOneScalePerChannel) {
+  // Groups of 4 over 11 positions, appended 3, then 1 by 1, then 5: open groups are quantised again
+  // from their float rows as they grow, so every step holds exactly the formula over what was
+  // appended so far, and the result does not depend on how the appends were cut.
+  const int64_t B = 2, kv = 2, T = 11, d = 5, G = 4, cap = 12;
+  Tensor k = random_tensor({B, kv, T, d}, 21, -3.0f, 3.0f), v = random_tensor({B, kv, T, d}, 22);
+  for (int64_t t = 0; t < T; ++t) k.at({0, 1, t, 2}) = 40.0f * k.at({0, 1, t, 2});  // an outlier channel
+  for (int64_t t = 4; t < 8; ++t) k.at({1, 0, t, 3}) = 0.0f;                        // a group's channel of zeros
+  KvCache stepwise(channel_config(B, kv, d, cap, G)), whole(channel_config(B, kv, d, cap, G));
+  whole.append(k.view4(), v.view4());
+  int64_t len = 0;
+  for (int64_t n : {3, 1, 1, 1, 5}) {
+    const Tensor ks = slice_tokens(k, len, len + n), vs = slice_tokens(v, len, len + n);
+    stepwise.append(ks.view4(), vs.view4());
+    len += n;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < kv; ++g)
+        for (int64_t p = 0; p < len; ++p)
+          for (int64_t x = 0; x < d; ++x)
+            ASSERT_EQ(stepwise.k_at(b, g, p, x), channel_key(k, b, g, p, x, G, len))
+                << "after " << len << ": " << b << " " << g << " " << p << " " << x;
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < kv; ++g)
+      for (int64_t p = 0; p < T; ++p)
+        for (int64_t x = 0; x < d; ++x) {
+          EXPECT_EQ(whole.k_at(b, g, p, x), stepwise.k_at(b, g, p, x));
+          EXPECT_EQ(whole.v_at(b, g, p, x), stepwise.v_at(b, g, p, x));  // values: per row, as before
+        }
+  // The scales, (B, kv, groups, d): group 1 of (1, 0) has a channel of zeros.
+  EXPECT_EQ(whole.config().key_groups(), 3);
+  EXPECT_EQ(whole.k_scales()[((1 * kv + 0) * 3 + 1) * d + 3], 0.0f);
+  for (int64_t t = 4; t < 8; ++t) EXPECT_EQ(whole.k_at(1, 0, t, 3), 0.0f);
+  // Bytes: int8 K and V, a scale per V row, d scales per key group, and each head's open group in float.
+  EXPECT_EQ(whole.bytes(),
+            static_cast<size_t>(2 * B * kv * cap * d + 4 * B * kv * cap + 4 * B * kv * 3 * d + 4 * B * kv * G * d));
+  // The outlier channel costs precision only in its own channel: the other channels of (0, 1) are
+  // within half of their own step, far finer than the outlier's.
+  for (int64_t t = 0; t < T; ++t) {
+    float absmax = 0;
+    for (int64_t i = t / G * G; i < std::min(T, t / G * G + G); ++i)
+      absmax = std::max(absmax, std::fabs(k.at({0, 1, i, 0})));
+    EXPECT_LE(std::fabs(whole.k_at(0, 1, t, 0) - k.at({0, 1, t, 0})), absmax / 254 * (1 + 1e-6));
+  }
+}
+
+TEST(Int8ChannelKeys, OutlierChannelsCostLessThanWithRowScales) {
+  // Keys whose channel 0 is 50× the others (the outlier channels KIVI describes): with one scale per
+  // row the other channels are rounded to steps of the outlier; per channel they keep their own.
+  const int64_t T = 64, d = 16;
+  Tensor k = random_tensor({1, 1, T, d}, 31), v = random_tensor({1, 1, T, d}, 32);
+  for (int64_t t = 0; t < T; ++t) k.at({0, 0, t, 0}) = 50.0f * k.at({0, 0, t, 0});
+  KvCache rows(int8_config(1, 1, d, T)), channels(channel_config(1, 1, d, T, 32));
+  rows.append(k.view4(), v.view4());
+  channels.append(k.view4(), v.view4());
+  double row_err = 0, channel_err = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t x = 1; x < d; ++x) {
+      row_err = std::max(row_err, static_cast<double>(std::fabs(rows.k_at(0, 0, t, x) - k.at({0, 0, t, x}))));
+      channel_err =
+          std::max(channel_err, static_cast<double>(std::fabs(channels.k_at(0, 0, t, x) - k.at({0, 0, t, x}))));
+    }
+  EXPECT_LT(channel_err * 10, row_err) << "per channel " << channel_err << ", per row " << row_err;
+}
+
+TEST(Int8ChannelKeys, CloneResetAndRefusals) {
+  const int64_t d = 6;
+  KvCache cache(channel_config(2, 1, d, 10, 4));
+  const Tensor k = random_tensor({2, 1, 6, d}, 41), v = random_tensor({2, 1, 6, d}, 42);
+  cache.append(k.view4(), v.view4());
+  KvCache copy = cache.clone();  // the open group's float rows too
+  const Tensor k2 = random_tensor({2, 1, 1, d}, 43, -5.0f, 5.0f);
+  copy.append(k2.view4(), k2.view4());
+  cache.append(k2.view4(), k2.view4());
+  for (int64_t p = 0; p < 7; ++p)
+    for (int64_t x = 0; x < d; ++x) EXPECT_EQ(copy.k_at(1, 0, p, x), cache.k_at(1, 0, p, x));
+  // Reset: the next group starts afresh, whatever the old rows held.
+  cache.reset(0);
+  const Tensor k3 = random_tensor({1, 1, 2, d}, 44);
+  cache.append_sequence(0, k3.view4(), k3.view4());
+  for (int64_t p = 0; p < 2; ++p)
+    for (int64_t x = 0; x < d; ++x) {
+      float absmax = std::max(std::fabs(k3.at({0, 0, 0, x})), std::fabs(k3.at({0, 0, 1, x})));
+      EXPECT_EQ(cache.k_at(0, 0, p, x), std::nearbyint(k3.at({0, 0, p, x}) / (absmax / 127.0f)) * (absmax / 127.0f));
+    }
+  // Non-finite keys are refused as with row scales.
+  Tensor bad = random_tensor({1, 1, 1, d}, 45);
+  bad.at({0, 0, 0, 2}) = std::numeric_limits<float>::infinity();
+  EXPECT_NE(error_of([&] { cache.append_sequence(0, bad.view4(), bad.view4()); }).find("finite"), std::string::npos);
+  EXPECT_EQ(cache.length(0), 2);
+  // Only an int8, non-ring cache takes per-channel key scales, with groups of ≥ 1 position.
+  KvCacheConfig f32 = channel_config(1, 1, d, 8, 4);
+  f32.dtype = CacheDtype::F32;
+  EXPECT_NE(error_of([&] { KvCache{f32}; }).find("per-channel key scales need an int8, non-ring cache"),
+            std::string::npos);
+  KvCacheConfig ring = channel_config(1, 1, d, 8, 4);
+  ring.ring = true;
+  EXPECT_NE(error_of([&] { KvCache{ring}; }).find("a ring"), std::string::npos);
+  EXPECT_NE(error_of([&] { KvCache{channel_config(1, 1, d, 8, 0)}; }).find("key_group 0"), std::string::npos);
+}
+
 // ---- PyTorch golden (tests/golden/generate_int8_cache.py) ------------------------------------
 
-TEST(Int8CacheGolden, QuantisationAndDecodeMatchPyTorch) {
-  const io::SafetensorsFile f =
-      io::SafetensorsFile::open(std::string(MHA_GOLDEN_DIR) + "/int8_cache/decode_gqa.safetensors");
-  const Tensor q = f.read_f32("q"), k = f.read_f32("k"), v = f.read_f32("v");
-  const Tensor k_deq = f.read_f32("k_dequant"), v_deq = f.read_f32("v_dequant"), want = f.read_f32("out");
-  const int64_t B = k.size(0), kv = k.size(1), T = k.size(2), d = k.size(3);
-  KvCache cache(int8_config(B, kv, d, T));
-  cache.append(k.view4(), v.view4());
-  // The same float32 division and round-half-to-even as torch: the same bits.
+/// The cache, holding the case's k and v, stores k_dequant / v_dequant bit for bit (the same
+/// float32 division and round-half-to-even as torch), and decoding q after the whole cache gives
+/// `out` at 1, 2 and 3 threads.
+void expect_cache_matches_golden(const io::SafetensorsFile& f, const KvCache& cache) {
+  const Tensor q = f.read_f32("q"), k_deq = f.read_f32("k_dequant"), v_deq = f.read_f32("v_dequant");
+  const Tensor want = f.read_f32("out");
+  const int64_t B = k_deq.size(0), kv = k_deq.size(1), T = k_deq.size(2), d = k_deq.size(3);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < kv; ++g)
       for (int64_t t = 0; t < T; ++t)
@@ -148,9 +276,34 @@ TEST(Int8CacheGolden, QuantisationAndDecodeMatchPyTorch) {
     CacheAttentionOptions o;
     o.threads = threads;
     attend_cache(q.view4(), cache, at, o, out.view4());
-    // float32 attention over |v| ≤ 1 and a few hundred keys against PyTorch's float64.
+    // float32 attention over |v| ≤ 1 and a few dozen keys against PyTorch's float64.
     EXPECT_TRUE(testing::all_close(out, want, 1e-5, 1e-5));
   }
+}
+
+io::SafetensorsFile int8_golden(const std::string& name) {
+  return io::SafetensorsFile::open(std::string(MHA_GOLDEN_DIR) + "/int8_cache/" + name + ".safetensors");
+}
+
+TEST(Int8CacheGolden, QuantisationAndDecodeMatchPyTorch) {
+  const io::SafetensorsFile f = int8_golden("decode_gqa");
+  const Tensor k = f.read_f32("k"), v = f.read_f32("v");
+  KvCache cache(int8_config(k.size(0), k.size(1), k.size(3), k.size(2)));
+  cache.append(k.view4(), v.view4());
+  expect_cache_matches_golden(f, cache);
+}
+
+TEST(Int8CacheGolden, PerChannelKeysMatchPyTorch) {
+  // Keys per channel of each group of 8 positions (27 positions: the last group is partial), an
+  // outlier channel and a group's channel of zeros; values per row.
+  const io::SafetensorsFile f = int8_golden("decode_gqa_channel");
+  const Tensor k = f.read_f32("k"), v = f.read_f32("v");
+  const int64_t T = k.size(2);
+  KvCache cache(channel_config(k.size(0), k.size(1), k.size(3), T, std::stoll(f.metadata().at("key_group"))));
+  // In two appends that split a group: the open group is quantised again when the rest arrives.
+  cache.append(slice_tokens(k, 0, 11).view4(), slice_tokens(v, 0, 11).view4());
+  cache.append(slice_tokens(k, 11, T).view4(), slice_tokens(v, 11, T).view4());
+  expect_cache_matches_golden(f, cache);
 }
 
 }  // namespace

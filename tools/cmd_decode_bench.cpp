@@ -58,15 +58,22 @@ void compare_to_f32(std::vector<DecodeResult>& results) {
       }
 }
 
-DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t context) {
+/// A --dtype name: f32, bf16, int8, or int8-channel (int8 with per-channel key scales, KIVI).
+DecodeResult time_decode(const DecodeBenchArgs& a, const std::string& kind, int64_t context) {
   const int64_t B = a.batch, KV = a.kv_heads, d = a.head_dim;
+  const CacheDtype dtype = kind == "bf16" ? CacheDtype::BF16 : kind == "f32" ? CacheDtype::F32 : CacheDtype::I8;
   KvCacheConfig cc;
   cc.batch = B, cc.kv_heads = KV, cc.head_dim = d, cc.capacity = context, cc.dtype = dtype;
-  // Bytes of one K or V row as stored, and so as read: the elements, plus the scale for int8.
+  if (kind == "int8-channel") cc.int8_keys = Int8KeyScales::PerChannel, cc.key_group = a.key_group;
+  // Bytes of one K or V row as stored, and so as read: the elements, plus the scale for int8 (per
+  // channel: a key group's d scales shared by its key_group rows).
   const double row_bytes = dtype == CacheDtype::BF16 ? 2.0 * static_cast<double>(d)
                            : dtype == CacheDtype::I8 ? static_cast<double>(d) + 4.0
                                                      : 4.0 * static_cast<double>(d);
-  const double kv_bytes = 2.0 * static_cast<double>(B * KV * context) * row_bytes;
+  const double k_row_bytes =
+      cc.channel_keys() ? static_cast<double>(d) * (1.0 + 4.0 / static_cast<double>(std::min(a.key_group, context)))
+                        : row_bytes;
+  const double kv_bytes = static_cast<double>(B * KV * context) * (row_bytes + k_row_bytes);
   const int64_t n_caches =
       std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(a.footprint_mib) * 1048576.0 / kv_bytes + 0.999));
   std::vector<KvCache> caches;
@@ -90,7 +97,7 @@ DecodeResult time_decode(const DecodeBenchArgs& a, CacheDtype dtype, int64_t con
       },
       std::max<int>(a.repeat, static_cast<int>(n_caches)));
   DecodeResult r;
-  r.dtype = cache_dtype_name(dtype);
+  r.dtype = kind;
   r.context = context;
   r.ms_best = *std::min_element(ms.begin(), ms.end());
   r.ms_median = bench::median(ms);
@@ -151,7 +158,9 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   for (int64_t ctx : a.contexts)
     if (ctx < 1) fail("bench-decode: context lengths must be ≥ 1, got ", ctx);
   for (const std::string& t : a.dtypes)
-    if (t != "f32" && t != "bf16" && t != "int8") fail("bench-decode: --dtype takes f32, bf16 and/or int8, got ", t);
+    if (t != "f32" && t != "bf16" && t != "int8" && t != "int8-channel")
+      fail("bench-decode: --dtype takes f32, bf16, int8 and/or int8-channel, got ", t);
+  if (a.key_group < 1) fail("bench-decode: --key-group must be ≥ 1, got ", a.key_group);
   const int threads = bench::apply_threads(a.threads);
 
   // The triad streams max(footprint, 3 · 256 MiB) so it, too, comes from DRAM.
@@ -164,12 +173,7 @@ void run_decode_bench(const DecodeBenchArgs& a) {
 
   std::vector<DecodeResult> results;
   for (const std::string& t : a.dtypes)
-    for (int64_t ctx : a.contexts)
-      results.push_back(time_decode(a,
-                                    t == "bf16"   ? CacheDtype::BF16
-                                    : t == "int8" ? CacheDtype::I8
-                                                  : CacheDtype::F32,
-                                    ctx));
+    for (int64_t ctx : a.contexts) results.push_back(time_decode(a, t, ctx));
   compare_to_f32(results);
   PrefillResult pre;
   if (a.prefill > 0) pre = time_prefill(a);
@@ -221,13 +225,13 @@ void run_decode_bench(const DecodeBenchArgs& a) {
               static_cast<long long>(a.batch), threads, a.splits > 0 ? std::to_string(a.splits).c_str() : "auto");
   std::printf("same run: read-only stream %.1f GB/s, STREAM triad %.1f GB/s, float32 FMA peak %.1f GFLOP/s (%s)\n\n",
               read_bw, triad, peak, target.c_str());
-  std::printf("  %-5s %8s %12s %12s %12s %9s %9s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s",
+  std::printf("  %-12s %8s %12s %12s %12s %9s %9s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s",
               "of read", "of triad", "of peak", "vs f32 ×");
   for (const auto& r : results) {
     char ratio[32] = "";
     const double x = speedup(r.context, r.dtype);
     if (r.dtype != "f32" && x > 0) std::snprintf(ratio, sizeof ratio, "%.2f", x);
-    std::printf("  %-5s %8lld %12.3f %12.1f %12.1f %8.0f%% %8.0f%% %8.1f%% %9s\n", r.dtype.c_str(),
+    std::printf("  %-12s %8lld %12.3f %12.1f %12.1f %8.0f%% %8.0f%% %8.1f%% %9s\n", r.dtype.c_str(),
                 static_cast<long long>(r.context), r.ms_best, r.kv_bytes / 1048576.0, r.gbs, 100.0 * r.gbs / read_bw,
                 100.0 * r.gbs / triad, 100.0 * r.gflops / peak, ratio);
   }
@@ -256,7 +260,11 @@ static void add_decode_bench_command(CLI::App& app) {
   cmd->add_option("--head-dim,-d", a->head_dim, "head dim d")->capture_default_str();
   cmd->add_option("--batch,-B", a->batch, "sequences decoded together")->capture_default_str();
   cmd->add_option("--contexts", a->contexts, "context lengths to time")->delimiter(',')->capture_default_str();
-  cmd->add_option("--dtype", a->dtypes, "cache dtypes: f32, bf16, int8")->delimiter(',')->capture_default_str();
+  cmd->add_option("--dtype", a->dtypes,
+                  "cache dtypes: f32, bf16, int8, int8-channel (int8 with per-channel key scales, KIVI)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--key-group", a->key_group, "int8-channel: positions per key group")->capture_default_str();
   cmd->add_option("--threads,-t", a->threads, "threads")->capture_default_str();
   cmd->add_option("--splits", a->splits, "split-K count (0 = auto, from the shapes)")->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "timed decode steps per point (best is reported)")->capture_default_str();

@@ -7,7 +7,17 @@
 // values and one float scale, symmetric: scale = max|x| / 127, value = round-to-nearest(x / scale)
 // (a row of zeros has scale 0). A row reads back as value · scale, within scale / 2 of what was
 // appended. The decode kernel reads the int8 rows and their scales directly (a quarter of the
-// float32 bytes, plus 4 per row). Appending a non-finite key or value to an int8 cache fails with
+// float32 bytes, plus 4 per row).
+//
+// int8 keys with per-channel scales (Int8KeyScales::PerChannel, KIVI: Liu et al. 2024): keys are
+// scaled per channel instead, one scale per channel x of each group of `key_group` consecutive
+// positions: scale[group][x] = max over the group's positions of |k[p][x]| / 127. Key channels
+// with outliers (common in trained models) then cost precision only in their own channel. The
+// positions of a group that is not yet full are kept in float32 as well (at most key_group rows per
+// sequence and K/V head), and the whole group is quantised again on every append that reaches it,
+// from those float rows, so a key's int8 value is final once its group is full. Values keep one
+// scale per row. Contiguous, non-ring caches only (a ring would overwrite a group one slot at a time).
+// Appending a non-finite key or value to an int8 cache fails with
 // mha::Error naming it, changing nothing: no scale could represent it (a float cache keeps the
 // NaN, which then shows in the output, docs/semantics.md). Every sequence
 // of the batch has its own length (the absolute position of its next token), so a batch of prompts
@@ -38,6 +48,12 @@ namespace mha {
 
 enum class CacheDtype : uint8_t { F32, BF16, I8 };
 
+/// How an int8 cache scales its keys (values always have one scale per row).
+enum class Int8KeyScales : uint8_t {
+  PerToken,    ///< one scale per key row (token, K/V head)
+  PerChannel,  ///< KIVI: one scale per channel of each group of KvCacheConfig::key_group positions
+};
+
 /// "f32", "bf16" or "int8".
 const char* cache_dtype_name(CacheDtype dtype);
 
@@ -48,7 +64,8 @@ struct CachePlane {
   std::vector<float> f32;
   std::vector<bf16> b16;
   std::vector<int8_t> i8;
-  std::vector<float> scale;  // int8 only: one per row (token, K/V head)
+  std::vector<float> scale;   // int8 only: one per row (token, K/V head), or per-channel key scales
+  std::vector<float> recent;  // per-channel keys only: the float rows of each (sequence, head)'s open group
 };
 }  // namespace detail
 
@@ -61,8 +78,14 @@ struct KvCacheConfig {
   CacheDtype dtype = CacheDtype::F32;
   bool ring = false;  ///< keep the last `capacity` positions instead of failing when full
   int64_t sinks = 0;  ///< ring only: positions [0, sinks) are never evicted (StreamingLLM); < capacity
+  /// int8 only: per-token (default) or per-channel key scales (KIVI; contiguous, non-ring caches).
+  Int8KeyScales int8_keys = Int8KeyScales::PerToken;
+  int64_t key_group = 32;  ///< per-channel key scales: positions per group (KIVI's G), ≥ 1
 
   int64_t v_dim() const { return value_dim > 0 ? value_dim : head_dim; }
+  bool channel_keys() const { return dtype == CacheDtype::I8 && int8_keys == Int8KeyScales::PerChannel; }
+  /// Per-channel key scales: groups of key_group positions per (sequence, K/V head).
+  int64_t key_groups() const { return channel_keys() ? (capacity + key_group - 1) / key_group : 0; }
 };
 
 class KvCache {
@@ -118,7 +141,8 @@ class KvCache {
   /// Raw storage, (batch, kv_heads, capacity, d) row-major; float*, bf16* or int8_t* by dtype().
   const void* k_data() const;
   const void* v_data() const;
-  /// int8 only (else null): the scale of each row, (batch, kv_heads, capacity).
+  /// int8 only (else null): the scale of each row, (batch, kv_heads, capacity); with per-channel
+  /// key scales, k_scales() is (batch, kv_heads, key_groups(), head_dim) instead.
   const float* k_scales() const;
   const float* v_scales() const;
   /// Reads K/V of sequence b, head g, position p (must be held) as float (for tests and tools).
@@ -132,6 +156,7 @@ class KvCache {
   void store_sequence(View4<const float> k, View4<const float> v, int64_t b_src, int64_t b, int64_t n);
   void store_rows(detail::CachePlane& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count,
                   int64_t dim);
+  void store_channel_keys(View4<const float> src, int64_t b_src, int64_t b, int64_t count);
 
   KvCacheConfig config_;
   std::vector<int64_t> lengths_;

@@ -87,16 +87,18 @@ class KvCache:
 
     Preallocated (batch, kv_heads, capacity, d) in float32, bfloat16 or int8 (``dtype="int8"``:
     one float scale per token and K/V head, max|x|/127; appending a non-finite value raises
-    ValueError); each sequence has its own
+    ValueError; ``int8_keys="per-channel"``: keys get one scale per channel of each group of
+    ``key_group`` positions instead, as in KIVI, for non-ring caches); each sequence has its own
     length. ``ring=True`` keeps the last ``capacity`` positions (sliding-window decoding);
     ``sinks=n`` (with ``ring``) also keeps positions 0 … n−1 for good, visible to every query
     whatever the window (StreamingLLM attention sinks; keys keep their original RoPE positions).
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *, value_dim: int = 0,
-                 dtype: str = "f32", ring: bool = False, sinks: int = 0):
+                 dtype: str = "f32", ring: bool = False, sinks: int = 0, int8_keys: str = "per-token",
+                 key_group: int = 32):
         self._c = _core.KvCache(int(batch), int(kv_heads), int(head_dim), int(value_dim), int(capacity), dtype,
-                                bool(ring), int(sinks))
+                                bool(ring), int(sinks), int8_keys, int(key_group))
 
     def length(self, b: int = 0) -> int:
         """Absolute length of sequence ``b`` (the position of its next token)."""
@@ -378,11 +380,12 @@ class MultiheadAttention:
 
     # ---- decoding with a KV cache -------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, *, dtype: str = "f32", ring: bool = False,
-                  sinks: int = 0) -> KvCache:
+                  sinks: int = 0, int8_keys: str = "per-token", key_group: int = 32) -> KvCache:
         """A KV cache sized for this module: ``batch`` sequences of up to ``capacity`` positions
-        (``sinks``: see :class:`KvCache`)."""
+        (``sinks``, ``int8_keys``, ``key_group``: see :class:`KvCache`)."""
         c = self.config
-        return KvCache(batch, c["num_kv_heads"], c["head_dim"], capacity, dtype=dtype, ring=ring, sinks=sinks)
+        return KvCache(batch, c["num_kv_heads"], c["head_dim"], capacity, dtype=dtype, ring=ring, sinks=sinks,
+                       int8_keys=int8_keys, key_group=key_group)
 
     def new_paged_cache(self, num_blocks: int, block_size: int = 16, *, dtype: str = "f32") -> PagedKvCache:
         """A paged KV cache sized for this module: a pool of ``num_blocks`` blocks of ``block_size``

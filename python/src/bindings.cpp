@@ -480,7 +480,8 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<mha::KvCache>(m, "KvCache")
       .def(py::init([](int64_t batch, int64_t kv_heads, int64_t head_dim, int64_t value_dim, int64_t capacity,
-                       const std::string& dtype, bool ring, int64_t sinks) {
+                       const std::string& dtype, bool ring, int64_t sinks, const std::string& int8_keys,
+                       int64_t key_group) {
         mha::KvCacheConfig c;
         c.batch = batch;
         c.kv_heads = kv_heads;
@@ -490,6 +491,11 @@ PYBIND11_MODULE(_core, m) {
         c.dtype = cache_dtype("KvCache", dtype);
         c.ring = ring;
         c.sinks = sinks;
+        if (int8_keys == "per-channel")
+          c.int8_keys = mha::Int8KeyScales::PerChannel;
+        else if (int8_keys != "per-token")
+          mha::fail("KvCache: int8_keys must be 'per-token' or 'per-channel', got '", int8_keys, "'");
+        c.key_group = key_group;
         return mha::KvCache(c);
       }))
       .def("length", &mha::KvCache::length)

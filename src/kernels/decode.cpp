@@ -26,7 +26,10 @@
 // int8: the rows are widened to float as they are loaded and the scales applied outside the
 // loops over d: a key's score is scale_k · (q · k_int8), and each probability is multiplied by its
 // value row's scale before P·V (the softmax sum l uses the unscaled probabilities). That is the
-// attention over the dequantised cache (value · scale), up to float rounding.
+// attention over the dequantised cache (value · scale), up to float rounding. Keys with per-channel
+// scales (KIVI) fold their group's scales into the query instead: a key's score is
+// (q ⊙ scale_group) · k_int8, one elementwise product of the query rows per run of a block's keys
+// that share a group (a few per block), so the loops over d are the same as for the other dtypes.
 //
 // SIMD: Google Highway, compiled for each x86 target and dispatched once per call.
 
@@ -99,11 +102,14 @@ inline Plan make_plan(const DecodeParams& p) {
 }
 /// Floats one item keeps: m and l per row, then the row outputs.
 inline int64_t partial_floats(const Plan& pl, int64_t d_v) { return pl.rows_max * (d_v + 2); }
-/// Floats of per-thread scratch: scaled query rows, one block of scores per row, a correction per row.
-inline int64_t scratch_floats(const Plan& pl, int64_t d) { return pl.rows_max * (d + kBlock + 1); }
+/// Floats of per-thread scratch: scaled query rows, one block of scores per row, a correction per row
+/// (per-channel int8 keys: and the query rows times a key group's scales).
+inline int64_t scratch_floats(const DecodeParams& p, const Plan& pl) {
+  return pl.rows_max * (p.d() + kBlock + 1 + (p.k_channel_group > 0 ? p.d() : 0));
+}
 /// The whole workspace: every item's partial result, then one scratch per thread.
 inline WorkspacePlan workspace_plan(const DecodeParams& p, const Plan& pl) {
-  return {pl.items * partial_floats(pl, p.d_v), scratch_floats(pl, p.d()), std::max(1, p.threads)};
+  return {pl.items * partial_floats(pl, p.d_v), scratch_floats(p, pl), std::max(1, p.threads)};
 }
 
 /// One work item's coordinates.
@@ -308,6 +314,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   float* qs = scratch;                              // (rows, d): query rows times the scale
   float* sc = qs + pl.rows_max * d;                 // (rows, kBlock): scores, then probabilities
   float* corr = sc + pl.rows_max * kBlock;          // (rows): e^{m_old − m_new} of the current block
+  float* qg = corr + pl.rows_max;                   // per-channel int8 keys: (rows, d) qs ⊙ group scales
   const int64_t q_first = p.q_start[it.b] + it.t0;  // position of the tile's first query
   const int64_t q_last = q_first + it.tq - 1;
   const CausalRule causal = CausalRule::positions(it.sink ? 0 : p.window);
@@ -345,6 +352,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       prefetch_bytes<2>(vpool + row * d_v, 0, row_bytes<T>(d_v));
     }
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
+  const int64_t key_group = kScaled ? p.k_channel_group : 0;  // > 0: per-channel key scales
+  const float* const group_scales =
+      key_group > 0 ? p.k_scale + (it.b * p.kv_heads + it.g) * ((p.capacity + key_group - 1) / key_group) * d : nullptr;
   float kscale[kScaled ? kBlock : 1], vscale[kScaled ? kBlock : 1];  // int8: the block's row scales
   const auto neg_inf = hn::Set(df, kNegInf);
   const bool edit_scores = p.edits.capped() || p.edits.alibi();
@@ -354,7 +364,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       const int64_t row = row_of(p0 + j);
       keys[j] = kpool + row * d;
       vals[j] = vpool + row * d_v;
-      if constexpr (kScaled) kscale[j] = p.k_scale[row], vscale[j] = p.v_scale[row];
+      if constexpr (kScaled) {
+        if (key_group == 0) kscale[j] = p.k_scale[row];
+        vscale[j] = p.v_scale[row];
+      }
     }
     if constexpr (kScaled) std::fill(kscale + nb, kscale + kBlock, 0.0f), std::fill(vscale + nb, vscale + kBlock, 0.0f);
     if constexpr (far_blocks > 0) {  // the far rows, asked for in the loops below (see kNearRows)
@@ -366,14 +379,27 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       }
     }
     int64_t r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, fk, nb, r, sc);
-    for (; r < rows; ++r) score_rows<1>(qs, d, keys, fk, nb, r, sc);
+    if (key_group > 0) {  // per run of keys in one group: the query rows times its scales
+      for (int64_t j0 = 0; j0 < nb;) {
+        const int64_t group = (p0 + j0) / key_group, n = std::min(nb, (group + 1) * key_group - p0) - j0;
+        const float* scale = group_scales + group * d;
+        const T* const* const far = fk ? fk + j0 : nullptr;
+        for (int64_t rr = 0; rr < rows; ++rr)
+          for (int64_t x = 0; x < d; ++x) qg[rr * d + x] = qs[rr * d + x] * scale[x];
+        for (r = 0; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qg, d, keys + j0, far, n, r, sc + j0);
+        for (; r < rows; ++r) score_rows<1>(qg, d, keys + j0, far, n, r, sc + j0);
+        j0 += n;
+      }
+    } else {
+      for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, fk, nb, r, sc);
+      for (; r < rows; ++r) score_rows<1>(qs, d, keys, fk, nb, r, sc);
+    }
     // Causal / window masks, only where the block is not visible to every row.
     const bool all_visible = causal.tile(q_first, q_last + 1, p0, p0 + nb) == TileVis::All;
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
-      if constexpr (kScaled)  // score = scale_k · (q · k_int8); lanes past nb are set to −inf below
+      if (kScaled && key_group == 0)  // score = scale_k · (q · k_int8); lanes past nb are set to −inf below
         for (int64_t j = 0; j < nb; j += L)
           hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::LoadU(df, kscale + j)), df, s + j);
       if (edit_scores) {

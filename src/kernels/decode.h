@@ -33,6 +33,10 @@ struct DecodeParams {
   // (blocks, kv, block_size)); element = int8 value · its row's scale.
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
+  // int8 keys with per-channel scales (KIVI), when > 0: k_scale is (B, kv, ceil(capacity / G), d)
+  // with G = k_channel_group, one scale per channel of each group of G consecutive slots; key
+  // element = int8 value · its group's scale of its channel. Contiguous, non-ring caches only.
+  int64_t k_channel_group = 0;
   int64_t kv_heads = 0, capacity = 0, d_v = 0;
   bool ring = false;  // position p lives in slot p mod capacity (else slot p); with sinks, p < sinks in
                       // slot p and later ones in slot sinks + (p − sinks) mod (capacity − sinks)

@@ -81,6 +81,7 @@ inline void assert_decode_params(const DecodeParams& p) {
   MHA_DASSERT(B * Tq == 0 || (p.key_first && p.key_end && p.q_start));
   MHA_DASSERT(B * p.kv_heads * p.capacity == 0 || (p.k && p.v));
   MHA_DASSERT(p.dtype != DType::I8 || B * p.kv_heads * p.capacity == 0 || (p.k_scale && p.v_scale));
+  MHA_DASSERT(p.k_channel_group == 0 || (p.dtype == DType::I8 && !p.ring && !p.block_table));
 }
 
 }  // namespace mha::kernels

@@ -49,7 +49,7 @@ inline kernels::DType kernel_dtype(CacheDtype dtype) {
 }
 
 inline size_t plane_bytes(const CachePlane& p) {
-  return (p.f32.size() + p.scale.size()) * sizeof(float) + p.b16.size() * sizeof(bf16) + p.i8.size();
+  return (p.f32.size() + p.scale.size() + p.recent.size()) * sizeof(float) + p.b16.size() * sizeof(bf16) + p.i8.size();
 }
 
 inline const void* plane_data(const CachePlane& p, CacheDtype dtype) {
@@ -74,6 +74,12 @@ inline float plane_at(const CachePlane& p, CacheDtype dtype, int64_t row, int64_
 /// small that absmax / 127 underflows: it then reads back as zeros, within absmax).
 inline float int8_scale(float absmax) { return absmax / 127.0f; }
 
+/// x in steps of `scale`, rounded to nearest (ties to even) and clamped to ±127; 0 when scale is 0.
+inline int8_t int8_value(float x, float scale) {
+  const float q = scale > 0.0f ? std::nearbyint(x / scale) : 0.0f;
+  return static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+}
+
 /// Writes row `row` from in[x · stride], x < dim, converting to the plane's dtype (int8:
 /// symmetric, scale = max|x| / 127, round to nearest). Values must be finite for int8
 /// (check_int8_finite).
@@ -86,10 +92,7 @@ inline void plane_put_row(CachePlane& p, CacheDtype dtype, int64_t row, int64_t 
     for (int64_t x = 0; x < dim; ++x) absmax = std::max(absmax, std::fabs(in[x * stride]));
     const float scale = int8_scale(absmax);
     p.scale[static_cast<size_t>(row)] = scale;
-    for (int64_t x = 0; x < dim; ++x) {
-      const float q = scale > 0.0f ? std::nearbyint(in[x * stride] / scale) : 0.0f;
-      p.i8[at + static_cast<size_t>(x)] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
-    }
+    for (int64_t x = 0; x < dim; ++x) p.i8[at + static_cast<size_t>(x)] = int8_value(in[x * stride], scale);
   } else {
     for (int64_t x = 0; x < dim; ++x) p.f32[at + static_cast<size_t>(x)] = in[x * stride];
   }

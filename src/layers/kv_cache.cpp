@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "kernels/decode.h"
 #include "layers/cache_storage.h"
@@ -26,6 +27,18 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   if (c.sinks < 0 || (c.sinks > 0 && (!c.ring || c.sinks >= c.capacity)))
     fail("KvCache: sinks must be ≥ 0, and with sinks the cache must be a ring with capacity > sinks; got sinks ",
          c.sinks, ", capacity ", c.capacity, c.ring ? ", ring" : ", not a ring");
+  if (c.int8_keys == Int8KeyScales::PerChannel) {
+    if (c.dtype != CacheDtype::I8 || c.ring || c.key_group < 1)
+      fail("KvCache: per-channel key scales need an int8, non-ring cache and key_group ≥ 1; got dtype ",
+           cache_dtype_name(c.dtype), c.ring ? ", a ring" : "", ", key_group ", c.key_group);
+    // One scale per channel of each group, and the float rows of each head's open group.
+    const std::string where = "KvCache: per-channel key scales (batch, kv_heads, groups, d) = " +
+                              shape_str({c.batch, c.kv_heads, c.key_groups(), c.head_dim});
+    const int64_t heads = checked_mul(c.batch, c.kv_heads, where);
+    k_.scale.assign(static_cast<size_t>(checked_mul(checked_mul(heads, c.key_groups(), where), c.head_dim, where)),
+                    0.0f);
+    k_.recent.assign(static_cast<size_t>(heads * std::min(c.key_group, c.capacity) * c.head_dim), 0.0f);
+  }
   lengths_.assign(static_cast<size_t>(c.batch), 0);
 }
 
@@ -83,6 +96,11 @@ void KvCache::check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, in
 
 float KvCache::k_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
   check_element_index(b, g, p, x, config_.head_dim, "k_at");
+  if (config_.channel_keys()) {
+    const int64_t head = b * config_.kv_heads + g, d = config_.head_dim;
+    const float scale = k_.scale[static_cast<size_t>((head * config_.key_groups() + p / config_.key_group) * d + x)];
+    return static_cast<float>(k_.i8[static_cast<size_t>((head * config_.capacity + p) * d + x)]) * scale;
+  }
   return detail::plane_at(k_, config_.dtype, (b * config_.kv_heads + g) * config_.capacity + slot(p), config_.head_dim,
                           x);
 }
@@ -108,8 +126,41 @@ void KvCache::store_rows(detail::CachePlane& dst, View4<const float> src, int64_
   }
 }
 
+void KvCache::store_channel_keys(View4<const float> src, int64_t b_src, int64_t b, int64_t count) {
+  // Positions len … len + count − 1 go to their group's float rows (recent, row p mod G); every
+  // group the append reaches is then quantised again from all its rows so far: a full group
+  // once and for good, the open one (the last) until it fills.
+  const KvCacheConfig& c = config_;
+  const int64_t len = lengths_[static_cast<size_t>(b)], d = c.head_dim, G = c.key_group;
+  const int64_t recent_rows = std::min(G, c.capacity);
+  for (int64_t g = 0; g < c.kv_heads; ++g) {
+    const int64_t head = b * c.kv_heads + g;
+    float* recent = k_.recent.data() + head * recent_rows * d;
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t pos = len + t;
+      const float* in = src.row(b_src, g, t);
+      float* row = recent + (pos % G) * d;
+      for (int64_t x = 0; x < d; ++x) row[x] = in[x * src.stride[3]];
+      if (pos % G != G - 1 && t != count - 1) continue;
+      const int64_t group = pos / G, rows = pos % G + 1;
+      float* scale = k_.scale.data() + (head * c.key_groups() + group) * d;
+      int8_t* out = k_.i8.data() + (head * c.capacity + group * G) * d;
+      for (int64_t x = 0; x < d; ++x) {
+        float absmax = 0.0f;
+        for (int64_t i = 0; i < rows; ++i) absmax = std::max(absmax, std::fabs(recent[i * d + x]));
+        scale[x] = detail::int8_scale(absmax);
+      }
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t x = 0; x < d; ++x) out[i * d + x] = detail::int8_value(recent[i * d + x], scale[x]);
+    }
+  }
+}
+
 void KvCache::store_sequence(View4<const float> k, View4<const float> v, int64_t b_src, int64_t b, int64_t n) {
-  store_rows(k_, k, b_src, b, n, config_.head_dim);
+  if (config_.channel_keys())
+    store_channel_keys(k, b_src, b, n);
+  else
+    store_rows(k_, k, b_src, b, n, config_.head_dim);
   store_rows(v_, v, b_src, b, n, config_.v_dim());
   lengths_[static_cast<size_t>(b)] += n;
 }
@@ -214,6 +265,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.dtype = detail::kernel_dtype(c.dtype);
   p.k_scale = cache.k_scales();
   p.v_scale = cache.v_scales();
+  p.k_channel_group = c.channel_keys() ? c.key_group : 0;
   p.kv_heads = c.kv_heads;
   p.capacity = c.capacity;
   p.d_v = c.v_dim();

@@ -11,6 +11,12 @@ one K/V head), in float32:
     scale = max|x| / 127,   q = round_half_even(x / scale) clamped to ±127,   x' = q · scale
 (a row of zeros: scale 0, x' = 0). Attention in float64; query head i reads K/V head i // (h/kv).
 Row 3 of K head 0 is zeros. Seed: crc32 of the case name.
+
+Also decode_gqa_channel.safetensors: the same with keys quantised per channel (KvCacheConfig's
+Int8KeyScales::PerChannel, KIVI): one scale per channel of each group of key_group positions,
+    scale[g][x] = max over the group's positions of |k[p][x]| / 127,
+the last group possibly partial; key channel 1 of K head 1 is 30x the others (an outlier
+channel), and channel 2 of the first group of K head 0 is zeros. Values stay per row.
 """
 import os
 import sys
@@ -31,7 +37,19 @@ def quantise(x):
     return q * scale
 
 
-def case(name, B, h, kv, Tq, T, d):
+def quantise_channels(x, group):
+    """Per channel of each group of `group` positions (dim -2), as mha's per-channel key scales."""
+    out = torch.empty_like(x)
+    for g0 in range(0, x.shape[-2], group):
+        part = x[..., g0:g0 + group, :]
+        scale = part.abs().amax(dim=-2, keepdim=True) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.where(scale > 0, torch.round(part / safe).clamp(-127, 127), torch.zeros_like(part))
+        out[..., g0:g0 + group, :] = q * scale
+    return out
+
+
+def case(name, B, h, kv, Tq, T, d, key_group=0):
     g = torch.Generator().manual_seed(zlib.crc32(name.encode("utf-8")))
 
     def rand(*shape, scale=1.0):
@@ -39,19 +57,27 @@ def case(name, B, h, kv, Tq, T, d):
 
     q, k, v = rand(B, h, Tq, d, scale=2.0), rand(B, kv, T, d, scale=2.0), rand(B, kv, T, d)
     k[0, 0, 3, :] = 0.0
-    kd, vd = quantise(k), quantise(v)
+    meta = {"format": "mha-int8-cache/1"}
+    if key_group:
+        k[:, 1, :, 1] *= 30.0
+        k[:, 0, :key_group, 2] = 0.0
+        kd, vd = quantise_channels(k, key_group), quantise(v)
+        meta["key_group"] = key_group
+    else:
+        kd, vd = quantise(k), quantise(v)
     K = kd.double().repeat_interleave(h // kv, dim=1)
     V = vd.double().repeat_interleave(h // kv, dim=1)
     s = q.double() @ K.transpose(-1, -2) / d ** 0.5
     out = torch.softmax(s, dim=-1) @ V
     write_small_case(OUT, name, {"q": q, "k": k, "v": v, "k_dequant": kd, "v_dequant": vd, "out": out.float()},
-                     {"format": "mha-int8-cache/1"})
+                     meta)
 
 
 def main():
     os.makedirs(OUT, exist_ok=True)
     torch.set_num_threads(1)
     case("decode_gqa", 2, 4, 2, 2, 24, 8)
+    case("decode_gqa_channel", 2, 4, 2, 2, 27, 8, key_group=8)
 
 
 if __name__ == "__main__":

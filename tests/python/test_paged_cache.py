@@ -165,3 +165,25 @@ def test_int8_cache_close_to_f32_and_refuses_non_finite(rng):
         with pytest.raises(ValueError, match="finite"):
             m.forward_incremental(bad, bad, bad, cache, **kw)
     assert small.length(0) == 6 and paged.length(seqs[0]) == 6
+
+
+def test_int8_per_channel_key_scales(rng):
+    # KIVI's key quantisation: one scale per channel of each group of key_group positions. Decoding
+    # through it stays within a few int8 steps of the float32 cache, and the bytes hold the groups'
+    # scales plus each head's open group in float32.
+    m = mha.MultiheadAttention(32, 4, num_kv_heads=2, batch_first=True, seed=3).eval()
+    xs = x(rng, 1, 12, 32)
+    flat = m.new_cache(1, 16)
+    kivi = m.new_cache(1, 16, dtype="int8", int8_keys="per-channel", key_group=4)
+    for cache in (flat, kivi):
+        m.forward_incremental(xs[:, :5], xs[:, :5], xs[:, :5], cache)
+    for t in range(5, 12):
+        step = xs[:, t:t + 1]
+        want = m.forward_incremental(step, step, step, flat)
+        np.testing.assert_allclose(m.forward_incremental(step, step, step, kivi), want, atol=0.02)
+    # K: 2·16·8 bytes and (2, 4 groups, 8) scales and (2, 4 rows, 8) open rows; V: bytes and a scale per row.
+    assert kivi.nbytes == 2 * 16 * 8 + 4 * 2 * 4 * 8 + 4 * 2 * 4 * 8 + 2 * 16 * (8 + 4)
+    with pytest.raises(ValueError, match="per-channel key scales need an int8, non-ring cache"):
+        m.new_cache(1, 16, int8_keys="per-channel")
+    with pytest.raises(ValueError, match="int8_keys must be"):
+        m.new_cache(1, 16, dtype="int8", int8_keys="per-head")
