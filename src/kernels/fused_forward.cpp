@@ -39,9 +39,10 @@
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
 // itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Elsewhere bf16
 // inputs are widened to float32 when packed.
-// On AVX-512 (float32 and bf16), blocks with no per-element or partial causal mask, score edit,
-// dropout or two-pass weights take softmax_rows16: the score tiles scale and mask S and keep each
-// row's max while S is in registers, and the rest of the softmax reduces 16 rows' maxima and sums
+// On AVX-512 (float32 and bf16), blocks with no per-element mask, score edit, dropout or two-pass
+// weights take softmax_rows16: the score tiles scale and mask S and keep each row's max while S
+// is in registers (a run of rows cut by the causal rule then masks its hidden keys and takes its
+// maxima again, cut_causal_rows), and the rest of the softmax reduces 16 rows' maxima and sums
 // at a time (bf16: P written as bf16 pairs directly, unless one-pass weights need P as float32).
 // The same arithmetic as softmax_block, bitwise.
 #include <omp.h>
@@ -696,6 +697,31 @@ template <bool kPairs>  // never called: the 16-row softmax is chosen on the AVX
 inline void softmax_rows16(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*) {}
 #endif
 
+/// A Partial run (RowRun) on the 16-row softmax: the score tiles scaled S (rows × kBk) and took
+/// each row's max vector over all nk keys; here the keys of row i0 + r (r < nq) that the causal
+/// rule hides become −inf and its max vector (rmax, kMaxLanes floats a row) is taken again over
+/// the rest: softmax_block's causal pass (elementwise, no per-element mask), the same operations
+/// in the same order, so softmax_rows16 then gives that path's bits.
+inline void cut_causal_rows(const CausalRule& causal, int64_t i0, int64_t nq, int64_t j0, int64_t nk, float* s,
+                            float* rmax) {
+  const DF df;
+  const int64_t N = lanes(), nvec = (nk + N - 1) / N;
+  const VF vneg_inf = hn::Set(df, kNegInf);
+  for (int64_t r = 0; r < nq; ++r) {
+    float* row = s + r * kBk;
+    const KeyRange seen = causal.visible_keys(i0 + r, i0 + r + 1, j0, j0 + nk);
+    const VF vlo = hn::Set(df, static_cast<float>(seen.lo - j0)), vhi = hn::Set(df, static_cast<float>(seen.hi - j0));
+    VF vmax = vneg_inf;
+    for (int64_t v = 0; v < nvec; ++v) {
+      const VF jj = hn::Iota(df, static_cast<float>(v * N));
+      const VF x = hn::IfThenElse(hn::And(hn::Ge(jj, vlo), hn::Lt(jj, vhi)), hn::LoadU(df, row + v * N), vneg_inf);
+      vmax = hn::Max(vmax, x);
+      hn::StoreU(x, df, row + v * N);
+    }
+    hn::StoreU(vmax, df, rmax + r * kMaxLanes);
+  }
+}
+
 // ---- online softmax over one block of scores ------------------------------------------------
 // Turns S (rows × kBk, raw dot products) into the unnormalised, dropout-masked probabilities and
 // updates m, l and alpha (the factor O must be rescaled by) for the rows < nq.
@@ -1298,14 +1324,17 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         const uint32_t* const q2r = q2 + (hh * kRowsPad + r0) * ldq2;
         // The common case on AVX-512 scales, masks and takes the rows' maxima as it scores, and
         // finishes the softmax 16 rows at a time (softmax_rows16).
-        const bool rows16 = kHaveRows16 && !cx.weights_two_pass && !cx.edit_scores && !partial && !per_element_masks &&
-                            !p.dropout.active();
+        // A run cut by the causal rule alone takes it too, its hidden keys masked after scoring
+        // (cut_causal_rows).
+        const bool rows16 =
+            kHaveRows16 && !cx.weights_two_pass && !cx.edit_scores && !per_element_masks && !p.dropout.active();
         float* const rmax = rows16 ? ws + L.rmax + r0 * kMaxLanes : nullptr;
         if constexpr (kDot)
           score_block_dp(q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use,
                          rmax);
         else
           score_block(q_head(hh) + r0 * ldq_use, ldq_use, rows_run, D, kt_use, nvec, sr, p.scale, kb_use, rmax);
+        if (rows16 && partial) cut_causal_rows(cx.causal, i0 + r0, nq_run, j0, nk_run, sr, rmax);
         if (cx.weights_two_pass) {
           // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
           std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
