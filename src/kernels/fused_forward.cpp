@@ -697,29 +697,33 @@ template <bool kPairs>  // never called: the 16-row softmax is chosen on the AVX
 inline void softmax_rows16(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*) {}
 #endif
 
-/// A Partial run (RowRun) on the 16-row softmax: the score tiles scaled S (rows × kBk) and took
-/// each row's max vector over all nk keys; here the keys of row i0 + r (r < nq) that the causal
-/// rule hides become −inf and its max vector (rmax, kMaxLanes floats a row) is taken again over
-/// the rest: softmax_block's causal pass (elementwise, no per-element mask), the same operations
-/// in the same order, so softmax_rows16 then gives that path's bits.
-inline void cut_causal_rows(const CausalRule& causal, int64_t i0, int64_t nq, int64_t j0, int64_t nk, float* s,
-                            float* rmax) {
+/// Row i's scores (nk keys from j0, scaled) with the keys the causal rule hides from it set to
+/// −inf; returns the row's max vector over what is left (softmax_block's causal pass).
+HWY_INLINE VF cut_causal_row(const CausalRule& causal, int64_t i, int64_t j0, int64_t nk, float* row) {
   const DF df;
   const int64_t N = lanes(), nvec = (nk + N - 1) / N;
   const VF vneg_inf = hn::Set(df, kNegInf);
-  for (int64_t r = 0; r < nq; ++r) {
-    float* row = s + r * kBk;
-    const KeyRange seen = causal.visible_keys(i0 + r, i0 + r + 1, j0, j0 + nk);
-    const VF vlo = hn::Set(df, static_cast<float>(seen.lo - j0)), vhi = hn::Set(df, static_cast<float>(seen.hi - j0));
-    VF vmax = vneg_inf;
-    for (int64_t v = 0; v < nvec; ++v) {
-      const VF jj = hn::Iota(df, static_cast<float>(v * N));
-      const VF x = hn::IfThenElse(hn::And(hn::Ge(jj, vlo), hn::Lt(jj, vhi)), hn::LoadU(df, row + v * N), vneg_inf);
-      vmax = hn::Max(vmax, x);
-      hn::StoreU(x, df, row + v * N);
-    }
-    hn::StoreU(vmax, df, rmax + r * kMaxLanes);
+  const KeyRange seen = causal.visible_keys(i, i + 1, j0, j0 + nk);
+  const VF vlo = hn::Set(df, static_cast<float>(seen.lo - j0)), vhi = hn::Set(df, static_cast<float>(seen.hi - j0));
+  VF vmax = vneg_inf;
+  for (int64_t v = 0; v < nvec; ++v) {
+    const VF jj = hn::Iota(df, static_cast<float>(v * N));
+    const VF x = hn::IfThenElse(hn::And(hn::Ge(jj, vlo), hn::Lt(jj, vhi)), hn::LoadU(df, row + v * N), vneg_inf);
+    vmax = hn::Max(vmax, x);
+    hn::StoreU(x, df, row + v * N);
   }
+  return vmax;
+}
+
+/// A Partial run (RowRun) on the 16-row softmax: the score tiles scaled S (rows × kBk) and took
+/// each row's max vector over all nk keys; here rows i0 + r (r < nq) are cut by the causal rule
+/// and their max vectors (rmax, kMaxLanes floats a row) taken again: softmax_block's causal
+/// pass, so softmax_rows16 then gives that path's bits.
+inline void cut_causal_rows(const CausalRule& causal, int64_t i0, int64_t nq, int64_t j0, int64_t nk, float* s,
+                            float* rmax) {
+  const DF df;
+  for (int64_t r = 0; r < nq; ++r)
+    hn::StoreU(cut_causal_row(causal, i0 + r, j0, nk, s + r * kBk), df, rmax + r * kMaxLanes);
 }
 
 // ---- online softmax over one block of scores ------------------------------------------------
@@ -780,15 +784,7 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     if (elementwise && !per_element) {
       // Only the causal rule cuts this block: row i sees its keys [lo, hi) (key_hidden's rule;
       // padded keys are −inf from packing already), the rest score −inf, a vector pass.
-      const KeyRange seen = cx.causal.visible_keys(i, i + 1, j0, j0 + nk);
-      const VF vlo = hn::Set(df, static_cast<float>(seen.lo - j0)), vhi = hn::Set(df, static_cast<float>(seen.hi - j0));
-      vmax = vneg_inf;
-      for (int64_t v = 0; v < nvec; ++v) {
-        const VF jj = hn::Iota(df, static_cast<float>(v * N));
-        const VF x = hn::IfThenElse(hn::And(hn::Ge(jj, vlo), hn::Lt(jj, vhi)), hn::LoadU(df, row + v * N), vneg_inf);
-        vmax = hn::Max(vmax, x);
-        hn::StoreU(x, df, row + v * N);
-      }
+      vmax = cut_causal_row(cx.causal, i, j0, nk, row);
     } else if (elementwise) {
       const bool has_bias = p.masks.bias.view.defined();
       for (int64_t jj = 0; jj < nk; ++jj) {
