@@ -37,6 +37,10 @@
 // clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/decode.cpp"
+// The same targets as the fused kernels and the same-run peak (machine_peak.cpp): without
+// AVX3_DL here, a Zen 4 or later decoded on AVX3 while bench-decode named AVX3_DL.
+#define HWY_DISABLED_TARGETS HWY_SSSE3
+#define HWY_WANT_AVX3_DL
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 #include "kernels/exp-inl.h"
