@@ -305,7 +305,9 @@ HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* cons
     }
 }
 
-template <class T>
+/// One work item over a cache of T; kChannelKeys: int8 keys with per-channel scales (a variant of
+/// its own, so the other dtypes' loops are compiled exactly as without it).
+template <class T, bool kChannelKeys = false>
 void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float* scratch) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
@@ -356,9 +358,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       prefetch_bytes<2>(vpool + row * d_v, 0, row_bytes<T>(d_v));
     }
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
-  const int64_t key_group = kScaled ? p.k_channel_group : 0;  // > 0: per-channel key scales
+  static_assert(!kChannelKeys || kScaled);
+  const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
   const float* const group_scales =
-      key_group > 0 ? p.k_scale + (it.b * p.kv_heads + it.g) * ((p.capacity + key_group - 1) / key_group) * d : nullptr;
+      kChannelKeys ? p.k_scale + (it.b * p.kv_heads + it.g) * ((p.capacity + key_group - 1) / key_group) * d : nullptr;
   float kscale[kScaled ? kBlock : 1], vscale[kScaled ? kBlock : 1];  // int8: the block's row scales
   const auto neg_inf = hn::Set(df, kNegInf);
   const bool edit_scores = p.edits.capped() || p.edits.alibi();
@@ -369,7 +372,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       keys[j] = kpool + row * d;
       vals[j] = vpool + row * d_v;
       if constexpr (kScaled) {
-        if (key_group == 0) kscale[j] = p.k_scale[row];
+        if constexpr (!kChannelKeys) kscale[j] = p.k_scale[row];
         vscale[j] = p.v_scale[row];
       }
     }
@@ -383,7 +386,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       }
     }
     int64_t r = 0;
-    if (key_group > 0) {  // per run of keys in one group: the query rows times its scales
+    if constexpr (kChannelKeys) {  // per run of keys in one group: the query rows times its scales
       for (int64_t j0 = 0; j0 < nb;) {
         const int64_t group = (p0 + j0) / key_group, n = std::min(nb, (group + 1) * key_group - p0) - j0;
         const float* scale = group_scales + group * d;
@@ -403,7 +406,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
-      if (kScaled && key_group == 0)  // score = scale_k · (q · k_int8); lanes past nb are set to −inf below
+      if constexpr (kScaled && !kChannelKeys)  // score = scale_k · (q · k_int8); lanes past nb are −inf below
         for (int64_t j = 0; j < nb; j += L)
           hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::LoadU(df, kscale + j)), df, s + j);
       if (edit_scores) {
@@ -468,7 +471,8 @@ void decode_item(const DecodeParams& p, int64_t index, float* partial, float* sc
   if (p.dtype == DType::BF16)
     decode_item_of<bf16>(p, index, partial, scratch);
   else if (p.dtype == DType::I8)
-    decode_item_of<int8_t>(p, index, partial, scratch);
+    p.k_channel_group > 0 ? decode_item_of<int8_t, true>(p, index, partial, scratch)
+                          : decode_item_of<int8_t>(p, index, partial, scratch);
   else
     decode_item_of<float>(p, index, partial, scratch);
 }
