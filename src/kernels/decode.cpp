@@ -305,6 +305,33 @@ HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* cons
     }
 }
 
+/// Scores of the block's nb int8 keys (positions p0 …) with per-channel scales: per run of keys in
+/// one group, qg = the query rows qs (rows × d) times the group's scales (group_scales + group · d),
+/// then the score tiles over that run. Its own function: inlined into decode_item_of, GCC kept
+/// the score tiles' accumulators in memory (the per-channel step ran 50% slower than per-token).
+HWY_NOINLINE void score_block_channels(const float* qs, float* qg, int64_t rows, int64_t d, const int8_t* const* keys,
+                                       int64_t nb, int64_t p0, int64_t key_group, const float* group_scales,
+                                       float* sc) {
+  const DF df;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const int8_t* const* const kNoFar = nullptr;  // int8 keeps no far prefetch (kFarBlocks)
+  for (int64_t j0 = 0; j0 < nb;) {
+    const int64_t group = (p0 + j0) / key_group, n = std::min(nb, (group + 1) * key_group - p0) - j0;
+    const float* scale = group_scales + group * d;
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      const float* qr = qs + rr * d;
+      float* gr = qg + rr * d;
+      int64_t x = 0;
+      for (; x + L <= d; x += L) hn::StoreU(hn::Mul(hn::LoadU(df, qr + x), hn::LoadU(df, scale + x)), df, gr + x);
+      for (; x < d; ++x) gr[x] = qr[x] * scale[x];
+    }
+    int64_t r = 0;
+    for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qg, d, keys + j0, kNoFar, n, r, sc + j0);
+    for (; r < rows; ++r) score_rows<1>(qg, d, keys + j0, kNoFar, n, r, sc + j0);
+    j0 += n;
+  }
+}
+
 /// One work item over a cache of T; kChannelKeys: int8 keys with per-channel scales (a variant of
 /// its own, so the other dtypes' loops are compiled exactly as without it).
 template <class T, bool kChannelKeys = false>
@@ -386,17 +413,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       }
     }
     int64_t r = 0;
-    if constexpr (kChannelKeys) {  // per run of keys in one group: the query rows times its scales
-      for (int64_t j0 = 0; j0 < nb;) {
-        const int64_t group = (p0 + j0) / key_group, n = std::min(nb, (group + 1) * key_group - p0) - j0;
-        const float* scale = group_scales + group * d;
-        const T* const* const far = fk ? fk + j0 : nullptr;
-        for (int64_t rr = 0; rr < rows; ++rr)
-          for (int64_t x = 0; x < d; ++x) qg[rr * d + x] = qs[rr * d + x] * scale[x];
-        for (r = 0; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qg, d, keys + j0, far, n, r, sc + j0);
-        for (; r < rows; ++r) score_rows<1>(qg, d, keys + j0, far, n, r, sc + j0);
-        j0 += n;
-      }
+    if constexpr (kChannelKeys) {
+      score_block_channels(qs, qg, rows, d, keys, nb, p0, key_group, group_scales, sc);
     } else {
       for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, fk, nb, r, sc);
       for (; r < rows; ++r) score_rows<1>(qs, d, keys, fk, nb, r, sc);
