@@ -389,7 +389,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
   const float* const group_scales =
       kChannelKeys ? p.k_scale + (it.b * p.kv_heads + it.g) * ((p.capacity + key_group - 1) / key_group) * d : nullptr;
-  float kscale[kScaled ? kBlock : 1], vscale[kScaled ? kBlock : 1];  // int8: the block's row scales
+  // int8: the block's row scales (per-channel keys need none for K: their scales are in qg)
+  float kscale[kScaled && !kChannelKeys ? kBlock : 1], vscale[kScaled ? kBlock : 1];
   const auto neg_inf = hn::Set(df, kNegInf);
   const bool edit_scores = p.edits.capped() || p.edits.alibi();
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
@@ -403,7 +404,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
         vscale[j] = p.v_scale[row];
       }
     }
-    if constexpr (kScaled) std::fill(kscale + nb, kscale + kBlock, 0.0f), std::fill(vscale + nb, vscale + kBlock, 0.0f);
+    if constexpr (kScaled) {
+      if constexpr (!kChannelKeys) std::fill(kscale + nb, kscale + kBlock, 0.0f);
+      std::fill(vscale + nb, vscale + kBlock, 0.0f);
+    }
     if constexpr (far_blocks > 0) {  // the far rows, asked for in the loops below (see kNearRows)
       const int64_t pf = p0 + far_blocks * kBlock;
       for (int64_t j = 0; j < nb; ++j) {

@@ -35,8 +35,9 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
     const std::string where = "KvCache: per-channel key scales (batch, kv_heads, groups, d) = " +
                               shape_str({c.batch, c.kv_heads, c.key_groups(), c.head_dim});
     const int64_t heads = checked_mul(c.batch, c.kv_heads, where);
-    k_.scale.assign(static_cast<size_t>(checked_mul(checked_mul(heads, c.key_groups(), where), c.head_dim, where)),
-                    0.0f);
+    // A fresh vector, not assign(): that would keep the per-row scales' larger buffer when d < key_group.
+    k_.scale = std::vector<float>(
+        static_cast<size_t>(checked_mul(checked_mul(heads, c.key_groups(), where), c.head_dim, where)), 0.0f);
     k_.recent.assign(static_cast<size_t>(heads * std::min(c.key_group, c.capacity) * c.head_dim), 0.0f);
   }
   lengths_.assign(static_cast<size_t>(c.batch), 0);
