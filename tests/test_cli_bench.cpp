@@ -115,6 +115,21 @@ TEST(CliBench, ModuleForwardWithWeights) {
   }
 }
 
+TEST(CliBench, CoreForwardWithWeights) {
+  // The fused kernel writing weights: the same FLOPs as without, the weights among the tensors.
+  const auto without = bench_json("--core --batch 2 --seq 40 --embed-dim 32 --heads 4");
+  for (const char* mode : {"per-head", "averaged"}) {
+    const auto j = bench_json(std::string("--core --batch 2 --seq 40 --embed-dim 32 --heads 4 --need-weights ") + mode);
+    expect_measurement_keys(j);
+    EXPECT_EQ(j["target"], "core");
+    EXPECT_EQ(j["need_weights"], mode);
+    EXPECT_EQ(j["dispatch"], "fused: supported");
+    EXPECT_EQ(j["flops"].get<double>(), without["flops"].get<double>());
+    const double weights = 4.0 * 2 * (std::string(mode) == "per-head" ? 4 : 1) * 40 * 40 / (1024.0 * 1024.0);
+    EXPECT_NEAR(j["expected_tensor_mb"].get<double>() - without["expected_tensor_mb"].get<double>(), weights, 1e-9);
+  }
+}
+
 TEST(CliBench, DecodeJsonHasTheBandwidthAndPeakFractions) {
   const auto j = decode_json("--contexts 64,100 --dtype f32");
   ASSERT_FALSE(j.is_null());
@@ -197,7 +212,7 @@ TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
       {"--seq 8 --embed-dim 64", "--heads"},
       {"--seq 8 --embed-dim 64 --heads 4 --bogus", "--bogus"},
       {"--seq 8 --embed-dim 64 --heads 4 --need-weights all", "--need-weights"},
-      {"--seq 8 --embed-dim 64 --heads 4 --need-weights averaged --core", "--need-weights"},
+      {"--seq 8 --embed-dim 64 --heads 4 --need-weights averaged --core --backward", "--need-weights"},
       {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 0", "--bw-mib"},
   };
   for (const Case& c : cases) {

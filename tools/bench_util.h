@@ -39,7 +39,7 @@ struct BenchConfig {
   DType dtype = DType::F32;
   Target target = Target::Module;
   Pass pass = Pass::Forward;
-  NeedWeights need_weights = NeedWeights::None;  ///< module forward only
+  NeedWeights need_weights = NeedWeights::None;  ///< forward only (module or core)
   int threads = 0;                               ///< 0 = library default
   bool alibi = false;                            ///< --alibi: the standard slopes for h heads
   float softcap = 0.0f;                          ///< --softcap C
@@ -93,21 +93,21 @@ inline double total_flops(const BenchConfig& c) {
 }
 
 /// Bytes of the tensors a forward must hold: for the module the inputs, projected Q/K/V, the
-/// attention output, the output and the weights; for the core Q, K, V and the output. Anything
-/// beyond this (plus the process's fixed footprint) is scratch, and must not grow like T².
+/// attention output, the output and the weights; for the core Q, K, V, the output and the weights.
+/// Anything beyond this (plus the process's fixed footprint) is scratch, and must not grow like T².
 inline double expected_tensor_bytes(const BenchConfig& c) {
   const double E = static_cast<double>(c.embed_dim), d = static_cast<double>(c.head_dim());
   const double h = static_cast<double>(c.heads), kv = static_cast<double>(c.kv());
   const double nq = static_cast<double>(c.batch * c.seq), nk = static_cast<double>(c.batch * c.t_k());
   const double elem = c.dtype == DType::BF16 ? 2.0 : 4.0;
-  if (c.target == Target::Core) return elem * (2.0 * nq * h * d + 2.0 * nk * kv * d) + 4.0 * nq * h * d;
-  const double inputs = c.self_attention() ? nq * E : nq * E + 2.0 * nk * E;
-  const double projected = nq * h * d + 2.0 * nk * kv * d;
-  const double weights = (h + 2.0 * kv) * d * E + E * h * d + (h + 2.0 * kv) * d + E;
   const double t_k = static_cast<double>(c.t_k());
   const double attn = c.need_weights == NeedWeights::PerHead    ? nq * h * t_k
                       : c.need_weights == NeedWeights::Averaged ? nq * t_k
                                                                 : 0.0;
+  if (c.target == Target::Core) return elem * (2.0 * nq * h * d + 2.0 * nk * kv * d) + 4.0 * (nq * h * d + attn);
+  const double inputs = c.self_attention() ? nq * E : nq * E + 2.0 * nk * E;
+  const double projected = nq * h * d + 2.0 * nk * kv * d;
+  const double weights = (h + 2.0 * kv) * d * E + E * h * d + (h + 2.0 * kv) * d + E;
   return 4.0 * (inputs + projected + nq * h * d + nq * E + weights + attn);
 }
 
@@ -155,6 +155,10 @@ class CoreCase {
  public:
   explicit CoreCase(const BenchConfig& c) : c_(c) {
     out_ = Tensor({c.batch, c.heads, c.seq, c.head_dim()});
+    // Weights outputs, like out, kept across runs (a caller that asks for weights every call
+    // would keep them too): the kernel's time, not fresh pages'.
+    if (c.need_weights == NeedWeights::PerHead) weights_ = Tensor({c.batch, c.heads, c.seq, c.t_k()});
+    if (c.need_weights == NeedWeights::Averaged) weights_ = Tensor({c.batch, 1, c.seq, c.t_k()});
     const int64_t d = c.head_dim();
     const Tensor q = random_tensor({c.batch, c.heads, c.seq, d}, 1);
     const Tensor k = random_tensor({c.batch, c.kv(), c.t_k(), d}, 2);
@@ -175,8 +179,7 @@ class CoreCase {
   void reset_stats() { stats_ = {}; }
 
   void run() {
-    SdpaOutputs outs;
-    outs.out = out_.view4();
+    SdpaOutputs outs = outputs(out_.view4(), weights_.defined() ? weights_.view4() : View4<float>{});
     if (c_.dtype == DType::BF16)
       mha::sdpa(q16_.view4(), k16_.view4(), v16_.view4(), opt_, outs);
     else
@@ -189,19 +192,31 @@ class CoreCase {
     const int64_t d = c_.head_dim();
     const View4<const float> q = contiguous_view<const float>(&dummy, c_.batch, c_.heads, c_.seq, d);
     const View4<const float> kv = contiguous_view<const float>(&dummy, c_.batch, c_.kv(), c_.t_k(), d);
-    SdpaOutputs outs;
-    outs.out = contiguous_view<float>(&dummy, c_.batch, c_.heads, c_.seq, d);
-    return sdpa_dispatch_reason(q, kv, kv, opt_, outs);
+    const View4<float> w =
+        c_.need_weights == NeedWeights::None
+            ? View4<float>{}
+            : contiguous_view<float>(&dummy, c_.batch, c_.need_weights == NeedWeights::PerHead ? c_.heads : 1, c_.seq,
+                                     c_.t_k());
+    return sdpa_dispatch_reason(q, kv, kv, opt_,
+                                outputs(contiguous_view<float>(&dummy, c_.batch, c_.heads, c_.seq, d), w));
   }
 
  private:
+  /// out, and the weights view as per-head or averaged weights, as --need-weights asks.
+  SdpaOutputs outputs(View4<float> out, View4<float> weights) const {
+    SdpaOutputs outs;
+    outs.out = out;
+    if (c_.need_weights == NeedWeights::PerHead) outs.weights = weights;
+    if (c_.need_weights == NeedWeights::Averaged) outs.averaged_weights = weights;
+    return outs;
+  }
   static BF16Tensor to_bf16_tensor(const Tensor& t) {
     BF16Tensor r(t.shape());
     for (int64_t i = 0; i < t.numel(); ++i) r.data()[i] = to_bf16(t.data()[i]);
     return r;
   }
   BenchConfig c_;
-  Tensor q_, k_, v_, out_;
+  Tensor q_, k_, v_, out_, weights_;
   BF16Tensor q16_, k16_, v16_;
   EditStore edits_;
   SdpaThreadStats stats_;

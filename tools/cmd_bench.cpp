@@ -214,8 +214,8 @@ void run_bench(BenchArgs a) {
     c.need_weights = NeedWeights::Averaged;
   else if (a.need_weights != "none")
     fail("bench: --need-weights must be none, per-head or averaged, got '", a.need_weights, "'");
-  if (c.need_weights != NeedWeights::None && (a.core || a.backward))
-    fail("bench: --need-weights is for the module forward (not with --core or --backward)");
+  if (c.need_weights != NeedWeights::None && a.backward)
+    fail("bench: --need-weights is for the forward (module or --core), not with --backward");
   bench::validate(c);
   if (a.repeat <= 0) fail("bench: --repeat must be ≥ 1, got ", a.repeat);
   if (a.sgemm_size <= 0) fail("bench: --sgemm-size must be ≥ 1, got ", a.sgemm_size);
@@ -250,18 +250,20 @@ void run_bench(BenchArgs a) {
     dispatch = module->dispatch();
     run = [&] { module->run(); };
   }
-  const char* what = a.core       ? (a.backward ? "attention core backward (sdpa_backward)" : "attention core (sdpa)")
-                     : a.backward ? "module forward + backward"
-                     : c.need_weights == NeedWeights::PerHead  ? "module forward with per-head weights"
-                     : c.need_weights == NeedWeights::Averaged ? "module forward with averaged weights"
-                                                               : "module forward";
+  const std::string what =
+      std::string(a.core       ? (a.backward ? "attention core backward (sdpa_backward)" : "attention core (sdpa)")
+                  : a.backward ? "module forward + backward"
+                               : "module forward") +
+      (c.need_weights == NeedWeights::PerHead    ? " with per-head weights"
+       : c.need_weights == NeedWeights::Averaged ? " with averaged weights"
+                                                 : "");
   std::fprintf(stderr,
                "bench: %s, B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s%s dtype=%s threads=%d, "
                "warm-up + %d runs\n",
-               what, static_cast<long long>(c.batch), static_cast<long long>(c.seq), static_cast<long long>(c.t_k()),
-               static_cast<long long>(c.embed_dim), static_cast<long long>(c.heads), static_cast<long long>(c.kv()),
-               static_cast<long long>(c.head_dim()), yes_no(c.causal), bench::edits_str(c).c_str(), a.dtype.c_str(),
-               threads, a.repeat);
+               what.c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.seq),
+               static_cast<long long>(c.t_k()), static_cast<long long>(c.embed_dim), static_cast<long long>(c.heads),
+               static_cast<long long>(c.kv()), static_cast<long long>(c.head_dim()), yes_no(c.causal),
+               bench::edits_str(c).c_str(), a.dtype.c_str(), threads, a.repeat);
   std::fprintf(stderr, "bench: sdpa dispatch: %s\n", dispatch.c_str());
   // The FMA peak before and after the timed runs: a neighbour's load that changes the machine
   // in between shows as a drop (peak_ratio_after_before well below 1: discard the run).
@@ -336,7 +338,7 @@ void run_bench(BenchArgs a) {
     std::printf("%s\n", j.dump().c_str());
     return;
   }
-  std::printf("%s: B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s%s dtype=%s threads=%d\n", what,
+  std::printf("%s: B=%lld T=%lld S=%lld E=%lld h=%lld kv=%lld d=%lld causal=%s%s dtype=%s threads=%d\n", what.c_str(),
               static_cast<long long>(c.batch), static_cast<long long>(c.seq), static_cast<long long>(c.t_k()),
               static_cast<long long>(c.embed_dim), static_cast<long long>(c.heads), static_cast<long long>(c.kv()),
               static_cast<long long>(c.head_dim()), yes_no(c.causal), bench::edits_str(c).c_str(), a.dtype.c_str(),
@@ -390,7 +392,7 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--repeat,-r", a->repeat, "timed runs after one warm-up (default 5)");
   cmd->add_option("--sgemm-size", a->sgemm_size, "n of the n×n×n sgemm reference (default 1536)");
   cmd->add_option("--need-weights", a->need_weights,
-                  "module forward returning attention weights: none (default), per-head or averaged");
+                  "forward (module or --core) also returning attention weights: none (default), per-head or averaged");
   cmd->add_option("--bw-mib", a->bw_mib, "MiB streamed by the read-bandwidth and triad measurements (default 256)");
   cmd->add_flag("--core", a->core, "time sdpa on (B, h, T, d) tensors instead of the module");
   cmd->add_flag("--backward", a->backward,
