@@ -847,6 +847,44 @@ WeightsResult run_weights_bounded(const Case& c, int64_t max_bytes, int threads 
   return r;
 }
 
+/// The per-head weights summed over heads in head order and divided by h, as float32.
+Tensor head_order_mean(const Tensor& w) {
+  const int64_t B = w.shape()[0], H = w.shape()[1], Tq = w.shape()[2], Tk = w.shape()[3];
+  Tensor avg({B, 1, Tq, Tk});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Tq; ++i)
+      for (int64_t j = 0; j < Tk; ++j) {
+        float sum = 0.0f;
+        for (int64_t h = 0; h < H; ++h) sum += w.at({b, h, i, j});
+        avg.at({b, 0, i, j}) = sum / static_cast<float>(H);
+      }
+  return avg;
+}
+
+TEST(FusedWeights, AveragedAreThePerHeadWeightsSummedInHeadOrderOverH) {
+  // What "averaged" means, bit for bit, on the one-pass path (each head's fix-up writes, adds or
+  // divides as it goes) and on the two-pass one; with zero rows, a NaN row, sinks and dropout.
+  Case c;
+  c.B = 2, c.H = 6, c.KV = 2, c.Tq = kQBlock + 9, c.Tk = kKBlock + 37, c.D = 16, c.Dv = 16;
+  c.make_inputs(57);
+  spread_scores(c);
+  c.opt.masks.causal = Causal::top_left().with_window(40);
+  c.q.at({1, 4, 3, 0}) = kNaN;
+  c.opt.dropout = {0.2f, 11};
+  const std::vector<float> sinks = {0.5f, -1.0f, 2.0f, 0.0f, 1.0f, -0.5f};
+  c.opt.sinks.logits = {sinks.data(), sinks.size()};
+  for_each_fused_target([&] {
+    for (int64_t bound : {int64_t{0}, int64_t{1}}) {  // the kernel's own bound: one pass; 1 byte: two passes
+      bool one_pass = false;
+      const WeightsResult r = run_weights_bounded(c, bound, 2, kBoth, &one_pass);
+      EXPECT_EQ(one_pass, bound == 0);
+      EXPECT_TRUE(bitwise_equal(r.avg, head_order_mean(r.w))) << "one pass " << one_pass;
+      const WeightsResult averaged = run_weights_bounded(c, bound, 2, kAveraged);
+      EXPECT_TRUE(bitwise_equal(averaged.avg, r.avg)) << "one pass " << one_pass;
+    }
+  });
+}
+
 TEST(FusedWeights, OnePassMatchesTheReferenceAcrossBlockEdgesEveryMaskAndDropout) {
   using Len = std::pair<int64_t, int64_t>;
   const std::vector<Len> lens = kSanitized ? std::vector<Len>{{kQBlock + 1, kKBlock + 1}}

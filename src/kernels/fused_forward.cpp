@@ -85,13 +85,22 @@ constexpr int64_t kMaxPrefetchBytes = 32 * 64;    // per K/V row: a wider (strid
 // keep giving the same bits (FusedWeights.PerHeadAveragedOrBothGiveTheSameBits).
 constexpr int64_t kOnePassWeightsMaxBytes = int64_t{16} << 20;
 
-/// One-pass weights (see kOnePassWeightsMaxBytes): the floats of their scratch, group × kBq rows
-/// of T_k (rounded to kMaxLanes), and whether the call takes that path.
-inline int64_t one_pass_weights_floats(const SdpaParams& p) { return p.group() * kBq * round_up(p.t_k(), kMaxLanes); }
+/// One-pass weights (see kOnePassWeightsMaxBytes): the floats between rows of their scratch, T_k
+/// rounded to an odd number of cache lines (kMaxLanes floats each); the floats of that scratch,
+/// group × kBq rows; and whether the call takes that path. (Rows a power of two apart, 8 KiB at
+/// T_k = 2048, would put a key block's 128 row segments in the same few cache sets of L1 and L2
+/// and evict each other and the block's scores and V rows.)
+inline int64_t one_pass_weights_ld(int64_t t_k) {
+  const int64_t lines = (t_k + kMaxLanes - 1) / kMaxLanes;
+  return (lines | 1) * kMaxLanes;
+}
+inline int64_t one_pass_weights_floats(const SdpaParams& p) { return p.group() * kBq * one_pass_weights_ld(p.t_k()); }
 inline bool weights_one_pass(const SdpaParams& p) {
   if (!p.weights.defined() && !p.weights_avg.defined()) return false;
   const int64_t bound = p.weights_one_pass_max_bytes > 0 ? p.weights_one_pass_max_bytes : kOnePassWeightsMaxBytes;
-  return one_pass_weights_floats(p) * static_cast<int64_t>(sizeof(float)) <= bound;
+  // The bound counts rows unpadded, so that it reads T_k·group ≤ 32768 whatever the padding.
+  const int64_t floats = p.group() * kBq * round_up(p.t_k(), kMaxLanes);
+  return floats * static_cast<int64_t>(sizeof(float)) <= bound;
 }
 
 /// Rows [r0, r1) of a query block that the causal rule (with its window) treats alike against one
@@ -132,8 +141,9 @@ struct ScratchPlan {
   int64_t ldq = 0;  // floats between Q rows (d rounded to even)
   int64_t ldv = 0;  // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
   // One-pass weights: wm, the running max each key block's weights were taken against (group ×
-  // kRowsPad rows of wblocks); wp, the unnormalised weights (group × kBq rows, ldw apart).
-  int64_t wm = 0, wp = 0, wblocks = 0, ldw = 0;
+  // kRowsPad rows of wblocks); wp, the unnormalised weights (group × kBq rows, ldw apart); wscale,
+  // one row's block scales at the fix-up.
+  int64_t wm = 0, wp = 0, wblocks = 0, ldw = 0, wscale = 0;
 };
 
 inline ScratchPlan scratch_plan(const SdpaParams& p) {
@@ -156,8 +166,9 @@ inline ScratchPlan scratch_plan(const SdpaParams& p) {
   if (weights_one_pass(p)) {
     L.wblocks = (p.t_k() + kBk - 1) / kBk;
     L.wm = c.take(group * kRowsPad * L.wblocks);
-    L.ldw = round_up(p.t_k(), kMaxLanes);
+    L.ldw = one_pass_weights_ld(p.t_k());
     L.wp = c.take(one_pass_weights_floats(p));
+    L.wscale = c.take(round_up(L.wblocks, kMaxLanes));
   } else if (p.weights.defined() || p.weights_avg.defined()) {
     L.l2 = c.take(kRowsPad);  // the weights' second pass
   }
@@ -927,11 +938,16 @@ template <class T>
 void keep_weights_block(const Ctx<T>& cx, float* ws, int64_t hh, int64_t r0, int64_t nq, int64_t j0, int64_t nk_seen,
                         int64_t nk, int64_t block_at, const float* s, const float* m) {
   float* wm = ws + cx.L.wm + (hh * kRowsPad + r0) * cx.L.wblocks + block_at;
+  const DF df;
+  const int64_t N = lanes();
   for (int64_t r = 0; r < nq; ++r) {
     wm[r * cx.L.wblocks] = m[r];
     float* w = one_pass_row(cx, ws, hh, r0 + r) + j0;
-    std::memcpy(w, s + r * kBk, sizeof(float) * static_cast<size_t>(nk_seen));
-    std::fill(w + nk_seen, w + nk, 0.0f);
+    const float* sr = s + r * kBk;
+    int64_t j = 0;  // at most kBk floats: inline vectors, not a call per row
+    for (; j + N <= nk_seen; j += N) hn::StoreU(hn::LoadU(df, sr + j), df, w + j);
+    for (; j < nk_seen; ++j) w[j] = sr[j];
+    for (; j < nk; ++j) w[j] = 0.0f;
   }
 }
 
@@ -945,9 +961,52 @@ inline void scale_in_place(float* x, int64_t n, float f) {
   for (; j < n; ++j) x[j] *= f;
 }
 
-/// The item's end: each row of each head of group g normalised in the scratch (block j's segment
-/// by exp(m_j − m)·keep_scale/l), then copied to the per-head weights and added into the averaged
-/// ones in head order (the same values either way, so per-head, averaged and both agree bitwise);
+/// One head's share of n elements of an averaged weights row (`as` apart): w scaled by f in place
+/// (that head's weights, as per-head weights hold them; w is not read when `zero`: the head's
+/// weights there are zeros), a = (first ? 0 : a) + w, then a / heads when `last`: the operations of
+/// zeroing the row, adding every head's weights and dividing at the end, in one pass per head
+/// instead of four. (The product is stored, so the compiler cannot contract the sum into an FMA
+/// that would round differently from the per-head weights.)
+inline void average_in(float* a, int64_t as, float* w, int64_t n, float f, bool zero, bool first, bool last,
+                       float heads) {
+  if (zero && !first && !last) return;
+  int64_t j = 0;
+  if (as == 1) {
+    const DF df;
+    const int64_t N = lanes();
+    const VF vf = hn::Set(df, f), vh = hn::Set(df, heads), v0 = hn::Zero(df);
+    for (; j + N <= n; j += N) {
+      VF add = v0;
+      if (!zero) hn::StoreU(add = hn::Mul(hn::LoadU(df, w + j), vf), df, w + j);
+      const VF sum = first ? add : hn::Add(hn::LoadU(df, a + j), add);
+      hn::StoreU(last ? hn::Div(sum, vh) : sum, df, a + j);
+    }
+  }
+  for (; j < n; ++j) {
+    const float add = zero ? 0.0f : (w[j] *= f);
+    const float sum = first ? add : a[j * as] + add;
+    a[j * as] = last ? sum / heads : sum;
+  }
+}
+
+/// scale[k] = exp(m[k] − m_row)·f for a row's n blocks (m[k] ≤ m_row: the max after block k, then
+/// the final one), whole vectors at a time: scale has room for n rounded up to kMaxLanes. Blocks
+/// the row never saw (m[k] = −inf) get 0; a row with f = 0 is zeros throughout (its caller reads
+/// no scale of it).
+inline void block_scales(const float* m, int64_t n, float m_row, float f, float* scale) {
+  const DF df;
+  const int64_t N = lanes();
+  const VF vm = hn::Set(df, m_row), vf = hn::Set(df, f);
+  std::copy(m, m + n, scale);  // then in place, the tail of the last vector −inf: scale 0
+  std::fill(scale + n, scale + round_up(n, N), kNegInf);
+  for (int64_t k = 0; k < n; k += N)
+    hn::StoreU(hn::Mul(exp_nonpositive(df, hn::Sub(hn::LoadU(df, scale + k), vm)), vf), df, scale + k);
+}
+
+/// The item's end: each row of each head of group g normalised (block j's segment by
+/// exp(m_j − m)·keep_scale/l) on its way to the per-head weights (scaled in the scratch, then
+/// copied) and to the averaged ones (average_in: the first head of the item writes the row, the
+/// others add in head order, the last divides by h), so per-head, averaged and both agree bitwise;
 /// zeros outside the keys the item visited and NaN rows NaN (finish_weights_row, as on the
 /// two-pass path). A row with l = 0 saw no key (m = −inf) and a block with m_j = −inf only −inf
 /// scores: their weights are zeros, written rather than scaled (exp(−inf − m) is NaN at m = −inf).
@@ -955,9 +1014,13 @@ template <class T>
 void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, int64_t i0, int64_t nq,
                              const KeyRange& keys) {
   const SdpaParams& p = *cx.p;
-  const int64_t group = p.group();
+  const int64_t group = p.group(), Tk = cx.t_k;
+  const bool per_head = p.weights.defined(), averaged = p.weights_avg.defined();
+  const float heads = static_cast<float>(p.heads());
+  float* const scales = ws + cx.L.wscale;
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t h = g * group + hh;
+    const bool first = h == 0, last = h == p.heads() - 1;
     const float* m = ws + cx.L.m + hh * kRowsPad;
     const float* l = ws + cx.L.l + hh * kRowsPad;
     const float* wm = ws + cx.L.wm + hh * kRowsPad * cx.L.wblocks;
@@ -966,17 +1029,28 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
       if (p.edits.sinks) add_sink(p.edits.sinks[h], mr, lr, rescale);
       finish_weights_row(cx, b, h, i0 + r, keys, lr);
       if (std::isnan(lr)) continue;
+      float* const a = averaged ? &p.weights_avg(b, 0, i0 + r, 0) : nullptr;
+      const int64_t as = averaged ? p.weights_avg.stride[3] : 0;
+      if (first && averaged) {  // zeros outside the visited keys: the first head writes them
+        fill_row(p.weights_avg, b, 0, i0 + r, 0, keys.lo, 0.0f);
+        fill_row(p.weights_avg, b, 0, i0 + r, keys.hi, Tk, 0.0f);
+      }
       const float f = lr == 0.0f ? 0.0f : cx.keep_scale / lr;
       float* w = one_pass_row(cx, ws, hh, r);
+      const float* const wm_row = wm + r * cx.L.wblocks;
+      block_scales(wm_row, (keys.hi - keys.lo + kBk - 1) / kBk, mr, f, scales);
       for (int64_t j0 = keys.lo, k = 0; j0 < keys.hi; j0 += kBk, ++k) {
         const int64_t nk = std::min(kBk, keys.hi - j0);
-        const float mj = wm[r * cx.L.wblocks + k];
-        if (f == 0.0f || mj == kNegInf)
-          std::fill(w + j0, w + j0 + nk, 0.0f);
-        else
-          scale_in_place(w + j0, nk, std::exp(mj - mr) * f);
+        const bool zero = f == 0.0f || wm_row[k] == kNegInf;
+        const float block_scale = scales[k];
+        // Scaled where it lies (for the per-head copy below) as it is added to the average.
+        if (zero && per_head) std::fill(w + j0, w + j0 + nk, 0.0f);
+        if (averaged)
+          average_in(a + j0 * as, as, w + j0, nk, block_scale, zero, first, last, heads);
+        else if (!zero)
+          scale_in_place(w + j0, nk, block_scale);
       }
-      if (p.weights.defined()) {
+      if (per_head) {
         float* dst = &p.weights(b, h, i0 + r, 0);
         const int64_t ds = p.weights.stride[3];
         if (ds == 1)
@@ -984,13 +1058,6 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
         else
           for (int64_t j = keys.lo; j < keys.hi; ++j) dst[j * ds] = w[j];
       }
-      if (!p.weights_avg.defined()) continue;
-      float* a = &p.weights_avg(b, 0, i0 + r, 0);
-      const int64_t as = p.weights_avg.stride[3];
-      if (as == 1)  // the common case, in a loop the compiler vectorises
-        for (int64_t j = keys.lo; j < keys.hi; ++j) a[j] += w[j];
-      else
-        for (int64_t j = keys.lo; j < keys.hi; ++j) a[j * as] += w[j];
     }
   }
 }
@@ -1407,6 +1474,10 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws, int64_t next_item = -1)
   }
   const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, cx.t_q - i0), Tk = cx.t_k;
   const View4<float>& avg = p.weights_avg;
+  if (cx.weights_one_pass) {  // the groups' fix-ups write, add and divide the rows (average_in)
+    for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
+    return;
+  }
   for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f);
   for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
   const float heads = static_cast<float>(p.heads());
