@@ -179,6 +179,23 @@ TEST(CliBench, DecodeInt8ChannelRowCountsItsGroupScales) {
   EXPECT_NE(bad.err.find("--key-group"), std::string::npos) << bad.err;
 }
 
+TEST(CliBench, DecodeTransposedKeysRowsNextToTheRowLayout) {
+  const auto j = decode_json("--contexts 100 --dtype f32,f32-transposed,int8-transposed");
+  ASSERT_FALSE(j.is_null());
+  ASSERT_EQ(j["decode"].size(), 3u);
+  const auto &rows = j["decode"][0], &lanes = j["decode"][1], &int8 = j["decode"][2];
+  EXPECT_EQ(lanes["dtype"], "f32-transposed");
+  EXPECT_EQ(int8["dtype"], "int8-transposed");
+  // The same bytes to read as the row layout; the same values, so float rounding apart.
+  EXPECT_EQ(lanes["kv_bytes_per_token"].get<double>(), rows["kv_bytes_per_token"].get<double>());
+  EXPECT_LT(lanes["max_abs_error_vs_f32"].get<double>(), 1e-5);
+  EXPECT_GT(int8["max_abs_error_vs_f32"].get<double>(), 0.0);
+  EXPECT_LT(int8["max_abs_error_vs_f32"].get<double>(), 0.02);
+  const auto bad = run_command(kCli + " bench-decode --dtype int8-channel-transposed");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("int8-transposed"), std::string::npos) << bad.err;
+}
+
 TEST(CliBench, Bf16CoreRunsOrSaysItIsUnavailable) {
   const auto r = run_command(kCli +
                              " bench --core --dtype bf16 --seq 32 --embed-dim 64 --heads 4 --repeat 1 "

@@ -330,9 +330,11 @@ struct CacheCase {
 
 /// A (B=2, kv=2) cache of different lengths per sequence and h = 6 queries of T_q rows;
 /// key_group > 0: int8 keys with per-channel scales over groups of that many positions.
-CacheCase cache_case(CacheDtype dtype, int64_t tq, int64_t d = 20, int64_t key_group = 0) {
+CacheCase cache_case(CacheDtype dtype, int64_t tq, int64_t d = 20, int64_t key_group = 0,
+                     KeyLayout layout = KeyLayout::Rows) {
   KvCacheConfig config{.batch = 2, .kv_heads = 2, .head_dim = d, .capacity = 700, .dtype = dtype};
   if (key_group > 0) config.int8_keys = Int8KeyScales::PerChannel, config.key_group = key_group;
+  config.key_layout = layout;
   CacheCase c{KvCache(config), random_tensor({2, 6, tq, d}, 9)};
   const Tensor k = random_tensor({2, 2, 700, d}, 10, -2.0f, 2.0f), v = random_tensor({2, 2, 700, d}, 11);
   const std::vector<int64_t> lens{700, 333};
@@ -452,6 +454,73 @@ TEST(DecodeKernel, Int8ChannelKeysMatchReferenceOnTheDequantisedCacheOnEveryTarg
   hwy::SetSupportedTargetsForTest(0);
 }
 
+TEST(DecodeKernel, TransposedKeysMatchReferenceOnEveryTarget) {
+  // Keys across SIMD lanes: tiles of 16 slots (capacity 700 ends inside one; lengths 700 and 333
+  // end inside tiles and blocks), every dtype with per-token scales, odd d, d = 64, and the
+  // widest P·V tiles; windows start keys inside tiles (partial tiles through the scratch).
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16, CacheDtype::I8})
+      for (int64_t d : {19, 64, 72}) {
+        SCOPED_TRACE(::testing::Message() << cache_dtype_name(dtype) << ", d " << d);
+        for (int64_t tq : {1, 3}) {
+          const CacheCase c = cache_case(dtype, tq, d, 0, KeyLayout::Transposed);
+          EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
+          EXPECT_TRUE(all_close(attend(c, 2, 2, 50), oracle(c, 50), kF32Tol, kF32Tol));
+        }
+      }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST(DecodeKernel, TransposedKeysHoldTheRowLayoutsValues) {
+  // The same appends into both layouts: every key element reads back the same, and attention
+  // agrees to float rounding (only the order of each dot product's sum differs).
+  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16, CacheDtype::I8}) {
+    const CacheCase rows = cache_case(dtype, 2, 20), lanes = cache_case(dtype, 2, 20, 0, KeyLayout::Transposed);
+    EXPECT_EQ(lanes.cache.config().key_slots(), 704);
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t g = 0; g < 2; ++g)
+        for (int64_t p = 0; p < rows.cache.length(b); p += 37)
+          for (int64_t x = 0; x < 20; ++x) ASSERT_EQ(lanes.cache.k_at(b, g, p, x), rows.cache.k_at(b, g, p, x));
+    EXPECT_TRUE(all_close(attend(lanes, 3, 2), attend(rows, 3, 2), kF32Tol, kF32Tol));
+    EXPECT_FALSE(bitwise_equal(attend(lanes, 3, 2), attend(rows, 3, 2)));  // really another kernel
+  }
+}
+
+TEST(DecodeKernel, TransposedKeysInARingWithSinks) {
+  // A ring wraps mid-tile: the slots of one kernel block are two runs, each cut into tile parts.
+  for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::I8}) {
+    KvCacheConfig config{
+        .batch = 1, .kv_heads = 2, .head_dim = 24, .capacity = 90, .dtype = dtype, .ring = true, .sinks = 5};
+    KvCache rows(config);
+    config.key_layout = KeyLayout::Transposed;
+    KvCache lanes(config);
+    const Tensor k = random_tensor({1, 2, 250, 24}, 3), v = random_tensor({1, 2, 250, 24}, 4);
+    for (int64_t t0 = 0; t0 < 250; t0 += 50) {  // appended in parts: the ring wraps several times
+      const Tensor kp = k.reshaped({2, 250, 24}), vp = v.reshaped({2, 250, 24});
+      Tensor ks({1, 2, 50, 24}), vs({1, 2, 50, 24});
+      for (int64_t g = 0; g < 2; ++g)
+        for (int64_t t = 0; t < 50; ++t)
+          for (int64_t x = 0; x < 24; ++x)
+            ks.at({0, g, t, x}) = kp.at({g, t0 + t, x}), vs.at({0, g, t, x}) = vp.at({g, t0 + t, x});
+      rows.append(ks.view4(), vs.view4());
+      lanes.append(ks.view4(), vs.view4());
+    }
+    const Tensor q = random_tensor({1, 4, 1, 24}, 5);
+    Tensor out_rows({1, 4, 1, 24}), out_lanes({1, 4, 1, 24});
+    CacheAttentionOptions o;
+    o.window = 80;
+    for (int splits : {1, 3}) {
+      o.splits = splits;
+      attend_cache(q.view4(), rows, {}, o, out_rows.view4());
+      attend_cache(q.view4(), lanes, {}, o, out_lanes.view4());
+      EXPECT_TRUE(all_close(out_lanes, out_rows, kF32Tol, kF32Tol)) << cache_dtype_name(dtype) << ", splits " << splits;
+    }
+  }
+}
+
 TEST(DecodeKernel, Int8CacheWithinItsQuantisationStepOfFloat32) {
   // Every int8 element is within s/2 of the float32 one (s = its row's max|x| / 127; here K in
   // [−2, 2): s_k ≤ 2/127, V in [−1, 1): s_v ≤ 1/127). A score scale·q·k then moves by at most
@@ -492,14 +561,15 @@ TEST(DecodeKernel, SameSplitsAnyThreadsBitwise) {
                           {CacheDtype::BF16, 64},
                           {CacheDtype::I8, 20},
                           {CacheDtype::I8, 64}}) {
-    for (int64_t key_group : {int64_t{0}, int64_t{32}}) {
-      if (key_group > 0 && dtype != CacheDtype::I8) continue;
-      const CacheCase c = cache_case(dtype, 1, d, key_group);
-      const Tensor base = attend(c, 5, 1);
-      EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), base));
-      EXPECT_TRUE(bitwise_equal(attend(c, 5, 3), base));
-      EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), attend(c, 5, 2)));
-    }
+    for (int64_t key_group : {int64_t{0}, int64_t{32}})
+      for (KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed}) {
+        if (key_group > 0 && (dtype != CacheDtype::I8 || layout == KeyLayout::Transposed)) continue;
+        const CacheCase c = cache_case(dtype, 1, d, key_group, layout);
+        const Tensor base = attend(c, 5, 1);
+        EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), base));
+        EXPECT_TRUE(bitwise_equal(attend(c, 5, 3), base));
+        EXPECT_TRUE(bitwise_equal(attend(c, 5, 2), attend(c, 5, 2)));
+      }
   }
 }
 

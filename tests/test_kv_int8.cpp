@@ -252,6 +252,10 @@ TEST(Int8ChannelKeys, CloneResetAndRefusals) {
   ring.ring = true;
   EXPECT_NE(error_of([&] { KvCache{ring}; }).find("a ring"), std::string::npos);
   EXPECT_NE(error_of([&] { KvCache{channel_config(1, 1, d, 8, 0)}; }).find("key_group 0"), std::string::npos);
+  // Transposed keys keep per-token scales only.
+  KvCacheConfig transposed = channel_config(1, 1, d, 8, 4);
+  transposed.key_layout = KeyLayout::Transposed;
+  EXPECT_NE(error_of([&] { KvCache{transposed}; }).find("transposed keys"), std::string::npos);
 }
 
 // ---- PyTorch golden (tests/golden/generate_int8_cache.py) ------------------------------------

@@ -38,13 +38,17 @@ View4<const float> one(const Tensor& t, int64_t b) {
 /// Grows two sequences token by token in both caches (interleaved, so the paged blocks of a
 /// sequence are not adjacent in the pool) and checks, after every token, that attention through
 /// the block tables equals attention over the contiguous cache bitwise, for 1, 2 and 3 threads.
-void paged_equals_contiguous(CacheDtype dtype, int64_t block_size, int64_t steps, int splits) {
+/// Transposed keys in both: tiles of the same positions, so the same arithmetic.
+void paged_equals_contiguous(CacheDtype dtype, int64_t block_size, int64_t steps, int splits,
+                             KeyLayout layout = KeyLayout::Rows) {
   const Dims dm;
   KvCacheConfig cc;
   cc.batch = 2, cc.kv_heads = dm.kv, cc.head_dim = dm.d, cc.capacity = steps, cc.dtype = dtype;
+  cc.key_layout = layout;
   KvCache flat(cc);
   PagedKvCacheConfig pc;
   pc.kv_heads = dm.kv, pc.head_dim = dm.d, pc.block_size = block_size, pc.dtype = dtype;
+  pc.key_layout = layout;
   pc.num_blocks = 2 * ((steps + block_size - 1) / block_size);
   PagedKvCache paged(pc);
   const std::vector<int64_t> ids{paged.add_sequence(), paged.add_sequence()};
@@ -83,6 +87,10 @@ TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
     paged_equals_contiguous(CacheDtype::F32, 16, 40, 1);
     paged_equals_contiguous(CacheDtype::BF16, 3, 23, 2);
     paged_equals_contiguous(CacheDtype::I8, 5, 20, 2);  // rows and their scales through the tables
+    // Keys across lanes, a block of one tile or of two; 40 and 70 positions end inside tiles.
+    paged_equals_contiguous(CacheDtype::F32, 16, 40, 1, KeyLayout::Transposed);
+    paged_equals_contiguous(CacheDtype::BF16, 32, 70, 2, KeyLayout::Transposed);
+    paged_equals_contiguous(CacheDtype::I8, 16, 40, 2, KeyLayout::Transposed);
   }
   hwy::SetSupportedTargetsForTest(0);
   paged_equals_contiguous(CacheDtype::F32, 1, 9, 3);     // one position per block
@@ -151,6 +159,35 @@ void fork_shares_blocks_and_copies_on_write(CacheDtype dtype) {
   EXPECT_EQ(cache.free_blocks(), 6);
   EXPECT_NE(error_of([&] { cache.length(b); }).find("does not exist"), std::string::npos);
   EXPECT_EQ(cache.add_sequence(), a);  // ids are reused
+}
+
+TEST(PagedKvCache, TransposedKeysForkCopiesWholeTiles) {
+  // Copy-on-write of a shared block copies its tiles; every key reads back as appended, in both.
+  const Dims dm;
+  PagedKvCacheConfig pc;
+  pc.kv_heads = dm.kv, pc.head_dim = dm.d, pc.block_size = 16, pc.num_blocks = 4, pc.dtype = CacheDtype::I8;
+  pc.key_layout = KeyLayout::Transposed;
+  PagedKvCache cache(pc);
+  KvCacheConfig cc;
+  cc.batch = 1, cc.kv_heads = dm.kv, cc.head_dim = dm.d, cc.capacity = 24, cc.dtype = CacheDtype::I8;
+  KvCache flat_a(cc), flat_b(cc);
+  const int64_t a = cache.add_sequence();
+  const Tensor k = random_tensor({1, dm.kv, 20, dm.d}, 7), v = random_tensor({1, dm.kv, 20, dm.d}, 8);
+  cache.append(a, k.view4(), v.view4());
+  const int64_t b = cache.fork(a);
+  const Tensor kb = random_tensor({1, dm.kv, 3, dm.d}, 9), vb = random_tensor({1, dm.kv, 3, dm.d}, 10);
+  cache.append(b, kb.view4(), vb.view4());
+  flat_a.append(k.view4(), v.view4());
+  flat_b.append(k.view4(), v.view4());
+  flat_b.append(kb.view4(), vb.view4());
+  EXPECT_NE(cache.block_table(b)[1], cache.block_table(a)[1]);
+  for (int64_t g = 0; g < dm.kv; ++g)
+    for (int64_t x = 0; x < dm.d; ++x) {
+      for (int64_t p = 0; p < 20; ++p) ASSERT_EQ(cache.k_at(a, g, p, x), flat_a.k_at(0, g, p, x));
+      for (int64_t p = 0; p < 23; ++p) ASSERT_EQ(cache.k_at(b, g, p, x), flat_b.k_at(0, g, p, x));
+    }
+  pc.block_size = 24;
+  EXPECT_NE(error_of([&] { PagedKvCache{pc}; }).find("multiple of 16"), std::string::npos);
 }
 
 TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {

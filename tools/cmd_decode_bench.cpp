@@ -58,13 +58,26 @@ void compare_to_f32(std::vector<DecodeResult>& results) {
       }
 }
 
-/// A --dtype name: f32, bf16, int8, or int8-channel (int8 with per-channel key scales, KIVI).
+constexpr const char* kTransposedSuffix = "-transposed";
+
+/// Whether a --dtype name is one bench-decode takes: f32, bf16, int8, int8-channel (int8 with
+/// per-channel key scales, KIVI), or f32, bf16 or int8 with -transposed (keys across SIMD lanes).
+bool known_kind(const std::string& kind) {
+  for (const char* k : {"f32", "bf16", "int8", "int8-channel", "f32-transposed", "bf16-transposed", "int8-transposed"})
+    if (kind == k) return true;
+  return false;
+}
+
+/// A --dtype name (known_kind) at one context length.
 DecodeResult time_decode(const DecodeBenchArgs& a, const std::string& kind, int64_t context) {
   const int64_t B = a.batch, KV = a.kv_heads, d = a.head_dim;
-  const CacheDtype dtype = kind == "bf16" ? CacheDtype::BF16 : kind == "f32" ? CacheDtype::F32 : CacheDtype::I8;
+  const bool transposed = kind.ends_with(kTransposedSuffix);
+  const std::string base = transposed ? kind.substr(0, kind.size() - std::string(kTransposedSuffix).size()) : kind;
+  const CacheDtype dtype = base == "bf16" ? CacheDtype::BF16 : base == "f32" ? CacheDtype::F32 : CacheDtype::I8;
   KvCacheConfig cc;
   cc.batch = B, cc.kv_heads = KV, cc.head_dim = d, cc.capacity = context, cc.dtype = dtype;
-  if (kind == "int8-channel") cc.int8_keys = Int8KeyScales::PerChannel, cc.key_group = a.key_group;
+  if (base == "int8-channel") cc.int8_keys = Int8KeyScales::PerChannel, cc.key_group = a.key_group;
+  if (transposed) cc.key_layout = KeyLayout::Transposed;
   // Bytes of one K or V row as stored, and so as read: the elements, plus the scale for int8 (per
   // channel: a key group's d scales shared by its key_group rows).
   const double row_bytes = dtype == CacheDtype::BF16 ? 2.0 * static_cast<double>(d)
@@ -158,8 +171,11 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   for (int64_t ctx : a.contexts)
     if (ctx < 1) fail("bench-decode: context lengths must be ≥ 1, got ", ctx);
   for (const std::string& t : a.dtypes)
-    if (t != "f32" && t != "bf16" && t != "int8" && t != "int8-channel")
-      fail("bench-decode: --dtype takes f32, bf16, int8 and/or int8-channel, got ", t);
+    if (!known_kind(t))
+      fail(
+          "bench-decode: --dtype takes f32, bf16, int8, int8-channel, f32-transposed, bf16-transposed and/or "
+          "int8-transposed, got ",
+          t);
   if (a.key_group < 1) fail("bench-decode: --key-group must be ≥ 1, got ", a.key_group);
   const int threads = bench::apply_threads(a.threads);
 
@@ -225,13 +241,13 @@ void run_decode_bench(const DecodeBenchArgs& a) {
               static_cast<long long>(a.batch), threads, a.splits > 0 ? std::to_string(a.splits).c_str() : "auto");
   std::printf("same run: read-only stream %.1f GB/s, STREAM triad %.1f GB/s, float32 FMA peak %.1f GFLOP/s (%s)\n\n",
               read_bw, triad, peak, target.c_str());
-  std::printf("  %-12s %8s %12s %12s %12s %9s %9s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s",
+  std::printf("  %-16s %8s %12s %12s %12s %9s %9s %9s %9s\n", "cache", "context", "ms/token", "K/V MiB", "GB/s",
               "of read", "of triad", "of peak", "vs f32 ×");
   for (const auto& r : results) {
     char ratio[32] = "";
     const double x = speedup(r.context, r.dtype);
     if (r.dtype != "f32" && x > 0) std::snprintf(ratio, sizeof ratio, "%.2f", x);
-    std::printf("  %-12s %8lld %12.3f %12.1f %12.1f %8.0f%% %8.0f%% %8.1f%% %9s\n", r.dtype.c_str(),
+    std::printf("  %-16s %8lld %12.3f %12.1f %12.1f %8.0f%% %8.0f%% %8.1f%% %9s\n", r.dtype.c_str(),
                 static_cast<long long>(r.context), r.ms_best, r.kv_bytes / 1048576.0, r.gbs, 100.0 * r.gbs / read_bw,
                 100.0 * r.gbs / triad, 100.0 * r.gflops / peak, ratio);
   }
@@ -261,7 +277,8 @@ static void add_decode_bench_command(CLI::App& app) {
   cmd->add_option("--batch,-B", a->batch, "sequences decoded together")->capture_default_str();
   cmd->add_option("--contexts", a->contexts, "context lengths to time")->delimiter(',')->capture_default_str();
   cmd->add_option("--dtype", a->dtypes,
-                  "cache dtypes: f32, bf16, int8, int8-channel (int8 with per-channel key scales, KIVI)")
+                  "cache dtypes: f32, bf16, int8, int8-channel (int8 with per-channel key scales, KIVI); f32, bf16 "
+                  "or int8 with -transposed: keys across SIMD lanes (KeyLayout::Transposed)")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--key-group", a->key_group, "int8-channel: positions per key group")->capture_default_str();

@@ -31,8 +31,12 @@ struct PagedKvCacheConfig {
   int64_t block_size = 16;  ///< positions per block
   int64_t num_blocks = 0;   ///< blocks in the pool (its whole capacity, shared by every sequence)
   CacheDtype dtype = CacheDtype::F32;
+  /// Rows (default) or Transposed: each block's keys in tiles of kKeyTile positions, keys across
+  /// SIMD lanes (mha/kv_cache.h); block_size must then be a multiple of kKeyTile.
+  KeyLayout key_layout = KeyLayout::Rows;
 
   int64_t v_dim() const { return value_dim > 0 ? value_dim : head_dim; }
+  bool transposed_keys() const { return key_layout == KeyLayout::Transposed; }
 };
 
 class PagedKvCache {
@@ -66,7 +70,8 @@ class PagedKvCache {
   /// How many live sequences hold block `block`.
   int64_t refcount(int64_t block) const;
 
-  /// Raw pools (blocks, kv_heads, block_size, d) row-major; float*, bf16* or int8_t* by dtype.
+  /// Raw pools (blocks, kv_heads, block_size, d) row-major (transposed keys: K is (blocks,
+  /// kv_heads, block_size / kKeyTile, d, kKeyTile)); float*, bf16* or int8_t* by dtype.
   const void* k_data() const;
   const void* v_data() const;
   /// int8 only (else null): the scale of each pool row, (blocks, kv_heads, block_size).

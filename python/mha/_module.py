@@ -88,7 +88,10 @@ class KvCache:
     Preallocated (batch, kv_heads, capacity, d) in float32, bfloat16 or int8 (``dtype="int8"``:
     one float scale per token and K/V head, max|x|/127; appending a non-finite value raises
     ValueError; ``int8_keys="per-channel"``: keys get one scale per channel of each group of
-    ``key_group`` positions instead, as in KIVI, for non-ring caches); each sequence has its own
+    ``key_group`` positions instead, as in KIVI, for non-ring caches); ``key_layout="transposed"``
+    stores keys across SIMD lanes (tiles of 16 positions, each channel's 16 values together: the
+    decode kernel then needs no horizontal sums; faster for every dtype, same values; not with
+    per-channel key scales); each sequence has its own
     length. ``ring=True`` keeps the last ``capacity`` positions (sliding-window decoding);
     ``sinks=n`` (with ``ring``) also keeps positions 0 … n−1 for good, visible to every query
     whatever the window (StreamingLLM attention sinks; keys keep their original RoPE positions).
@@ -96,9 +99,9 @@ class KvCache:
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *, value_dim: int = 0,
                  dtype: str = "f32", ring: bool = False, sinks: int = 0, int8_keys: str = "per-token",
-                 key_group: int = 32):
+                 key_group: int = 32, key_layout: str = "rows"):
         self._c = _core.KvCache(int(batch), int(kv_heads), int(head_dim), int(value_dim), int(capacity), dtype,
-                                bool(ring), int(sinks), int8_keys, int(key_group))
+                                bool(ring), int(sinks), int8_keys, int(key_group), key_layout)
 
     def length(self, b: int = 0) -> int:
         """Absolute length of sequence ``b`` (the position of its next token)."""
@@ -144,14 +147,15 @@ class PagedKvCache:
     K/V live in a pool of ``num_blocks`` blocks of ``block_size`` positions, allocated once; each
     sequence is a block table that grows a block at a time. :meth:`fork` makes a sequence sharing
     every block of its parent (nothing copied); writing into a shared, partly filled last block
-    copies that one block first (copy-on-write). Use it with
+    copies that one block first (copy-on-write). ``key_layout="transposed"`` keeps each block's
+    keys across SIMD lanes (see :class:`KvCache`; ``block_size`` a multiple of 16). Use it with
     ``MultiheadAttention.forward_incremental(q, k, v, cache, seqs=[…])``.
     """
 
     def __init__(self, kv_heads: int, head_dim: int, block_size: int = 16, *, num_blocks: int,
-                 value_dim: int = 0, dtype: str = "f32"):
+                 value_dim: int = 0, dtype: str = "f32", key_layout: str = "rows"):
         self._c = _core.PagedKvCache(int(kv_heads), int(head_dim), int(block_size), int(num_blocks), int(value_dim),
-                                     dtype)
+                                     dtype, key_layout)
 
     def add_sequence(self) -> int:
         """A new empty sequence; returns its id (ids of freed sequences are reused)."""
@@ -380,18 +384,21 @@ class MultiheadAttention:
 
     # ---- decoding with a KV cache -------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, *, dtype: str = "f32", ring: bool = False,
-                  sinks: int = 0, int8_keys: str = "per-token", key_group: int = 32) -> KvCache:
+                  sinks: int = 0, int8_keys: str = "per-token", key_group: int = 32,
+                  key_layout: str = "rows") -> KvCache:
         """A KV cache sized for this module: ``batch`` sequences of up to ``capacity`` positions
-        (``sinks``, ``int8_keys``, ``key_group``: see :class:`KvCache`)."""
+        (``sinks``, ``int8_keys``, ``key_group``, ``key_layout``: see :class:`KvCache`)."""
         c = self.config
         return KvCache(batch, c["num_kv_heads"], c["head_dim"], capacity, dtype=dtype, ring=ring, sinks=sinks,
-                       int8_keys=int8_keys, key_group=key_group)
+                       int8_keys=int8_keys, key_group=key_group, key_layout=key_layout)
 
-    def new_paged_cache(self, num_blocks: int, block_size: int = 16, *, dtype: str = "f32") -> PagedKvCache:
+    def new_paged_cache(self, num_blocks: int, block_size: int = 16, *, dtype: str = "f32",
+                        key_layout: str = "rows") -> PagedKvCache:
         """A paged KV cache sized for this module: a pool of ``num_blocks`` blocks of ``block_size``
-        positions shared by every sequence added to it."""
+        positions shared by every sequence added to it (``key_layout``: see :class:`PagedKvCache`)."""
         c = self.config
-        return PagedKvCache(c["num_kv_heads"], c["head_dim"], block_size, num_blocks=num_blocks, dtype=dtype)
+        return PagedKvCache(c["num_kv_heads"], c["head_dim"], block_size, num_blocks=num_blocks, dtype=dtype,
+                            key_layout=key_layout)
 
     def forward_incremental(self, query: Any, key: Any, value: Any, cache: Union[KvCache, PagedKvCache], *,
                             seqs: Optional[Sequence[int]] = None, new_lengths: Optional[Sequence[int]] = None,

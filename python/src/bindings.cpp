@@ -302,6 +302,12 @@ mha::CacheDtype cache_dtype(const char* what, const std::string& dtype) {
   return mha::CacheDtype::F32;
 }
 
+mha::KeyLayout key_layout_of(const char* what, const std::string& layout) {
+  if (layout == "transposed") return mha::KeyLayout::Transposed;
+  if (layout != "rows") mha::fail(what, ": key_layout must be 'rows' or 'transposed', got '", layout, "'");
+  return mha::KeyLayout::Rows;
+}
+
 /// Runs one of the module's incremental forwards on copies of q/k/v with the GIL released.
 template <class Call>
 py::object incremental_call(const py::array_t<float, py::array::c_style | py::array::forcecast>& q,
@@ -481,7 +487,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<mha::KvCache>(m, "KvCache")
       .def(py::init([](int64_t batch, int64_t kv_heads, int64_t head_dim, int64_t value_dim, int64_t capacity,
                        const std::string& dtype, bool ring, int64_t sinks, const std::string& int8_keys,
-                       int64_t key_group) {
+                       int64_t key_group, const std::string& key_layout) {
         mha::KvCacheConfig c;
         c.batch = batch;
         c.kv_heads = kv_heads;
@@ -496,6 +502,7 @@ PYBIND11_MODULE(_core, m) {
         else if (int8_keys != "per-token")
           mha::fail("KvCache: int8_keys must be 'per-token' or 'per-channel', got '", int8_keys, "'");
         c.key_group = key_group;
+        c.key_layout = key_layout_of("KvCache", key_layout);
         return mha::KvCache(c);
       }))
       .def("length", &mha::KvCache::length)
@@ -511,7 +518,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<mha::PagedKvCache>(m, "PagedKvCache")
       .def(py::init([](int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t value_dim,
-                       const std::string& dtype) {
+                       const std::string& dtype, const std::string& key_layout) {
         mha::PagedKvCacheConfig c;
         c.kv_heads = kv_heads;
         c.head_dim = head_dim;
@@ -519,6 +526,7 @@ PYBIND11_MODULE(_core, m) {
         c.num_blocks = num_blocks;
         c.value_dim = value_dim;
         c.dtype = cache_dtype("PagedKvCache", dtype);
+        c.key_layout = key_layout_of("PagedKvCache", key_layout);
         return std::make_unique<mha::PagedKvCache>(c);
       }))
       .def("add_sequence", &mha::PagedKvCache::add_sequence)

@@ -37,6 +37,12 @@ struct DecodeParams {
   // with G = k_channel_group, one scale per channel of each group of G consecutive slots; key
   // element = int8 value · its group's scale of its channel. Contiguous, non-ring caches only.
   int64_t k_channel_group = 0;
+  // Transposed keys (KeyLayout::Transposed; no per-channel scales): k is (B, kv, k_slots / 16,
+  // d, 16), slot s of a head in lane s mod 16 of its tile, k_slots = capacity rounded up to whole
+  // tiles; paged, the pool is (blocks, kv, block_size / 16, d, 16) and k_slots = block_size.
+  // k_scale stays one per row, indexed as in the row layout.
+  bool k_transposed = false;
+  int64_t k_slots = 0;
   int64_t kv_heads = 0, capacity = 0, d_v = 0;
   bool ring = false;  // position p lives in slot p mod capacity (else slot p); with sinks, p < sinks in
                       // slot p and later ones in slot sinks + (p − sinks) mod (capacity − sinks)

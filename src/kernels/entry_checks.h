@@ -82,6 +82,8 @@ inline void assert_decode_params(const DecodeParams& p) {
   MHA_DASSERT(B * p.kv_heads * p.capacity == 0 || (p.k && p.v));
   MHA_DASSERT(p.dtype != DType::I8 || B * p.kv_heads * p.capacity == 0 || (p.k_scale && p.v_scale));
   MHA_DASSERT(p.k_channel_group == 0 || (p.dtype == DType::I8 && !p.ring && !p.block_table));
+  MHA_DASSERT(!p.k_transposed || (p.k_channel_group == 0 && p.k_slots % 16 == 0 &&
+                                  (p.block_table ? p.k_slots == p.block_size : p.k_slots >= p.capacity)));
 }
 
 }  // namespace mha::kernels

@@ -13,6 +13,7 @@
 #include "kernels/common.h"
 #include "mha/error.h"
 #include "mha/kv_cache.h"
+#include "mha/paged_kv_cache.h"
 #include "mha/tensor.h"
 
 namespace mha::detail {
@@ -21,12 +22,15 @@ namespace mha::detail {
 /// one scale per row). Sizes come from the caller or a file's metadata: every product is checked,
 /// bytes included, and an overflow fails naming `what` (e.g. "KvCache: (batch, kv_heads,
 /// capacity, d)") and the shape.
+///
+/// k_slots > n2 (transposed keys: n2 rounded up to whole tiles): K holds that many slots of
+/// elements per (n0, n1), its int8 scales still one per row of n2.
 inline void size_cache_storage(const std::string& what, int64_t n0, int64_t n1, int64_t n2, int64_t head_dim,
-                               int64_t v_dim, CacheDtype dtype, CachePlane& k, CachePlane& v) {
-  const auto size = [&](CachePlane& plane, int64_t dim) {
-    const std::string where = what + " = " + shape_str({n0, n1, n2, dim});
+                               int64_t v_dim, CacheDtype dtype, CachePlane& k, CachePlane& v, int64_t k_slots = 0) {
+  const auto size = [&](CachePlane& plane, int64_t dim, int64_t slots) {
+    const std::string where = what + " = " + shape_str({n0, n1, slots, dim});
     const int64_t rows = checked_mul(checked_mul(n0, n1, where), n2, where);
-    const int64_t n = checked_mul(rows, dim, where);
+    const int64_t n = checked_mul(checked_mul(checked_mul(n0, n1, where), slots, where), dim, where);
     (void)checked_mul(n, 4, where);
     if (dtype == CacheDtype::BF16) {
       plane.b16.resize(static_cast<size_t>(n));
@@ -37,8 +41,8 @@ inline void size_cache_storage(const std::string& what, int64_t n0, int64_t n1, 
       plane.f32.resize(static_cast<size_t>(n));
     }
   };
-  size(k, head_dim);
-  size(v, v_dim);
+  size(k, head_dim, std::max(n2, k_slots));
+  size(v, v_dim, n2);
 }
 
 /// The element type the decode kernel reads.
@@ -62,12 +66,33 @@ inline const float* plane_scales(const CachePlane& p, CacheDtype dtype) {
   return dtype == CacheDtype::I8 ? p.scale.data() : nullptr;
 }
 
-/// Element x of row `row` (dim elements a row), as float (int8: value · scale).
-inline float plane_at(const CachePlane& p, CacheDtype dtype, int64_t row, int64_t dim, int64_t x) {
-  const size_t i = static_cast<size_t>(row * dim + x);
+/// Where element x of a row lies: `at` + x · `step` (rows: at = row · dim, step 1). Transposed
+/// keys (KeyLayout::Transposed) put slot s of a head in lane s mod kKeyTile of its tile.
+struct ElementPlace {
+  int64_t at = 0, step = 1;
+};
+inline ElementPlace row_place(int64_t row, int64_t dim) { return {row * dim, 1}; }
+/// Slot `slot` of head `head` (b · kv_heads + g) in a transposed K plane of `slots` slots a head.
+inline ElementPlace transposed_key_place(int64_t head, int64_t slots, int64_t dim, int64_t slot) {
+  return {(head * slots + slot / kKeyTile * kKeyTile) * dim + slot % kKeyTile, kKeyTile};
+}
+
+/// Row `row` (< block_size) of head g of pool block `block` in a paged cache's transposed K.
+inline ElementPlace key_place_in_block(const PagedKvCacheConfig& c, int64_t block, int64_t g, int64_t row) {
+  return transposed_key_place(block * c.kv_heads + g, c.block_size, c.head_dim, row);
+}
+
+/// Element x of the row with scale index `row` whose elements lie at `place`, as float (int8:
+/// value · scale).
+inline float plane_at(const CachePlane& p, CacheDtype dtype, int64_t row, ElementPlace place, int64_t x) {
+  const size_t i = static_cast<size_t>(place.at + x * place.step);
   if (dtype == CacheDtype::BF16) return to_float(p.b16[i]);
   if (dtype == CacheDtype::I8) return static_cast<float>(p.i8[i]) * p.scale[static_cast<size_t>(row)];
   return p.f32[i];
+}
+/// Element x of row `row` (dim elements a row), as float (int8: value · scale).
+inline float plane_at(const CachePlane& p, CacheDtype dtype, int64_t row, int64_t dim, int64_t x) {
+  return plane_at(p, dtype, row, row_place(row, dim), x);
 }
 
 /// The int8 scale of a row whose largest magnitude is `absmax` (0 for a row of zeros, or one so
@@ -80,22 +105,27 @@ inline int8_t int8_value(float x, float scale) {
   return static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
 }
 
-/// Writes row `row` from in[x · stride], x < dim, converting to the plane's dtype (int8:
-/// symmetric, scale = max|x| / 127, round to nearest). Values must be finite for int8
-/// (check_int8_finite).
-inline void plane_put_row(CachePlane& p, CacheDtype dtype, int64_t row, int64_t dim, const float* in, int64_t stride) {
-  const size_t at = static_cast<size_t>(row * dim);
+/// Writes the row with scale index `row`, its elements at `place`, from in[x · stride], x < dim,
+/// converting to the plane's dtype (int8: symmetric, scale = max|x| / 127, round to nearest).
+/// Values must be finite for int8 (check_int8_finite).
+inline void plane_put_row(CachePlane& p, CacheDtype dtype, int64_t row, ElementPlace place, int64_t dim,
+                          const float* in, int64_t stride) {
+  const auto at = [&](int64_t x) { return static_cast<size_t>(place.at + x * place.step); };
   if (dtype == CacheDtype::BF16) {
-    for (int64_t x = 0; x < dim; ++x) p.b16[at + static_cast<size_t>(x)] = to_bf16(in[x * stride]);
+    for (int64_t x = 0; x < dim; ++x) p.b16[at(x)] = to_bf16(in[x * stride]);
   } else if (dtype == CacheDtype::I8) {
     float absmax = 0.0f;
     for (int64_t x = 0; x < dim; ++x) absmax = std::max(absmax, std::fabs(in[x * stride]));
     const float scale = int8_scale(absmax);
     p.scale[static_cast<size_t>(row)] = scale;
-    for (int64_t x = 0; x < dim; ++x) p.i8[at + static_cast<size_t>(x)] = int8_value(in[x * stride], scale);
+    for (int64_t x = 0; x < dim; ++x) p.i8[at(x)] = int8_value(in[x * stride], scale);
   } else {
-    for (int64_t x = 0; x < dim; ++x) p.f32[at + static_cast<size_t>(x)] = in[x * stride];
+    for (int64_t x = 0; x < dim; ++x) p.f32[at(x)] = in[x * stride];
   }
+}
+/// Writes row `row` (dim elements a row) from in[x · stride].
+inline void plane_put_row(CachePlane& p, CacheDtype dtype, int64_t row, int64_t dim, const float* in, int64_t stride) {
+  plane_put_row(p, dtype, row, row_place(row, dim), dim, in, stride);
 }
 
 /// Copies rows [from, from + n) to [to, to + n) (dim elements a row; int8: with their scales).

@@ -13,6 +13,8 @@
 
 namespace mha {
 
+static_assert(kKeyTile == 16, "the decode kernel's transposed tiles (kernels/decode.cpp) are 16 slots wide");
+
 const char* cache_dtype_name(CacheDtype dtype) {
   return dtype == CacheDtype::BF16 ? "bf16" : dtype == CacheDtype::I8 ? "int8" : "f32";
 }
@@ -22,8 +24,10 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   if (c.batch <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.value_dim < 0 || c.capacity <= 0)
     fail("KvCache: batch, kv_heads, head_dim and capacity must be ≥ 1 (value_dim ≥ 0), got batch ", c.batch,
          ", kv_heads ", c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", capacity ", c.capacity);
+  if (c.transposed_keys() && c.int8_keys == Int8KeyScales::PerChannel)
+    fail("KvCache: transposed keys (KeyLayout::Transposed) take per-token int8 scales, not per-channel ones");
   detail::size_cache_storage("KvCache: (batch, kv_heads, capacity, d)", c.batch, c.kv_heads, c.capacity, c.head_dim,
-                             c.v_dim(), c.dtype, k_, v_);
+                             c.v_dim(), c.dtype, k_, v_, c.key_slots());
   if (c.sinks < 0 || (c.sinks > 0 && (!c.ring || c.sinks >= c.capacity)))
     fail("KvCache: sinks must be ≥ 0, and with sinks the cache must be a ring with capacity > sinks; got sinks ",
          c.sinks, ", capacity ", c.capacity, c.ring ? ", ring" : ", not a ring");
@@ -102,8 +106,11 @@ float KvCache::k_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
     const float scale = k_.scale[static_cast<size_t>((head * config_.key_groups() + p / config_.key_group) * d + x)];
     return static_cast<float>(k_.i8[static_cast<size_t>((head * config_.capacity + p) * d + x)]) * scale;
   }
-  return detail::plane_at(k_, config_.dtype, (b * config_.kv_heads + g) * config_.capacity + slot(p), config_.head_dim,
-                          x);
+  const int64_t head = b * config_.kv_heads + g, row = head * config_.capacity + slot(p);
+  if (config_.transposed_keys())
+    return detail::plane_at(k_, config_.dtype, row,
+                            detail::transposed_key_place(head, config_.key_slots(), config_.head_dim, slot(p)), x);
+  return detail::plane_at(k_, config_.dtype, row, config_.head_dim, x);
 }
 float KvCache::v_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
   check_element_index(b, g, p, x, config_.v_dim(), "v_at");
@@ -112,17 +119,20 @@ float KvCache::v_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
 }
 
 void KvCache::store_rows(detail::CachePlane& dst, View4<const float> src, int64_t b_src, int64_t b, int64_t count,
-                         int64_t dim) {
+                         int64_t dim, bool transposed) {
   const int64_t len = lengths_[static_cast<size_t>(b)];
   // A ring keeps only the last `capacity` of the new rows (with sinks: the sinks, and the last
   // capacity − sinks of the others).
   const int64_t recent = config_.capacity - config_.sinks;
   const int64_t keep_from = config_.ring ? std::max<int64_t>(0, count - recent) : 0;
   for (int64_t g = 0; g < config_.kv_heads; ++g) {
-    const int64_t head = (b * config_.kv_heads + g) * config_.capacity;
+    const int64_t head = b * config_.kv_heads + g;
     for (int64_t t = 0; t < count; ++t) {
       if (t < keep_from && len + t >= config_.sinks) continue;
-      detail::plane_put_row(dst, config_.dtype, head + slot(len + t), dim, src.row(b_src, g, t), src.stride[3]);
+      const int64_t s = slot(len + t), row = head * config_.capacity + s;
+      const detail::ElementPlace place =
+          transposed ? detail::transposed_key_place(head, config_.key_slots(), dim, s) : detail::row_place(row, dim);
+      detail::plane_put_row(dst, config_.dtype, row, place, dim, src.row(b_src, g, t), src.stride[3]);
     }
   }
 }
@@ -161,8 +171,8 @@ void KvCache::store_sequence(View4<const float> k, View4<const float> v, int64_t
   if (config_.channel_keys())
     store_channel_keys(k, b_src, b, n);
   else
-    store_rows(k_, k, b_src, b, n, config_.head_dim);
-  store_rows(v_, v, b_src, b, n, config_.v_dim());
+    store_rows(k_, k, b_src, b, n, config_.head_dim, config_.transposed_keys());
+  store_rows(v_, v, b_src, b, n, config_.v_dim(), false);
   lengths_[static_cast<size_t>(b)] += n;
 }
 
@@ -267,6 +277,8 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.k_scale = cache.k_scales();
   p.v_scale = cache.v_scales();
   p.k_channel_group = c.channel_keys() ? c.key_group : 0;
+  p.k_transposed = c.transposed_keys();
+  p.k_slots = c.key_slots();
   p.kv_heads = c.kv_heads;
   p.capacity = c.capacity;
   p.d_v = c.v_dim();

@@ -27,6 +27,9 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
     fail(kPaged, ": kv_heads, head_dim, block_size and num_blocks must be ≥ 1 (value_dim ≥ 0), got kv_heads ",
          c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", block_size ", c.block_size,
          ", num_blocks ", c.num_blocks);
+  if (c.transposed_keys() && c.block_size % kKeyTile != 0)
+    fail(kPaged, ": transposed keys (KeyLayout::Transposed) need a block_size that is a multiple of ", kKeyTile,
+         ", got ", c.block_size);
   if (c.num_blocks > std::numeric_limits<int32_t>::max())
     fail(kPaged, ": num_blocks ", c.num_blocks, " does not fit the int32 block table entries");
   detail::size_cache_storage(std::string(kPaged) + ": pool (blocks, kv_heads, block_size, d)", c.num_blocks, c.kv_heads,
@@ -129,16 +132,20 @@ void PagedKvCache::append(int64_t seq, View4<const float> k, View4<const float> 
     s.blocks.back() = fresh;
   }
   for (int64_t i = have; i < need; ++i) s.blocks.push_back(take_block());
-  const auto store = [&](detail::CachePlane& pool, View4<const float> src, int64_t dim) {
+  const auto store = [&](detail::CachePlane& pool, View4<const float> src, int64_t dim, bool transposed) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t pos = len + t;
       const int32_t block = s.blocks[static_cast<size_t>(pos / bs)];
-      for (int64_t g = 0; g < c.kv_heads; ++g)
-        detail::plane_put_row(pool, c.dtype, row_index(block, g, pos % bs), dim, src.row(0, g, t), src.stride[3]);
+      for (int64_t g = 0; g < c.kv_heads; ++g) {
+        const int64_t row = row_index(block, g, pos % bs);
+        const detail::ElementPlace place =
+            transposed ? detail::key_place_in_block(c, block, g, pos % bs) : detail::row_place(row, dim);
+        detail::plane_put_row(pool, c.dtype, row, place, dim, src.row(0, g, t), src.stride[3]);
+      }
     }
   };
-  store(k_, k, c.head_dim);
-  store(v_, v, c.v_dim());
+  store(k_, k, c.head_dim, c.transposed_keys());
+  store(v_, v, c.v_dim(), false);
   s.length += T;
 }
 
@@ -152,9 +159,12 @@ float PagedKvCache::k_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
   if (g < 0 || g >= config_.kv_heads || p < 0 || p >= s.length || x < 0 || x >= config_.head_dim)
     fail(kPaged, "::k_at: (head ", g, ", position ", p, ", feature ", x, ") is outside (", config_.kv_heads, ", ",
          s.length, ", ", config_.head_dim, ")");
-  return detail::plane_at(k_, config_.dtype,
-                          row_index(s.blocks[static_cast<size_t>(p / config_.block_size)], g, p % config_.block_size),
-                          config_.head_dim, x);
+  const int32_t block = s.blocks[static_cast<size_t>(p / config_.block_size)];
+  const int64_t row = row_index(block, g, p % config_.block_size);
+  if (config_.transposed_keys())
+    return detail::plane_at(k_, config_.dtype, row,
+                            detail::key_place_in_block(config_, block, g, p % config_.block_size), x);
+  return detail::plane_at(k_, config_.dtype, row, config_.head_dim, x);
 }
 
 float PagedKvCache::v_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
@@ -218,6 +228,8 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   p.dtype = detail::kernel_dtype(c.dtype);
   p.k_scale = cache.k_scales();
   p.v_scale = cache.v_scales();
+  p.k_transposed = c.transposed_keys();
+  p.k_slots = c.block_size;  // transposed keys: tiles per (block, head)
   p.kv_heads = c.kv_heads;
   p.capacity = table_width * c.block_size;
   p.d_v = c.v_dim();

@@ -187,3 +187,47 @@ def test_int8_per_channel_key_scales(rng):
         m.new_cache(1, 16, int8_keys="per-channel")
     with pytest.raises(ValueError, match="int8_keys must be"):
         m.new_cache(1, 16, dtype="int8", int8_keys="per-head")
+
+
+def test_transposed_key_layout(rng):
+    # Keys across SIMD lanes: the same decoding as the row layout (to float rounding), for every
+    # dtype with per-token scales, in a ring too; capacity 20 ends inside a tile of 16.
+    m = mha.MultiheadAttention(32, 4, num_kv_heads=2, batch_first=True, seed=5).eval()
+    xs = x(rng, 2, 30, 32)
+    for dtype in ("f32", "bf16", "int8"):
+        for ring in (False, True):
+            cap = 20 if ring else 30
+            rows = m.new_cache(2, cap, dtype=dtype, ring=ring)
+            lanes = m.new_cache(2, cap, dtype=dtype, ring=ring, key_layout="transposed")
+            opts = {"window": 20} if ring else {}
+            for cache in (rows, lanes):
+                m.forward_incremental(xs[:, :7], xs[:, :7], xs[:, :7], cache, **opts)
+            for t in range(7, 30):
+                step = xs[:, t:t + 1]
+                want = m.forward_incremental(step, step, step, rows, **opts)
+                np.testing.assert_allclose(m.forward_incremental(step, step, step, lanes, **opts), want,
+                                           atol=1e-5, rtol=1e-5)
+            # K rounded up to whole tiles of 16 positions: 2 sequences · 2 heads · 32 slots · 8 channels.
+            elem = {"f32": 4, "bf16": 2, "int8": 1}[dtype]
+            assert lanes.nbytes - rows.nbytes == 2 * 2 * (32 - cap) * 8 * elem
+    with pytest.raises(ValueError, match="key_layout must be"):
+        m.new_cache(1, 16, key_layout="columns")
+    with pytest.raises(ValueError, match="transposed keys"):
+        m.new_cache(1, 16, dtype="int8", int8_keys="per-channel", key_layout="transposed")
+
+
+def test_paged_transposed_key_layout(rng):
+    # A paged pool with keys across lanes decodes as the contiguous transposed cache does, bitwise.
+    m = mha.MultiheadAttention(32, 4, num_kv_heads=2, batch_first=True, seed=6).eval()
+    xs = x(rng, 1, 40, 32)
+    flat = m.new_cache(1, 40, key_layout="transposed")
+    paged = m.new_paged_cache(4, 16, key_layout="transposed")
+    seq = paged.add_sequence()
+    np.testing.assert_array_equal(m.forward_incremental(xs[:, :9], xs[:, :9], xs[:, :9], paged, seqs=[seq]),
+                                  m.forward_incremental(xs[:, :9], xs[:, :9], xs[:, :9], flat))
+    for t in range(9, 40):
+        step = xs[:, t:t + 1]
+        np.testing.assert_array_equal(m.forward_incremental(step, step, step, paged, seqs=[seq]),
+                                      m.forward_incremental(step, step, step, flat))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        m.new_paged_cache(4, 8, key_layout="transposed")
