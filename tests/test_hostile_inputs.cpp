@@ -137,6 +137,15 @@ TEST(HostileSizes, KvCacheSizesAreChecked) {
   KvCacheConfig k;
   k.batch = kMax / 2, k.kv_heads = 4, k.head_dim = 8, k.capacity = 16;
   EXPECT_MENTIONS(error_of([&] { KvCache c(k); }), "KvCache");
+  // Transposed keys round capacity up to whole tiles: near the top of int64 that is refused, and
+  // a capacity whose rounded K no longer fits is caught by the size checks.
+  k.batch = 1, k.key_layout = KeyLayout::Transposed;
+  for (int64_t capacity : {kMax, kMax - 10}) {
+    k.capacity = capacity;
+    EXPECT_MENTIONS(error_of([&] { KvCache c(k); }), "whole tiles");
+  }
+  k.capacity = kMax / 64;
+  EXPECT_MENTIONS(error_of([&] { KvCache c(k); }), "KvCache");
 }
 
 TEST(HostileSizes, CliForwardOnAnOverflowingInputFailsWithOneLine) {

@@ -26,6 +26,8 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
          ", kv_heads ", c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", capacity ", c.capacity);
   if (c.transposed_keys() && c.int8_keys == Int8KeyScales::PerChannel)
     fail("KvCache: transposed keys (KeyLayout::Transposed) take per-token int8 scales, not per-channel ones");
+  if (c.transposed_keys() && c.capacity > std::numeric_limits<int64_t>::max() - kKeyTile)
+    fail("KvCache: capacity ", c.capacity, " cannot be rounded up to whole tiles of ", kKeyTile, " positions");
   detail::size_cache_storage("KvCache: (batch, kv_heads, capacity, d)", c.batch, c.kv_heads, c.capacity, c.head_dim,
                              c.v_dim(), c.dtype, k_, v_, c.key_slots());
   if (c.sinks < 0 || (c.sinks > 0 && (!c.ring || c.sinks >= c.capacity)))
