@@ -323,12 +323,12 @@ HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* cons
 constexpr int kTileVecs = kLanes >= kKeyTile ? 1 : static_cast<int>(kKeyTile) / kLanes;
 constexpr int kTileRowsT = kTileVecs >= 4 ? 2 : 4;  // rows per transposed score tile: ≤ 8 accumulators on AVX2/SSE4
 
-/// out[r][0 … kKeyTile) = q_{r0+r} · key of lane i of `tile`, r < NR. With `next` (the next tile
-/// in memory) and `far` set, asks for them a few lines per channel step: next into L1 (the row
-/// layout's kNearRows ahead), far into L2 (kFarBlocks on).
+/// out[r][0 … kKeyTile) = q_{r0+r} · key of lane i of `tile`, r < NR. With `ahead`, asks a few
+/// lines per channel step for the next tile in memory into L1 (the row layout's kNearRows ahead;
+/// past the last tile a prefetch only, never a read) and for `far` (if set) into L2 (kFarBlocks on).
 template <int NR, class T>
-HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile, const T* next, const T* far,
-                                      int64_t r0, float* out, int64_t ld_out) {
+HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile, bool ahead, const T* far, int64_t r0,
+                                      float* out, int64_t ld_out) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   constexpr int64_t kColBytes = kKeyTile * static_cast<int64_t>(sizeof(T)), kPrefetchEvery = 256 / kColBytes;
@@ -336,8 +336,8 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
   for (int i = 0; i < NR * kTileVecs; ++i) acc[i] = hn::Zero(df);
   for (int64_t c = 0; c < d; ++c) {
     const T* col = tile + c * kKeyTile;
-    if (next && c % kPrefetchEvery == 0) {  // 256 bytes (4 lines) every few channels
-      prefetch_bytes<3>(next, c * kColBytes, 256);
+    if (ahead && c % kPrefetchEvery == 0) {               // 256 bytes (4 lines) every few channels
+      prefetch_bytes<3>(tile, (d + c) * kColBytes, 256);  // the next tile starts d columns on
       if (far) prefetch_bytes<2>(far, c * kColBytes, 256);
     }
     hn::Vec<DF> kv[kTileVecs];
@@ -362,17 +362,14 @@ HWY_NOINLINE void score_block_transposed(const float* qs, int64_t rows, int64_t 
     const int64_t lane0 = lane[j];
     int64_t n = 1;
     while (j + n < nb && tile[j + n] == tile[j] && lane[j + n] == lane0 + n) ++n;
-    // The next tile in memory, into L1 (past a head's or block's last tile: a prefetch only).
-    const T* next = tile[j] + kKeyTile * d;
     const T* far_tile = far ? far[j] : nullptr;
     const bool whole = lane0 == 0 && n == kKeyTile;
     float* out = whole ? sc + j : tmp;
     const int64_t ld = whole ? kBlock : kKeyTile;
     int64_t r = 0;
     for (; r + kTileRowsT <= rows; r += kTileRowsT)
-      score_tile_transposed<kTileRowsT>(qs, d, tile[j], r == 0 ? next : nullptr, far_tile, r, out + r * ld, ld);
-    for (; r < rows; ++r)
-      score_tile_transposed<1>(qs, d, tile[j], r == 0 ? next : nullptr, far_tile, r, out + r * ld, ld);
+      score_tile_transposed<kTileRowsT>(qs, d, tile[j], r == 0, far_tile, r, out + r * ld, ld);
+    for (; r < rows; ++r) score_tile_transposed<1>(qs, d, tile[j], r == 0, far_tile, r, out + r * ld, ld);
     if (!whole)
       for (int64_t rr = 0; rr < rows; ++rr)
         std::copy(tmp + rr * kKeyTile + lane0, tmp + rr * kKeyTile + lane0 + n, sc + rr * kBlock + j);
