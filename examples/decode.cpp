@@ -29,7 +29,8 @@ int main(int argc, char** argv) {
   cache_config.kv_heads = config.kv_heads();
   cache_config.head_dim = config.head_dim();
   cache_config.capacity = prompt_len + new_tokens;
-  cache_config.dtype = mha::CacheDtype::BF16;  // half the bytes to read per step
+  cache_config.dtype = mha::CacheDtype::BF16;            // half the bytes to read per step
+  cache_config.key_layout = mha::KeyLayout::Transposed;  // keys across SIMD lanes: faster steps
   mha::KvCache cache(cache_config);
 
   // Prefill: the whole prompt in one call (self-attention: query = key = value).
