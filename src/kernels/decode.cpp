@@ -436,24 +436,27 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
 
   const T* const kpool = static_cast<const T*>(p.k);
   const T* const vpool = static_cast<const T*>(p.v);
-  // The row (of d or d_v elements) that holds position pos of this item's sequence and K/V head.
+  // Paged: this sequence's block table.
   const int32_t* const table = p.block_table ? p.block_table + it.b * p.table_stride : nullptr;
-  const auto slot_of = [&](int64_t pos) -> int64_t {
-    if (!p.ring) return pos;  // a ring (with sinks: the slots after them) holds the latest positions
-    return pos < p.sinks ? pos : p.sinks + (pos - p.sinks) % (p.capacity - p.sinks);
+  // Position pos lives in slot `slot` of plane head `head` (a (sequence, K/V head), or a paged
+  // block's K/V head), `rows_per_head` rows a head: row head · rows_per_head + slot.
+  struct Place {
+    int64_t head, slot;
   };
-  const auto row_of = [&](int64_t pos) -> int64_t {
-    if (table) return (table[pos / p.block_size] * p.kv_heads + it.g) * p.block_size + pos % p.block_size;
-    return (it.b * p.kv_heads + it.g) * p.capacity + slot_of(pos);
+  const int64_t rows_per_head = table ? p.block_size : p.capacity;
+  const auto place_of = [&](int64_t pos) -> Place {
+    if (table) return {table[pos / p.block_size] * p.kv_heads + it.g, pos % p.block_size};
+    // A ring (with sinks: the slots after them) holds the latest positions.
+    const int64_t slot = !p.ring || pos < p.sinks ? pos : p.sinks + (pos - p.sinks) % (p.capacity - p.sinks);
+    return {it.b * p.kv_heads + it.g, slot};
   };
+  const auto row_at = [&](Place at) { return at.head * rows_per_head + at.slot; };
   static_assert(!kTransposed || !kChannelKeys);
-  // Transposed keys: position pos's tile (k_slots slots a head, or a paged block's block_size)
-  // and its lane there.
-  const auto key_tile = [&](int64_t pos, int32_t* lane) -> const T* {
-    int64_t head = it.b * p.kv_heads + it.g, slot = slot_of(pos);
-    if (table) head = table[pos / p.block_size] * p.kv_heads + it.g, slot = pos % p.block_size;
-    *lane = static_cast<int32_t>(slot % kKeyTile);
-    return kpool + (head * p.k_slots + slot - slot % kKeyTile) * d;
+  // Transposed keys: the tile holding a place (k_slots slots a head, or a paged block's
+  // block_size), and its lane there.
+  const auto key_tile = [&](Place at, int32_t* lane) -> const T* {
+    *lane = static_cast<int32_t>(at.slot % kKeyTile);
+    return kpool + (at.head * p.k_slots + at.slot - at.slot % kKeyTile) * d;
   };
   const T* ktile[kTransposed ? kBlock : 1];
   const T* far_ktile[kTransposed ? kBlock : 1];
@@ -467,10 +470,11 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   const T* const* const fv = far_blocks > 0 ? far_vals : nullptr;
   if constexpr (far_blocks > 0)  // the first blocks have no earlier block to be asked for in
     for (int64_t pos = it.lo; pos < std::min(it.hi, it.lo + far_blocks * kBlock); ++pos) {
-      const int64_t row = row_of(pos);
+      const Place at = place_of(pos);
+      const int64_t row = row_at(at);
       if constexpr (kTransposed) {  // a key's values lie across its tile: the whole tile, once
         int32_t lane = 0;
-        const T* tile = key_tile(pos, &lane);
+        const T* tile = key_tile(at, &lane);
         if (pos == it.lo || lane == 0) prefetch_bytes<2>(tile, 0, row_bytes<T>(kKeyTile * d));
       } else {
         prefetch_bytes<2>(kpool + row * d, 0, row_bytes<T>(d));
@@ -489,9 +493,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
     const int64_t nb = std::min(kBlock, it.hi - p0);
     for (int64_t j = 0; j < nb; ++j) {
-      const int64_t row = row_of(p0 + j);
+      const Place at = place_of(p0 + j);
+      const int64_t row = row_at(at);
       if constexpr (kTransposed)
-        ktile[j] = key_tile(p0 + j, &klane[j]);
+        ktile[j] = key_tile(at, &klane[j]);
       else
         keys[j] = kpool + row * d;
       vals[j] = vpool + row * d_v;
@@ -507,10 +512,11 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     if constexpr (far_blocks > 0) {  // the far rows, asked for in the loops below (see kNearRows)
       const int64_t pf = p0 + far_blocks * kBlock;
       for (int64_t j = 0; j < nb; ++j) {
-        const int64_t row = pf + j < it.hi ? row_of(pf + j) : -1;
+        const Place at = pf + j < it.hi ? place_of(pf + j) : Place{-1, 0};
+        const int64_t row = at.head < 0 ? -1 : row_at(at);
         int32_t lane = 0;
         if constexpr (kTransposed)
-          far_ktile[j] = row < 0 ? nullptr : key_tile(pf + j, &lane);
+          far_ktile[j] = row < 0 ? nullptr : key_tile(at, &lane);
         else
           far_keys[j] = row < 0 ? nullptr : kpool + row * d;
         far_vals[j] = row < 0 ? nullptr : vpool + row * d_v;
