@@ -13,7 +13,6 @@
 #include "kernels/common.h"
 #include "mha/error.h"
 #include "mha/kv_cache.h"
-#include "mha/paged_kv_cache.h"
 #include "mha/tensor.h"
 
 namespace mha::detail {
@@ -72,14 +71,12 @@ struct ElementPlace {
   int64_t at = 0, step = 1;
 };
 inline ElementPlace row_place(int64_t row, int64_t dim) { return {row * dim, 1}; }
-/// Slot `slot` of head `head` (b · kv_heads + g) in a transposed K plane of `slots` slots a head.
-inline ElementPlace transposed_key_place(int64_t head, int64_t slots, int64_t dim, int64_t slot) {
+/// Slot `slot` of plane head `head` (b · kv_heads + g, or a paged block's block · kv_heads + g):
+/// in rows, row head · rows + slot; transposed (KeyLayout::Transposed, K only), lane slot mod
+/// kKeyTile of its tile among `slots` slots a head (rows rounded up to whole tiles).
+inline ElementPlace slot_place(bool transposed, int64_t head, int64_t rows, int64_t slots, int64_t dim, int64_t slot) {
+  if (!transposed) return row_place(head * rows + slot, dim);
   return {(head * slots + slot / kKeyTile * kKeyTile) * dim + slot % kKeyTile, kKeyTile};
-}
-
-/// Row `row` (< block_size) of head g of pool block `block` in a paged cache's transposed K.
-inline ElementPlace key_place_in_block(const PagedKvCacheConfig& c, int64_t block, int64_t g, int64_t row) {
-  return transposed_key_place(block * c.kv_heads + g, c.block_size, c.head_dim, row);
 }
 
 /// Element x of the row with scale index `row` whose elements lie at `place`, as float (int8:

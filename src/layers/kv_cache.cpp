@@ -108,11 +108,11 @@ float KvCache::k_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
     const float scale = k_.scale[static_cast<size_t>((head * config_.key_groups() + p / config_.key_group) * d + x)];
     return static_cast<float>(k_.i8[static_cast<size_t>((head * config_.capacity + p) * d + x)]) * scale;
   }
-  const int64_t head = b * config_.kv_heads + g, row = head * config_.capacity + slot(p);
-  if (config_.transposed_keys())
-    return detail::plane_at(k_, config_.dtype, row,
-                            detail::transposed_key_place(head, config_.key_slots(), config_.head_dim, slot(p)), x);
-  return detail::plane_at(k_, config_.dtype, row, config_.head_dim, x);
+  const int64_t head = b * config_.kv_heads + g, s = slot(p);
+  return detail::plane_at(
+      k_, config_.dtype, head * config_.capacity + s,
+      detail::slot_place(config_.transposed_keys(), head, config_.capacity, config_.key_slots(), config_.head_dim, s),
+      x);
 }
 float KvCache::v_at(int64_t b, int64_t g, int64_t p, int64_t x) const {
   check_element_index(b, g, p, x, config_.v_dim(), "v_at");
@@ -131,10 +131,10 @@ void KvCache::store_rows(detail::CachePlane& dst, View4<const float> src, int64_
     const int64_t head = b * config_.kv_heads + g;
     for (int64_t t = 0; t < count; ++t) {
       if (t < keep_from && len + t >= config_.sinks) continue;
-      const int64_t s = slot(len + t), row = head * config_.capacity + s;
-      const detail::ElementPlace place =
-          transposed ? detail::transposed_key_place(head, config_.key_slots(), dim, s) : detail::row_place(row, dim);
-      detail::plane_put_row(dst, config_.dtype, row, place, dim, src.row(b_src, g, t), src.stride[3]);
+      const int64_t s = slot(len + t);
+      detail::plane_put_row(dst, config_.dtype, head * config_.capacity + s,
+                            detail::slot_place(transposed, head, config_.capacity, config_.key_slots(), dim, s), dim,
+                            src.row(b_src, g, t), src.stride[3]);
     }
   }
 }

@@ -136,12 +136,10 @@ void PagedKvCache::append(int64_t seq, View4<const float> k, View4<const float> 
     for (int64_t t = 0; t < T; ++t) {
       const int64_t pos = len + t;
       const int32_t block = s.blocks[static_cast<size_t>(pos / bs)];
-      for (int64_t g = 0; g < c.kv_heads; ++g) {
-        const int64_t row = row_index(block, g, pos % bs);
-        const detail::ElementPlace place =
-            transposed ? detail::key_place_in_block(c, block, g, pos % bs) : detail::row_place(row, dim);
-        detail::plane_put_row(pool, c.dtype, row, place, dim, src.row(0, g, t), src.stride[3]);
-      }
+      for (int64_t g = 0; g < c.kv_heads; ++g)
+        detail::plane_put_row(pool, c.dtype, row_index(block, g, pos % bs),
+                              detail::slot_place(transposed, block * c.kv_heads + g, bs, bs, dim, pos % bs), dim,
+                              src.row(0, g, t), src.stride[3]);
     }
   };
   store(k_, k, c.head_dim, c.transposed_keys());
@@ -160,11 +158,10 @@ float PagedKvCache::k_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
     fail(kPaged, "::k_at: (head ", g, ", position ", p, ", feature ", x, ") is outside (", config_.kv_heads, ", ",
          s.length, ", ", config_.head_dim, ")");
   const int32_t block = s.blocks[static_cast<size_t>(p / config_.block_size)];
-  const int64_t row = row_index(block, g, p % config_.block_size);
-  if (config_.transposed_keys())
-    return detail::plane_at(k_, config_.dtype, row,
-                            detail::key_place_in_block(config_, block, g, p % config_.block_size), x);
-  return detail::plane_at(k_, config_.dtype, row, config_.head_dim, x);
+  const int64_t bs = config_.block_size;
+  return detail::plane_at(
+      k_, config_.dtype, row_index(block, g, p % bs),
+      detail::slot_place(config_.transposed_keys(), block * config_.kv_heads + g, bs, bs, config_.head_dim, p % bs), x);
 }
 
 float PagedKvCache::v_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
