@@ -1474,12 +1474,11 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws, int64_t next_item = -1)
   }
   const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, cx.t_q - i0), Tk = cx.t_k;
   const View4<float>& avg = p.weights_avg;
-  if (cx.weights_one_pass) {  // the groups' fix-ups write, add and divide the rows (average_in)
-    for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
-    return;
-  }
-  for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f);
+  // One-pass weights: the groups' fix-ups write, add and divide the rows themselves (average_in).
+  if (!cx.weights_one_pass)
+    for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f);
   for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
+  if (cx.weights_one_pass) return;
   const float heads = static_cast<float>(p.heads());
   const int64_t as = avg.stride[3];
   for (int64_t r = 0; r < nq && Tk > 0; ++r) {
