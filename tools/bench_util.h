@@ -157,8 +157,7 @@ class CoreCase {
     out_ = Tensor({c.batch, c.heads, c.seq, c.head_dim()});
     // Weights outputs, like out, kept across runs (a caller that asks for weights every call
     // would keep them too): the kernel's time, not fresh pages'.
-    if (c.need_weights == NeedWeights::PerHead) weights_ = Tensor({c.batch, c.heads, c.seq, c.t_k()});
-    if (c.need_weights == NeedWeights::Averaged) weights_ = Tensor({c.batch, 1, c.seq, c.t_k()});
+    if (c.need_weights != NeedWeights::None) weights_ = Tensor({c.batch, weight_heads(), c.seq, c.t_k()});
     const int64_t d = c.head_dim();
     const Tensor q = random_tensor({c.batch, c.heads, c.seq, d}, 1);
     const Tensor k = random_tensor({c.batch, c.kv(), c.t_k(), d}, 2);
@@ -192,16 +191,16 @@ class CoreCase {
     const int64_t d = c_.head_dim();
     const View4<const float> q = contiguous_view<const float>(&dummy, c_.batch, c_.heads, c_.seq, d);
     const View4<const float> kv = contiguous_view<const float>(&dummy, c_.batch, c_.kv(), c_.t_k(), d);
-    const View4<float> w =
-        c_.need_weights == NeedWeights::None
-            ? View4<float>{}
-            : contiguous_view<float>(&dummy, c_.batch, c_.need_weights == NeedWeights::PerHead ? c_.heads : 1, c_.seq,
-                                     c_.t_k());
+    const View4<float> w = c_.need_weights == NeedWeights::None
+                               ? View4<float>{}
+                               : contiguous_view<float>(&dummy, c_.batch, weight_heads(), c_.seq, c_.t_k());
     return sdpa_dispatch_reason(q, kv, kv, opt_,
                                 outputs(contiguous_view<float>(&dummy, c_.batch, c_.heads, c_.seq, d), w));
   }
 
  private:
+  /// Heads of the weights output: h per head, 1 averaged.
+  int64_t weight_heads() const { return c_.need_weights == NeedWeights::PerHead ? c_.heads : 1; }
   /// out, and the weights view as per-head or averaged weights, as --need-weights asks.
   SdpaOutputs outputs(View4<float> out, View4<float> weights) const {
     SdpaOutputs outs;
