@@ -11,6 +11,8 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/amx.h"
+#include "kernels/fused_forward.h"
 #include "mha/error.h"
 
 #ifndef MHA_MACHINE_PEAK_ONCE
@@ -170,6 +172,15 @@ double bf16_dot_peak_gflops(int threads, double ms_per_round, int rounds) {
   const double steps = peak::best_steps_per_second(chain, threads, ms_per_round, rounds);
   return steps * 4.0 * 16.0 * peak::kChains / 1e9;  // 16 lanes × (2 products + 2 additions)
 }
+
+double amx_bf16_peak_gflops(int threads, double ms_per_round, int rounds) {
+  if (!kernels::amx::available()) return 0.0;
+  const auto chain = [](int64_t iters) { return kernels::amx::peak_chains(iters); };
+  const double steps = peak::best_steps_per_second(chain, threads, ms_per_round, rounds);
+  return steps * 4.0 * 16.0 * 16.0 * 32.0 * 2.0 / 1e9;
+}
+
+std::string bf16_products(int64_t head_dim) { return kernels::fused_bf16_products(head_dim); }
 
 double read_bandwidth_gbs(int64_t bytes, int threads, int rounds) {
   threads = std::max(1, threads);

@@ -28,6 +28,16 @@ bool has_bf16_dot();
 /// float32 peak applies).
 double bf16_dot_peak_gflops(int threads, double ms_per_round = 20.0, int rounds = 5);
 
+/// AMX bf16 tile peak in GFLOP/s (tdpbf16ps: 16·16·32 multiply-adds, 2 FLOPs each) on `threads`
+/// threads; 0 where the CPU or OS gives no AMX (kernels/amx.h), whose products the fused bf16
+/// forward then runs on where it has them.
+double amx_bf16_peak_gflops(int threads, double ms_per_round = 20.0, int rounds = 5);
+
+/// What the fused bf16 forward multiplies on for head dim d (kernels/fused_forward.h): "amx",
+/// "vdpbf16ps" or "float32"; its peak is then amx_bf16_peak_gflops, bf16_dot_peak_gflops or
+/// f32_fma_peak_gflops.
+std::string bf16_products(int64_t head_dim);
+
 /// Read-only memory bandwidth in GB/s: `threads` threads summing `bytes` of float32 (first-touched
 /// by the threads that read them), best of `rounds`. Choose `bytes` well beyond the last-level cache.
 double read_bandwidth_gbs(int64_t bytes, int threads, int rounds = 5);

@@ -54,7 +54,10 @@ void expect_measurement_keys(const nlohmann::json& j) {
   EXPECT_NEAR(j["fraction_of_peak"].get<double>(), j["gflops"].get<double>() / j["peak_gflops"].get<double>(),
               1e-9 * j["fraction_of_peak"].get<double>());
   EXPECT_FALSE(j["simd_target"].get<std::string>().empty());
-  EXPECT_TRUE(j["peak_kind"] == "f32_fma" || j["peak_kind"] == "bf16_dot") << j["peak_kind"];
+  EXPECT_GE(j["peak_bf16_amx_gflops"].get<double>(), 0.0);
+  EXPECT_TRUE(j["peak_kind"] == "f32_fma" || j["peak_kind"] == "bf16_dot" || j["peak_kind"] == "bf16_amx")
+      << j["peak_kind"];
+  EXPECT_TRUE(j["products"] == "float32" || j["products"] == "vdpbf16ps" || j["products"] == "amx") << j["products"];
 }
 
 TEST(CliBench, CoreJsonHasTheKeysAndTheFlopCount) {

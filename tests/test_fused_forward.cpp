@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/amx.h"
 #include "kernels/fused_forward.h"
 #include "layers/sdpa_prepare.h"
 #include "mha/sdpa.h"
@@ -476,7 +477,9 @@ void check_bf16(Case& c) {
 }
 
 TEST(FusedForward, Bf16MatchesTheReference) {
-  for (int64_t d : {1, 7, 64, 80}) {
+  // 32, 64 and 128 run on AMX tiles where the CPU has them (whole tiles of 32 dims), the others
+  // on vdpbf16ps; d_v = d + 1 leaves an odd column tile.
+  for (int64_t d : {1, 7, 32, 64, 80, 128}) {
     for (const MaskCase& mc : mask_cases()) {
       if (d != 64 && std::string(mc.name) != "everything") continue;
       SCOPED_TRACE(::testing::Message() << mc.name << ", d " << d);
@@ -571,25 +574,33 @@ TEST(FusedForward, CausalRowRunsAreBitwiseTheMaskedPath) {
 // A key hidden by the causal rule from a whole run of rows is not read for them: a NaN in its V
 // row reaches at most the rows of its own 16-row run (docs/semantics.md: keys hidden from some
 // queries may reach other rows of the same tile), never rows a run or more before it.
+// bf16 too: its products (vdpbf16ps pairs, AMX tiles of 32 keys) stop at the run's last key pair.
 TEST(FusedForward, CausalRowsBeforeAKeysRunNeverReadIt) {
-  for (int64_t t : {100, 128, 200}) {
-    SCOPED_TRACE(::testing::Message() << "T " << t);
-    Case c;
-    c.H = 2, c.KV = 1, c.Tq = t, c.Tk = t, c.D = 32, c.Dv = 32;
-    c.opt.masks.causal = Causal::top_left();
-    c.make_inputs(static_cast<uint64_t>(t));
-    const int64_t key = t - 3;  // V row of a late key: NaN
-    for (int64_t x = 0; x < c.Dv; ++x) c.v.at({0, 0, key, x}) = kNaN;
-    const int64_t clean_rows = key / 16 * 16;  // rows of the runs before the key's own
-    for_each_fused_target([&] {
-      const Result r = run(c, Backend::Fused);
-      for (int64_t h = 0; h < c.H; ++h) {
-        for (int64_t i = 0; i < clean_rows; ++i)
-          for (int64_t x = 0; x < c.Dv; ++x) ASSERT_TRUE(std::isfinite(r.out.at({0, h, i, x}))) << h << " " << i;
-        for (int64_t i = key; i < t; ++i) EXPECT_TRUE(std::isnan(r.out.at({0, h, i, 0}))) << h << " " << i;
-      }
-    });
-  }
+  for (bool bf16 : {false, true})
+    for (int64_t t : {100, 128, 200}) {
+      SCOPED_TRACE(::testing::Message() << "T " << t << (bf16 ? " bf16" : " f32"));
+      Case c;
+      c.H = 2, c.KV = 1, c.Tq = t, c.Tk = t, c.D = 32, c.Dv = 32;
+      c.opt.masks.causal = Causal::top_left();
+      c.make_inputs(static_cast<uint64_t>(t));
+      const int64_t key = t - 3;  // V row of a late key: NaN
+      for (int64_t x = 0; x < c.Dv; ++x) c.v.at({0, 0, key, x}) = kNaN;
+      const int64_t clean_rows = key / 16 * 16;  // rows of the runs before the key's own
+      const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
+      for_each_fused_target([&] {
+        Result r = run(c, Backend::Fused);
+        if (bf16) {
+          SdpaOptions opt = c.opt;
+          opt.backend = Backend::Fused;
+          sdpa(qb.view4(), kb.view4(), vb.view4(), opt, {r.out.view4(), {}, r.lse.view4()});
+        }
+        for (int64_t h = 0; h < c.H; ++h) {
+          for (int64_t i = 0; i < clean_rows; ++i)
+            for (int64_t x = 0; x < c.Dv; ++x) ASSERT_TRUE(std::isfinite(r.out.at({0, h, i, x}))) << h << " " << i;
+          for (int64_t i = key; i < t; ++i) EXPECT_TRUE(std::isnan(r.out.at({0, h, i, 0}))) << h << " " << i;
+        }
+      });
+    }
 }
 
 TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {
@@ -600,6 +611,28 @@ TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {
   for (int64_t t : kernels::fused_compiled_targets()) names += std::string(hwy::TargetName(t)) + " ";
   std::printf("compiled targets: %s; dispatching to %s; bf16 dot product: %s\n", names.c_str(),
               hwy::TargetName(kernels::fused_dispatch_target()), avx3_dl ? "yes" : "no");
+}
+
+// AMX where the CPU (and OS) have it, for head dims that fill its tiles; never without the dot
+// product's target, and never once switched off.
+TEST(FusedForward, Bf16UsesAmxTilesWhereTheCpuHasThem) {
+  hwy::SetSupportedTargetsForTest(0);
+  const bool dot = kernels::fused_bf16_uses_dot_instructions(), amx = kernels::amx::available();
+  std::printf("AMX tiles: %s\n", amx ? "yes" : "no");
+  for (int64_t d : {32, 64, 128, 256})
+    EXPECT_STREQ(kernels::fused_bf16_products(d), !dot ? "float32" : amx ? "amx" : "vdpbf16ps") << d;
+  for (int64_t d : {1, 16, 48, 80}) EXPECT_STREQ(kernels::fused_bf16_products(d), dot ? "vdpbf16ps" : "float32") << d;
+  kernels::amx::set_allowed_for_test(false);
+  EXPECT_STREQ(kernels::fused_bf16_products(64), dot ? "vdpbf16ps" : "float32");
+  kernels::amx::set_allowed_for_test(true);
+  if (amx) {  // the tiles are usable: a 16 × 16 × 32 product of ones gives 32 everywhere
+    std::vector<uint32_t> q2(16 * 16, 0x3f803f80u), k2(16 * 16, 0x3f803f80u);
+    std::vector<float> s(16 * 16, 0.0f);
+    kernels::amx::configure();
+    kernels::amx::scores(q2.data(), 16, 16, 16, k2.data(), 16, 1, s.data(), 16);
+    kernels::amx::release();
+    for (float x : s) ASSERT_EQ(x, 32.0f);
+  }
 }
 
 // ---- attention weights from the fused kernel ----------------------------------------------

@@ -287,11 +287,14 @@ void run_bench(BenchArgs a) {
   const double flops = bench::total_flops(c);
   const double gflops = flops / (med * 1e6);
   const double expected_mb = bench::expected_tensor_bytes(c) / (1024.0 * 1024.0);
-  // The denominator: the bf16 dot-product peak when the kernel multiplies bf16 pairs (bf16 core on a
-  // CPU with vdpbf16ps), else the float32 FMA peak; the better of the two float32 measurements.
-  const bool bf16_dot = c.dtype == bench::DType::BF16 && machine.bf16_dot_gflops > 0;
+  // The denominator: the peak of what the bf16 core multiplies on — AMX tiles, or bf16 pairs with
+  // vdpbf16ps — else the float32 FMA peak; the better of the two float32 measurements.
+  const std::string products = c.dtype == bench::DType::BF16 ? internal::bf16_products(c.head_dim()) : "float32";
+  const bool bf16_amx = products == "amx" && machine.amx_bf16_gflops > 0;
+  const bool bf16_dot = !bf16_amx && products == "vdpbf16ps" && machine.bf16_dot_gflops > 0;
   const double f32_peak = std::max(peak_before, machine.f32_gflops);
-  const double peak = bf16_dot ? machine.bf16_dot_gflops : f32_peak;
+  const double peak = bf16_amx ? machine.amx_bf16_gflops : bf16_dot ? machine.bf16_dot_gflops : f32_peak;
+  const char* peak_kind = bf16_amx ? "bf16_amx" : bf16_dot ? "bf16_dot" : "f32_fma";
   const double peak_ratio = peak_before > 0 ? machine.f32_gflops / peak_before : 1.0;
   // Bytes the call must touch at least once (inputs, outputs, weights, intermediates): a lower
   // bound on its memory traffic, so the fraction of the read bandwidth is a lower bound too.
@@ -322,8 +325,11 @@ void run_bench(BenchArgs a) {
     j["peak_f32_gflops_after"] = machine.f32_gflops;
     j["peak_ratio_after_before"] = peak_ratio;
     j["peak_bf16_dot_gflops"] = machine.bf16_dot_gflops;
+    j["peak_bf16_amx_gflops"] = machine.amx_bf16_gflops;
+    j["products"] = products;
     j["peak_gflops"] = peak;
-    j["peak_kind"] = bf16_dot ? "bf16_dot" : "f32_fma";
+    j["peak_kind"] = peak_kind;
+    j["fraction_of_f32_peak"] = gflops / f32_peak;
     j["fraction_of_peak"] = gflops / peak;
     j["read_bw_gbs"] = machine.read_gbs;
     j["triad_gbs"] = machine.triad_gbs;
@@ -348,7 +354,10 @@ void run_bench(BenchArgs a) {
   std::printf("  throughput        %.2f GFLOP/s (%.3g GFLOP per run)\n", gflops, flops * 1e-9);
   std::printf("  peak RSS          %.1f MiB (tensors it must hold: %.1f MiB)\n", peak_mb, expected_mb);
   std::printf("  FMA peak          %.1f GFLOP/s %s on %s, %d threads; fraction of peak %.3f%s\n", peak,
-              bf16_dot ? "bf16 dot product" : "float32", machine.simd_target.c_str(), threads, gflops / peak,
+              bf16_amx   ? "bf16 AMX tiles"
+              : bf16_dot ? "bf16 dot product"
+                         : "float32",
+              machine.simd_target.c_str(), threads, gflops / peak,
               peak_ratio < 0.9 ? " (the peak fell during the run: machine busy, discard)" : "");
   std::printf(
       "  memory            read %.1f GB/s, triad %.1f GB/s; the %.1f MiB it must touch at %.1f GB/s: "

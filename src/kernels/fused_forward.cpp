@@ -37,8 +37,13 @@
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
-// itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Elsewhere bf16
-// inputs are widened to float32 when packed.
+// itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Where the CPU also
+// has AMX (Sapphire Rapids on) and d is a multiple of 32, the same packed pairs feed AMX tiles
+// instead (kernels/amx.h; cx.amx): S leaves the tiles unscaled and one vector pass scales and
+// masks it, O is rescaled where it lies and accumulated into by the tiles, rows go in whole tiles
+// of 16. On Sapphire Rapids vdpbf16ps runs at a quarter of the float32 FMA's rate, so there the
+// tiles made the bf16 core 4.3× faster (T = 4096, d = 64: 81 ms against 346; float32 244).
+// Elsewhere bf16 inputs are widened to float32 when packed.
 // On AVX-512 (float32 and bf16), blocks with no per-element mask, score edit, dropout or two-pass
 // weights take softmax_rows16: the score tiles scale and mask S and keep each row's max while S
 // is in registers (a run of rows cut by the causal rule then masks its hidden keys and takes its
@@ -55,6 +60,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "kernels/amx.h"
 #include "kernels/attention.h"
 #include "kernels/common.h"
 #include "kernels/dropout_rng.h"
@@ -138,8 +144,9 @@ inline int64_t row_runs(const CausalRule& causal, int64_t i0, int64_t nq, int64_
 /// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
 struct ScratchPlan {
   int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, rmax = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, l2 = 0, total = 0;
-  int64_t ldq = 0;  // floats between Q rows (d rounded to even)
-  int64_t ldv = 0;  // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
+  int64_t ldq = 0;    // floats between Q rows (d rounded to even)
+  int64_t ldv = 0;    // floats between packed V rows and O rows (d_v rounded to kMaxLanes)
+  int64_t vtail = 0;  // AMX: the last key pairs' V rows, zero-padded to a whole tile (kernels/amx.h)
   // One-pass weights: wm, the running max each key block's weights were taken against (group ×
   // kRowsPad rows of wblocks); wp, the unnormalised weights (group × kBq rows, ldw apart); wscale,
   // one row's block scales at the fix-up.
@@ -163,6 +170,7 @@ inline ScratchPlan scratch_plan(const SdpaParams& p) {
   L.l = c.take(group * kRowsPad);
   L.alpha = c.take(kRowsPad);
   L.kb = c.take(kBk);
+  L.vtail = c.take(16 * L.ldv);
   if (weights_one_pass(p)) {
     L.wblocks = (p.t_k() + kBk - 1) / kBk;
     L.wm = c.take(group * kRowsPad * L.wblocks);
@@ -278,6 +286,7 @@ struct Ctx {
   bool weights_two_pass = false;  // weights (per head and/or averaged) from two passes per item
   bool weights_one_pass = false;  // or from one pass and a fix-up (weights_one_pass(p))
   bool edit_scores = false;       // softcap or ALiBi: the scores take the edited path
+  bool amx = false;               // bf16 products on AMX tiles (kernels/amx.h), rows in whole tiles of 16
   int64_t alibi_offset = 0;       // q_pos = row + this (kernels/attention.h, alibi_offset)
   PrepackPlan prepack;
   const float* prepacked = nullptr;  // the prepacked K/V blocks when prepack.used
@@ -595,6 +604,49 @@ MHA_BF16_DOT HWY_NOINLINE void out_block_dp(const uint32_t* p2, const float* alp
   }
 }
 
+// ---- the same products on AMX tiles (kernels/amx.h), where the CPU has them -----------------
+// S comes out of the tiles unscaled; with rmax (softmax_rows16) one pass then scales and masks it
+// and takes each row's max vector exactly as score_tile_dp<…, true> does from its registers.
+MHA_BF16_DOT HWY_NOINLINE void score_block_amx(const uint32_t* q2, int64_t ldq2, int64_t rows, int64_t d2,
+                                               const uint32_t* kt2, int64_t nvec, float* s, float scale = 0.0f,
+                                               const float* kb = nullptr, float* rmax = nullptr) {
+  amx::scores(q2, ldq2, rows, d2, kt2, kBk, nvec, s, kBk);
+  if (!rmax) return;
+  const __m512 vscale = _mm512_set1_ps(scale), vneg_inf = _mm512_set1_ps(kNegInf);
+  __m512 kbv[4];
+  __mmask16 hidden[4];
+  for (int64_t v = 0; v < nvec; ++v) {
+    kbv[v] = _mm512_loadu_ps(kb + v * 16);
+    hidden[v] = _mm512_cmp_ps_mask(kbv[v], vneg_inf, _CMP_EQ_OQ);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * kBk;
+    __m512 vmax = vneg_inf;
+    for (int64_t v = 0; v < nvec; ++v) {
+      const __m512 x =
+          _mm512_mask_blend_ps(hidden[v], _mm512_fmadd_ps(_mm512_loadu_ps(row + v * 16), vscale, kbv[v]), kbv[v]);
+      vmax = _mm512_max_ps(vmax, x);
+      _mm512_storeu_ps(row + v * 16, x);
+    }
+    _mm512_storeu_ps(rmax + r * 16, vmax);
+  }
+}
+
+/// O = alpha·O + P·V on AMX tiles: O's rows rescaled where they lie (alpha = 1 leaves a row as
+/// it is, as the multiply would), then accumulated into by the tiles. p2's words past the block's
+/// pairs are zeroed (amx::accumulate).
+MHA_BF16_DOT HWY_NOINLINE void out_block_amx(uint32_t* p2, const float* alpha, int64_t rows, const uint32_t* v2,
+                                             int64_t ldv, int64_t nk, int64_t nvec_o, float* o, uint32_t* tail) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (alpha[r] == 1.0f) continue;
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    float* row = o + r * ldv;
+    for (int64_t v = 0; v < nvec_o; ++v)
+      _mm512_storeu_ps(row + v * 16, _mm512_mul_ps(_mm512_loadu_ps(row + v * 16), a));
+  }
+  amx::accumulate(p2, kBk / 2, rows, (nk + 1) / 2, v2, ldv, nvec_o, o, ldv, tail);
+}
+
 constexpr bool kHaveDot = true;
 #else
 // Never called: the dot-product path is chosen on AVX3_DL only.
@@ -602,6 +654,10 @@ inline void score_block_dp(const uint32_t*, int64_t, int64_t, int64_t, const uin
                            const float* = nullptr, float* = nullptr) {}
 inline void to_bf16_pairs(const float*, int64_t, int64_t, uint32_t*) {}
 inline void out_block_dp(const uint32_t*, const float*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*) {}
+inline void score_block_amx(const uint32_t*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, float*, float = 0.0f,
+                            const float* = nullptr, float* = nullptr) {}
+inline void out_block_amx(uint32_t*, const float*, int64_t, const uint32_t*, int64_t, int64_t, int64_t, float*,
+                          uint32_t*) {}
 constexpr bool kHaveDot = false;
 #endif
 
@@ -1216,7 +1272,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const int64_t group = p.group(), Tq = cx.t_q, Tk = cx.t_k, D = p.d(), Dv = p.d_v();
   const int64_t i0 = qb * kBq, nq = std::min(kBq, Tq - i0);
   // The float32 tiles take any row count; the bf16 pair tiles work on whole tiles of kMRdp rows.
-  const int64_t rows = kDot ? round_up(nq, kMRdp) : nq;
+  const int64_t rows = kDot ? round_up(nq, cx.amx ? int64_t{16} : int64_t{kMRdp}) : nq;
   const int64_t N = lanes(), nvec_o = (Dv + N - 1) / N, d2 = (D + 1) / 2, ldq2 = L.ldq / 2;
   const int64_t ldv = L.ldv;
   const bool per_element_masks = p.masks.allowed.view.defined() || p.masks.bias.view.defined();
@@ -1320,6 +1376,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     }
   };
 
+  if (cx.amx) amx::configure();  // this thread's tiles, for the products of this item
   if (cx.weights_one_pass) start_weights_one_pass(cx, ws);
   // With weights in two passes, the first: each row's max m and sum l over every key block.
   if (cx.weights_two_pass) {
@@ -1330,7 +1387,9 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       for (int64_t hh = 0; hh < group; ++hh) {
         const int64_t h = g * group + hh;
         if constexpr (kDot)
-          score_block_dp(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, s);
+          (cx.amx ? score_block_amx : score_block_dp)(q2 + hh * kRowsPad * ldq2, ldq2, rows, d2,
+                                                      reinterpret_cast<const uint32_t*>(kt_use), nvec, s, 0.0f, nullptr,
+                                                      nullptr);
         else
           score_block(q_head(hh), ldq_use, rows, D, kt_use, nvec, s);
         softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
@@ -1393,8 +1452,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
             kHaveRows16 && !cx.weights_two_pass && !cx.edit_scores && !per_element_masks && !p.dropout.active();
         float* const rmax = rows16 ? ws + L.rmax + r0 * kMaxLanes : nullptr;
         if constexpr (kDot)
-          score_block_dp(q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use,
-                         rmax);
+          (cx.amx ? score_block_amx : score_block_dp)(
+              q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use, rmax);
         else
           score_block(q_head(hh) + r0 * ldq_use, ldq_use, rows_run, D, kt_use, nvec, sr, p.scale, kb_use, rmax);
         if (rows16 && partial) cut_causal_rows(cx.causal, i0 + r0, nq_run, j0, nk_run, sr, rmax);
@@ -1417,14 +1476,20 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
           if constexpr (kDot) to_bf16_pairs(sr, rows_run, nk_run, p2r);
         }
         if (cx.weights_one_pass) keep_weights_block(cx, ws, hh, r0, nq_run, j0, nk_run, nk, block_at, sr, m);
-        if constexpr (kDot)
-          out_block_dp(p2r, alpha, rows_run, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk_run, nvec_o, oh);
-        else
+        if constexpr (kDot) {
+          if (cx.amx)
+            out_block_amx(p2r, alpha, rows_run, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk_run, nvec_o, oh,
+                          reinterpret_cast<uint32_t*>(ws + L.vtail));
+          else
+            out_block_dp(p2r, alpha, rows_run, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk_run, nvec_o, oh);
+        } else
           out_block(sr, alpha, rows_run, vp_use, ldvp, ldv, nk_run, nvec_o, oh);
       }
       prefetch_upcoming(cx, upcoming, part + 1, parts);
     }
   }
+
+  if (cx.amx) amx::release();
 
   // Normalise and write out; a row that saw no key gives zeros and lse = −inf; a row that saw a
   // NaN score has l = NaN, so out and lse are NaN.
@@ -1593,6 +1658,9 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.alibi_offset = alibi_offset(p);
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
   const bool dot = kMayDot && cpu_has_bf16_dot();
+  // AMX tiles reduce over 32 dims a step: head dims that are multiples of 32 (the common 32, 64,
+  // 128, ...); others keep vdpbf16ps.
+  cx.amx = dot && p.d() % 32 == 0 && amx::enabled();
   if (p.varlen.defined()) return run_varlen(cx, workspace, dot);  // no weights with a packed batch
   const int64_t items = p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * cx.q_blocks;
   if (items == 0) return;
@@ -1678,6 +1746,10 @@ void sdpa_fused(const SdpaParams& p, float* workspace) {
 std::vector<int64_t> fused_compiled_targets() { return target_bits(HWY_TARGETS); }
 int64_t fused_dispatch_target() { return HWY_DYNAMIC_DISPATCH(fused::dispatch_target)(); }
 bool fused_bf16_uses_dot_instructions() { return HWY_DYNAMIC_DISPATCH(fused::bf16_dot)(); }
+const char* fused_bf16_products(int64_t d) {
+  if (!fused_bf16_uses_dot_instructions()) return "float32";
+  return d % 32 == 0 && amx::enabled() ? "amx" : "vdpbf16ps";
+}
 bool fused_weights_one_pass(const SdpaParams& p) { return fused::weights_one_pass(p); }
 
 }  // namespace mha::kernels

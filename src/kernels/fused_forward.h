@@ -19,6 +19,10 @@ std::vector<int64_t> fused_compiled_targets();
 int64_t fused_dispatch_target();
 /// Whether bf16 Q·Kᵀ and P·V would use the CPU's bf16 dot-product instruction (vdpbf16ps) now.
 bool fused_bf16_uses_dot_instructions();
+/// Where bf16 Q·Kᵀ and P·V of a call with head dim d would run now: "amx" (tiles: AVX3_DL on a
+/// CPU with AMX-BF16 and d a multiple of 32), "vdpbf16ps" (the dot-product instruction) or
+/// "float32" (bf16 widened when packed, float32 FMAs).
+const char* fused_bf16_products(int64_t d);
 /// Whether a call with attention weights takes the one-pass path (each block's probabilities kept
 /// and normalised once at the end) rather than the two-pass one: false without weights, and
 /// when its scratch would exceed the bound (SdpaParams::weights_one_pass_max_bytes).

@@ -2,6 +2,7 @@
 
 #include <hwy/targets.h>
 
+#include "kernels/amx.h"
 #include "kernels/backward_fused.h"
 #include "kernels/fused_forward.h"
 
@@ -165,7 +166,18 @@ void for_each_target(const std::vector<int64_t>& compiled, int64_t (*dispatched)
 }  // namespace
 
 void for_each_fused_target(const std::function<void()>& body) {
-  for_each_target(kernels::fused_compiled_targets(), kernels::fused_dispatch_target, body);
+  // Where the CPU has AMX, the AVX3_DL target's bf16 products run on its tiles; run that target
+  // again with the tiles switched off, so that the vdpbf16ps kernels are tested here too.
+  for_each_target(kernels::fused_compiled_targets(), kernels::fused_dispatch_target, [&] {
+    body();
+    if (kernels::fused_dispatch_target() != HWY_AVX3_DL || !kernels::amx::available() ||
+        ::testing::Test::HasFatalFailure())
+      return;
+    SCOPED_TRACE("AMX switched off");
+    kernels::amx::set_allowed_for_test(false);
+    body();
+    kernels::amx::set_allowed_for_test(true);
+  });
 }
 
 void for_each_fused_backward_target(const std::function<void()>& body) {
