@@ -12,17 +12,59 @@
 
 namespace mha::kernels {
 
+namespace {
+
+// C is cut into tiles whose sizes depend on the shape alone, never on the thread count, and each
+// tile is one single-threaded oneDNN call over the whole of k: every element of C is then summed
+// in the same order whatever the number of threads (docs/semantics.md, 'Determinism'). oneDNN's
+// own threading does not promise that: on an AVX2-only Zen it splits k between two threads for
+// some shapes (a 300×64×64 product differs in its last bits between 1 and 2 threads), which
+// broke Module.BitwiseIdenticalForAnyThreadCount on that CPU. Tiles of at most kTileM × kTileN
+// keep each call large enough that oneDNN's packing of A and B costs a few percent of its FMAs.
+constexpr int64_t kTileM = 256;
+constexpr int64_t kTileN = 512;
+
+/// n split into ⌈n / most⌉ near-equal parts, each a multiple of `align` (the last takes the rest).
+int64_t part_size(int64_t n, int64_t most, int64_t align) {
+  const int64_t parts = (n + most - 1) / most;
+  const int64_t size = (n + parts - 1) / parts;
+  return std::min(n, (size + align - 1) / align * align);
+}
+
+}  // namespace
+
 void sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
-  // oneDNN sizes its thread team from omp_get_max_threads(): set it for this call only (it is a
-  // per-thread setting, so concurrent callers do not see each other's).
-  const int want = resolve_threads(threads);
-  const int before = omp_get_max_threads();
-  if (want != before) omp_set_num_threads(want);
-  const dnnl_status_t status = dnnl_sgemm(trans_a == Trans::Yes ? 'T' : 'N', trans_b == Trans::Yes ? 'T' : 'N', m, n, k,
-                                          alpha, a, lda, b, ldb, beta, c, ldc);
-  if (want != before) omp_set_num_threads(before);
+  const char ta = trans_a == Trans::Yes ? 'T' : 'N', tb = trans_b == Trans::Yes ? 'T' : 'N';
+  const int64_t tm = part_size(m, kTileM, 8), tn = part_size(n, kTileN, 16);
+  const int64_t tiles_m = (m + tm - 1) / tm, tiles_n = (n + tn - 1) / tn, tiles = tiles_m * tiles_n;
+  // op(A) rows i0.. start at a + i0·lda (A as stored, 'N') or a + i0 (Aᵀ stored, 'T'); op(B)
+  // columns j0.. at b + j0 ('N') or b + j0·ldb ('T').
+  const auto tile = [&](int64_t t) {
+    const int64_t i0 = t / tiles_n * tm, j0 = t % tiles_n * tn;
+    const int64_t mt = std::min(tm, m - i0), nt = std::min(tn, n - j0);
+    return dnnl_sgemm(ta, tb, mt, nt, k, alpha, a + (ta == 'N' ? i0 * lda : i0), lda, b + (tb == 'N' ? j0 : j0 * ldb),
+                      ldb, beta, c + i0 * ldc + j0, ldc);
+  };
+  const int want = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(resolve_threads(threads), tiles)));
+  dnnl_status_t status = dnnl_success;
+  if (want == 1 || omp_in_parallel()) {
+    // oneDNN runs single-threaded inside a parallel region; outside one, tell it to.
+    const int before = omp_get_max_threads();
+    if (before != 1) omp_set_num_threads(1);
+    for (int64_t t = 0; t < tiles && status == dnnl_success; ++t) status = tile(t);
+    if (before != 1) omp_set_num_threads(before);
+  } else {
+#pragma omp parallel for num_threads(want) schedule(dynamic, 1)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const dnnl_status_t s = tile(t);
+      if (s != dnnl_success) {
+#pragma omp critical(mha_sgemm_status)
+        status = s;
+      }
+    }
+  }
   if (status != dnnl_success)
     fail("sgemm: oneDNN failed (status ", static_cast<int>(status), ") for m=", m, " n=", n, " k=", k);
 }

@@ -3,8 +3,10 @@
 // Every GEMM in mha goes through sgemm() here. It runs on oneDNN's sgemm, chosen by measurement on
 // the 2-core Zen 4 this project targets (bench/gemm_compare.cpp; figures in the README): oneDNN
 // uses AVX-512 and beat OpenBLAS 0.3.21 (which runs its AVX2 kernels here) by about 2× on the
-// projection shapes, and BLIS 0.9 did not recognise the CPU. oneDNN threads with OpenMP, the same
-// runtime as mha's kernels, and runs single-threaded when called from inside a parallel region.
+// projection shapes, and BLIS 0.9 did not recognise the CPU. sgemm() cuts C into tiles fixed by
+// the shape alone and runs each as one single-threaded oneDNN call on mha's OpenMP threads, so
+// that its bits do not depend on the thread count (oneDNN's own threading splits k for some shapes
+// on some CPUs).
 #pragma once
 
 #include <cstdint>
