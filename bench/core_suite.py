@@ -3,9 +3,11 @@
 build) beside PyTorch 2.x's F.scaled_dot_product_attention (../shared/tools/torch2, OpenBLAS for
 OpenMP, torch.set_num_threads), at 1 and 2 threads.
 
-Rows: T=4096 at d=64 and d=128, causal, bf16 (against mha's own float32: PyTorch's CPU bf16 SDPA
-is 30-50x slower than its float32 and no useful anchor), and batches of short sequences (B=64,
-T=128/256/512, causal and not: mha's fraction of peak and its threads' busy balance).
+Rows: T=4096 at d=64 and d=128, causal, bf16 at d=64 and d=128 (against mha's own float32 and
+PyTorch's bf16 SDPA: on AMD Zen 4/5 PyTorch's CPU bf16 path is 30-50x slower than its float32, on
+an Intel Xeon with AMX it runs its products on the tiles through oneDNN and is a real anchor), and
+batches of short sequences (B=64, T=128/256/512, causal and not: mha's fraction of peak and its
+threads' busy balance).
 
 Every mha run measures the FMA peak of the dispatched target before and after the timed runs;
 rounds whose peak fell below --min-peak-ratio of that are dropped (a neighbour took the machine).
@@ -31,7 +33,10 @@ ROWS = [
     ("d128 T=4096", ["--core", "--seq", "4096", "--heads", "4"] + E, ["--core", "--seq", "4096", "--heads", "4"] + E),
     ("causal d64 T=4096", ["--core", "--causal", "--seq", "4096", "--heads", "8"] + E,
      ["--core", "--causal", "--seq", "4096", "--heads", "8"] + E),
-    ("bf16 d64 T=4096", ["--core", "--dtype", "bf16", "--seq", "4096", "--heads", "8"] + E, None),
+    ("bf16 d64 T=4096", ["--core", "--dtype", "bf16", "--seq", "4096", "--heads", "8"] + E,
+     ["--core", "--dtype", "bf16", "--seq", "4096", "--heads", "8"] + E),
+    ("bf16 d128 T=4096", ["--core", "--dtype", "bf16", "--seq", "4096", "--heads", "4"] + E,
+     ["--core", "--dtype", "bf16", "--seq", "4096", "--heads", "4"] + E),
 ]
 for t in (128, 256, 512):
     for causal in ([], ["--causal"]):
@@ -116,11 +121,12 @@ def main():
                     tms = statistics.median(r["median_ms"] for r in t)
                     entry["torch2_ms"] = tms
                     line += f" {tms:10.1f} {tms / ms:10.2f}"
-            if label.startswith("d64 "):
-                f32_ms[th] = ms
-            if label.startswith("bf16") and th in f32_ms:
-                entry["speedup_over_f32"] = f32_ms[th] / ms
-                line += f"  ({f32_ms[th] / ms:.2f}x mha f32)"
+            if label.startswith("d"):  # the float32 row a bf16 row of the same head dim is compared with
+                f32_ms[(label, th)] = ms
+            f32_key = (label[len("bf16 "):], th)
+            if label.startswith("bf16") and f32_key in f32_ms:
+                entry["speedup_over_f32"] = f32_ms[f32_key] / ms
+                line += f"  ({f32_ms[f32_key] / ms:.2f}x mha f32)"
             print(line)
             table.append(entry)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("cpu family")), "?")
