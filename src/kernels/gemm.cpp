@@ -36,6 +36,11 @@ int64_t part_size(int64_t n, int64_t most, int64_t align) {
 void sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
+  if (k == 0) {  // an empty sum: C = beta·C (oneDNN refuses the zero leading dimensions this brings)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    return;
+  }
   const char ta = trans_a == Trans::Yes ? 'T' : 'N', tb = trans_b == Trans::Yes ? 'T' : 'N';
   const int64_t tm = part_size(m, kTileM, 8), tn = part_size(n, kTileN, 16);
   const int64_t tiles_m = (m + tm - 1) / tm, tiles_n = (n + tn - 1) / tn, tiles = tiles_m * tiles_n;
