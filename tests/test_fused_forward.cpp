@@ -504,9 +504,9 @@ TEST(FusedForward, Bf16Lengths) {
     }
 }
 
-/// Where no block needs a per-element mask, the AVX-512 targets' softmax runs 16 rows at a time,
-/// the score tiles having scaled S and taken each row's max (softmax_rows16; bf16 writes P as bf16
-/// pairs directly); it must be bitwise the general softmax. An all-true `allowed` mask sends every
+/// Where no block needs a per-element mask, the AVX-512 targets' softmax runs 16 rows at a time
+/// and AVX2's 8, the score tiles having scaled S and taken each row's max (softmax_rows16, bf16
+/// writing P as bf16 pairs directly; softmax_rows8); it must be bitwise the general softmax. An all-true `allowed` mask sends every
 /// block through the general one without changing a score, so out and lse must be identical, NaN
 /// rows, fully padded rows, partial row groups and partial register tiles included.
 template <class Inputs>

@@ -16,6 +16,9 @@ HWY_BEFORE_NAMESPACE();
 namespace mha::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+/// 1.5·2²³: added to a float t with |t| < 2²², the sum is the nearest integer to t plus this.
+constexpr float kRoundMagic = 12582912.0f;
+
 /// exp(x) for the arguments a softmax forms, x = s − max ≤ 0 (or s − lse, which rounding can
 /// push a few ulp above 0; anything up to 88 is fine). Exactly 0 below −87 and for −inf (masked
 /// scores), so no caller needs a mask of its own. 2^t = 2^n · 2^f with t = x·log2(e), n = round(t),
@@ -30,10 +33,17 @@ HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   // vscalefps below takes any n, and every x < −87 (t < −125.5, −inf and NaN too) is zeroed at
   // the end: the clamp that keeps 2ⁿ's exponent bits in range elsewhere changes no result here.
   const VF t = hn::MaxLanes(df) == 16 ? t0 : hn::Max(t0, hn::Set(df, -126.0f));
+  const VF n = hn::Round(t);
 #else
   const VF t = hn::Max(t0, hn::Set(df, -126.0f));
+  // t + 1.5·2²³ rounds t to an integer (to nearest, ties to even, as Round does: t is within
+  // [−126, 128), far inside the 2²² this needs), and that integer sits in the sum's low bits:
+  // 2ⁿ's exponent bits come from them below, with no float-to-int conversion (which Highway's
+  // ConvertTo follows with an overflow fix-up on AVX2). n, f and 2ⁿ are the same numbers as
+  // Round's, so the result keeps its bits.
+  const VF n_magic = hn::Add(t, hn::Set(df, kRoundMagic));
+  const VF n = hn::Sub(n_magic, hn::Set(df, kRoundMagic));
 #endif
-  const VF n = hn::Round(t);
   const VF f = hn::Sub(t, n);
   VF p = hn::Set(df, 1.5403530393381606e-4f);
   p = hn::MulAdd(p, f, hn::Set(df, 1.3333558146428443e-3f));
@@ -48,7 +58,12 @@ HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   // multiply): n is an integer ≥ −126, so both round the same exact product once: the same bits.
   if constexpr (hn::MaxLanes(DF()) == 16) return hn::IfThenElseZero(visible, VF{_mm512_scalef_ps(p.raw, n.raw)});
 #endif
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   const auto scale_bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
+#else
+  // The sum's bits are those of 1.5·2²³ (0x4B400000) plus n: take that away and add the bias.
+  const auto scale_bits = hn::ShiftLeft<23>(hn::Add(hn::BitCast(di, n_magic), hn::Set(di, 127 - 0x4B400000)));
+#endif
   return hn::IfThenElseZero(visible, hn::Mul(p, hn::BitCast(df, scale_bits)));
 }
 

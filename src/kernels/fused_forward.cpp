@@ -309,7 +309,7 @@ struct Ctx {
 #include "hwy/contrib/math/math-inl.h"
 // clang-format on
 
-#if HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
 #include <immintrin.h>
 #endif
 
@@ -329,8 +329,13 @@ constexpr int kNV = 2;
 #endif
 static_assert(kMR <= kMaxMR);
 // AVX-512: one score tile (kNV vectors of 16) spans a block's kBk keys, and the common softmax
-// runs 16 rows at a time (softmax_rows16).
+// runs 16 rows at a time (softmax_rows16). AVX2: the score tiles (kNV vectors of 8) take a row's
+// max over the block's tiles in turn, and the common softmax runs 8 rows at a time
+// (softmax_rows8). Either way the scores leave the tiles scaled and masked with their rows' max
+// vectors (kFusedSoftmax), and the softmax needs one pass over S instead of two.
 constexpr bool kHaveRows16 = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
+constexpr bool kHaveRows8 = HWY_TARGET == HWY_AVX2;
+constexpr bool kFusedSoftmax = kHaveRows16 || kHaveRows8;
 static_assert(!kHaveRows16 || kNV * kMaxLanes == kBk);
 // The bf16 dot-product tiles: 4 rows × 4 vectors, so that a block of kBq = 128 rows needs no
 // padding rows (6 would make it 132).
@@ -353,13 +358,15 @@ using kernels::HWY_NAMESPACE::exp_nonpositive;
 
 // ---- S = Q·Kᵀ (float32) --------------------------------------------------------------------
 // q: MR rows of d floats, ld ldq; kt: d rows of kBk keys; s: MR rows of kBk. With kScaled (the
-// common softmax, softmax_rows16), each score leaves as x = s·scale + kb (exactly −inf where kb is
-// −inf, whatever Q holds: softmax_block's rule) and the row's running max over the tile's vectors
-// goes to rmax (16 floats a row): softmax_block's first pass, the same operations in the same
-// order (so the same bits), while S is in registers. Used where one tile spans the block's keys.
+// common softmax, softmax_rows16 / softmax_rows8), each score leaves as x = s·scale + kb (exactly
+// −inf where kb is −inf, whatever Q holds: softmax_block's rule; kb is the tile's first key's) and
+// the row's running max over the tile's vectors goes to rmax (kMaxLanes floats a row; with
+// `first` false, folded into the max of the row's earlier tiles there): softmax_block's first
+// pass, the same operations (so the same bits: a max is exact, whatever its order), while S is
+// in registers.
 template <int MR, int NV, bool kScaled>
 HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT kt, int64_t d,
-                           float* HWY_RESTRICT s, float scale, const float* kb, float* rmax) {
+                           float* HWY_RESTRICT s, float scale, const float* kb, float* rmax, bool first = true) {
   const DF df;
   const int64_t N = lanes();
   VF acc[MR][NV];
@@ -379,7 +386,7 @@ HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float
     for (int v = 0; v < NV; ++v) kbv[v] = hn::LoadU(df, kb + v * N);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      VF vmax = vneg_inf;
+      VF vmax = first ? vneg_inf : hn::LoadU(df, rmax + r * kMaxLanes);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         const VF x = hn::IfThenElse(hn::Eq(kbv[v], vneg_inf), kbv[v], hn::MulAdd(acc[r][v], vscale, kbv[v]));
@@ -394,15 +401,18 @@ HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float
   }
 }
 
-// MR rows of S: tiles of kNV vectors, then the last `nvec % kNV` vectors (scaled: one tile).
+// MR rows of S: tiles of kNV vectors, then the last `nvec % kNV` vectors.
 template <int MR, bool kScaled>
 HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* kt, int64_t nvec, float* s, float scale,
                            const float* kb, float* rmax) {
   const int64_t N = lanes();
   int64_t v0 = 0;
-  for (; v0 + kNV <= nvec; v0 += kNV) score_tile<MR, kNV, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kb, rmax);
-  with_count<kNV - 1>(
-      nvec - v0, [&](auto nv) { score_tile<MR, nv, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kb, rmax); });
+  // (kb is null unless kScaled: no offset is formed from it then.)
+  for (; v0 + kNV <= nvec; v0 += kNV)
+    score_tile<MR, kNV, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kScaled ? kb + v0 * N : kb, rmax, v0 == 0);
+  with_count<kNV - 1>(nvec - v0, [&](auto nv) {
+    score_tile<MR, nv, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kScaled ? kb + v0 * N : kb, rmax, v0 == 0);
+  });
 }
 
 // Rows are not padded to a multiple of kMR: the last rows % kMR form a smaller tile (at kBq = 128
@@ -421,7 +431,7 @@ void score_block_t(const float* q, int64_t ldq, int64_t rows, int64_t d, const f
 
 void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
                  float scale = 0.0f, const float* kb = nullptr, float* rmax = nullptr) {
-  if constexpr (kHaveRows16) {
+  if constexpr (kFusedSoftmax) {
     if (rmax) return score_block_t<true>(q, ldq, rows, d, kt, nvec, s, scale, kb, rmax);
   }
   score_block_t<false>(q, ldq, rows, d, kt, nvec, s, scale, kb, rmax);
@@ -661,6 +671,19 @@ inline void out_block_amx(uint32_t*, const float*, int64_t, const uint32_t*, int
 constexpr bool kHaveDot = false;
 #endif
 
+/// The online softmax's step for n rows whose block maxima are row_max: m becomes max(m, row max),
+/// alpha the factor exp(m_old − m) for what was summed against m_old (1 where m did not move), and
+/// m_use the value the block's scores are taken against (0 while a row has seen nothing: then
+/// exp(−inf − 0) = 0, not NaN). softmax_block's arithmetic, shared by the row-batched softmaxes.
+inline void take_row_maxima(int64_t n, const float* row_max, float* m, float* alpha, float* m_use) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float m_old = m[r], m_new = std::max(m_old, row_max[r]);
+    m_use[r] = m_new == kNegInf ? 0.0f : m_new;
+    alpha[r] = m_old == m_use[r] ? 1.0f : std::exp(m_old - m_use[r]);
+    m[r] = m_new;
+  }
+}
+
 // ---- the common online softmax, 16 rows at a time (AVX-512) --------------------------------
 // Blocks with no score edit, per-element or partial causal mask, dropout or two-pass weights: the
 // score tiles scaled and masked S and left each row's max vector in rmax (score_block(…, rmax),
@@ -711,12 +734,7 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
     for (int64_t r = 0; r < n; ++r) red[r] = _mm512_loadu_ps(rmax + (r0 + r) * 16);
     for (int64_t r = n; r < 16; ++r) red[r] = _mm512_set1_ps(kNegInf);
     _mm512_store_ps(row_max, reduce_rows16(red, vmax_op));
-    for (int64_t r = 0; r < n; ++r) {
-      const float m_old = m[r0 + r], m_new = std::max(m_old, row_max[r]);
-      m_use[r] = m_new == kNegInf ? 0.0f : m_new;
-      alpha[r0 + r] = m_old == m_use[r] ? 1.0f : std::exp(m_old - m_use[r]);
-      m[r0 + r] = m_new;
-    }
+    take_row_maxima(n, row_max, m + r0, alpha + r0, m_use);
     __mmask16 any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
     for (int64_t r = n; r < 16; ++r) red[r] = _mm512_setzero_ps();  // (not all 16 first: a memset)
     for (int64_t r = 0; r < n; ++r) {
@@ -763,6 +781,94 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
 template <bool kPairs>  // never called: the 16-row softmax is chosen on the AVX-512 targets only
 inline void softmax_rows16(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*) {}
 #endif
+
+// ---- the common online softmax, 8 rows at a time (AVX2) ------------------------------------
+// softmax_rows16's work on 8-lane vectors: the score tiles left S scaled and masked and each row's
+// max vector in rmax; the rows' maxima and sums are reduced 8 rows at a time, and P is written as
+// float32 over S. The same bits as softmax_block on this target.
+#if HWY_TARGET == HWY_AVX2
+// Lane r of the result is Highway's SumOfLanes(v[r]) on AVX2, bitwise: that folds lane i with
+// lane i + 4, then lanes (0, 2) and (1, 3) of what is left, then those two sums; the same pairs
+// are added here (addition is commutative, bit for bit), for 8 rows at once: 21 operations where
+// 8 rows' own reductions take 48. For a max, any order gives the same value.
+template <class Op>
+inline __m256 reduce_rows8(const __m256* v, Op op) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // rows 2i, 2i + 1: lanes i + (i + 4) of each, in its half
+    a[i] =
+        op(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // lanes (0, 2) and (1, 3) of rows 4i..4i + 3
+    b[i] = op(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  const __m256 f = op(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));
+  // f holds rows 0, 2, 4, 6, 1, 3, 5, 7.
+  return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/// s: rows × kBk scaled, masked scores; rmax: their rows' max vectors (kMaxLanes floats a row, 8
+/// used). Updates m, l and alpha for the rows < nq as softmax_block does and writes the
+/// probabilities over s.
+template <bool kPairs>
+HWY_NOINLINE void softmax_rows8(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m, float* l,
+                                float* alpha, uint32_t*) {
+  static_assert(!kPairs, "no bf16 dot products on AVX2");
+  const DF df;
+  const int64_t nvec = (nk + 7) / 8;
+  const auto vmax_op = [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); };
+  const auto vadd_op = [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); };
+  alignas(32) float row_max[8], row_sum[8], m_use[8];
+  __m256 red[8];
+  for (int64_t r0 = 0; r0 < nq; r0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nq - r0);
+    for (int64_t r = 0; r < n; ++r) red[r] = _mm256_loadu_ps(rmax + (r0 + r) * kMaxLanes);
+    for (int64_t r = n; r < 8; ++r) red[r] = _mm256_set1_ps(kNegInf);
+    _mm256_store_ps(row_max, reduce_rows8(red, vmax_op));
+    take_row_maxima(n, row_max, m + r0, alpha + r0, m_use);
+    unsigned any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
+    for (int64_t r = n; r < 8; ++r) red[r] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = s + (r0 + r) * kBk;
+      const VF vm = hn::Set(df, m_use[r]);
+      __m256 nan = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+      for (int64_t v = 0; v < nvec; ++v) {
+        const __m256 x = _mm256_loadu_ps(row + v * 8);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        const __m256 e = exp_nonpositive(df, hn::Sub(VF{x}, vm)).raw;
+        vsum = _mm256_add_ps(vsum, e);
+        _mm256_storeu_ps(row + v * 8, e);
+      }
+      red[r] = vsum;
+      if (_mm256_movemask_ps(nan)) any_nan |= 1u << r;
+    }
+    _mm256_store_ps(row_sum, reduce_rows8(red, vadd_op));
+    for (int64_t r = 0; r < n; ++r) {
+      // l·alpha rounded before the sum is added, as softmax_block's scalar l·alpha + sum: the empty
+      // asm keeps GCC from contracting the two into an FMA (it does here, not there).
+      float la = l[r0 + r] * alpha[r0 + r];
+      asm("" : "+x"(la));
+      l[r0 + r] = any_nan >> r & 1u ? kNaN : la + row_sum[r];
+    }
+  }
+  // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
+  for (int64_t r = nq; r < rows; ++r) {
+    std::memset(s + r * kBk, 0, sizeof(float) * static_cast<size_t>(kBk));
+    alpha[r] = 0.0f;
+  }
+}
+#else
+template <bool kPairs>  // never called: the 8-row softmax is chosen on the AVX2 target only
+inline void softmax_rows8(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*) {}
+#endif
+
+/// The common online softmax on the target's rows (kFusedSoftmax): 16 at a time on AVX-512, 8 on
+/// AVX2.
+template <bool kPairs>
+inline void softmax_rows(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m, float* l,
+                         float* alpha, uint32_t* p2) {
+  if constexpr (kHaveRows16)
+    softmax_rows16<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2);
+  else if constexpr (kHaveRows8 && !kPairs)
+    softmax_rows8<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2);
+}
 
 /// Row i's scores (nk keys from j0, scaled) with the keys the causal rule hides from it set to
 /// −inf; returns the row's max vector over what is left (softmax_block's causal pass).
@@ -1449,7 +1555,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         // A run cut by the causal rule alone takes it too, its hidden keys masked after scoring
         // (cut_causal_rows).
         const bool rows16 =
-            kHaveRows16 && !cx.weights_two_pass && !cx.edit_scores && !per_element_masks && !p.dropout.active();
+            kFusedSoftmax && !cx.weights_two_pass && !cx.edit_scores && !per_element_masks && !p.dropout.active();
         float* const rmax = rows16 ? ws + L.rmax + r0 * kMaxLanes : nullptr;
         if constexpr (kDot)
           (cx.amx ? score_block_amx : score_block_dp)(
@@ -1464,11 +1570,11 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
           write_weights(cx, b, h, i0, nq, j0, nk, l, s);
           if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
         } else if (rows16 && !(kDot && cx.weights_one_pass)) {
-          softmax_rows16<kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+          softmax_rows<kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
         } else if (rows16) {
           // One-pass weights keep P as float32; its bf16 pairs are then the words that
           // softmax_rows16<true> writes.
-          softmax_rows16<false>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+          softmax_rows<false>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
           to_bf16_pairs(sr, rows_run, nk_run, p2r);
         } else {
           softmax_block(cx, b, h, i0 + r0, nq_run, rows_run, j0, nk_run, partial || per_element_masks, sr, kb_use, m, l,
