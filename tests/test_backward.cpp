@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -424,6 +425,62 @@ TEST(SdpaBackwardFused, StridedInnerDimensionFallsBackToReference) {
   const View4<const float> qs{q.data(), {1, 1, 4, 3}, {24, 24, 6, 2}}, ks{k.data(), {1, 1, 5, 3}, {30, 30, 6, 2}};
   EXPECT_NE(sdpa_backward_dispatch_reason(qs, ks, ks, {}).find("reference"), std::string::npos);
   EXPECT_EQ(sdpa_backward_dispatch_reason(q.view4(), k.view4(), k.view4(), {}), "fused: supported");
+}
+
+/// x (B, h, T, d) laid out as (B, T, h, d) in `storage`, viewed as (B, h, T, d): rows h·d apart,
+/// as in a module's projection buffer or a transposed PyTorch tensor.
+View4<float> interleaved_heads(const Tensor& x, std::vector<float>& storage) {
+  const auto& sh = x.shape();
+  const int64_t B = sh[0], H = sh[1], T = sh[2], D = sh[3];
+  storage.assign(static_cast<size_t>(x.numel()), std::numeric_limits<float>::quiet_NaN());
+  View4<float> view{storage.data(), {B, H, T, D}, {T * H * D, D, H * D, 1}};
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t e = 0; e < D; ++e) view(b, h, t, e) = x.at({b, h, t, e});
+  return view;
+}
+
+bool same_bits(View4<float> got, const Tensor& want) {
+  for (int64_t b = 0; b < got.shape[0]; ++b)
+    for (int64_t h = 0; h < got.shape[1]; ++h)
+      for (int64_t t = 0; t < got.shape[2]; ++t)
+        for (int64_t e = 0; e < got.shape[3]; ++e) {
+          const float x = got(b, h, t, e), y = want.at({b, h, t, e});
+          if (std::memcmp(&x, &y, sizeof(float)) != 0) return false;
+        }
+  return true;
+}
+
+// The fused backward copies Q, dO and K rows that are not dense (a few KiB apart, they thrash a
+// handful of cache sets) before its products: the gradients must keep the contiguous call's bits,
+// for whole-vector and padded head dims, causal and masked blocks, with the outputs strided too.
+TEST(SdpaBackwardFused, InterleavedHeadRowsGiveTheBitsOfContiguousOnes) {
+  for (int64_t d : {64, 24})
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "d " << d << (causal ? " causal" : ""));
+      SdpaCase c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = 150, c.Tk = 130, c.D = d, c.Dv = d;
+      c.padding = !causal;
+      if (causal) c.causal = Causal::bottom_right();
+      SdpaSetup s = make_setup(c, 900 + static_cast<uint64_t>(d));
+      SdpaOptions opt = s.opt;
+      opt.backend = Backend::Fused;
+      const SdpaResult fwd = sdpa(s.q, s.k, s.v, opt, Want::Lse);
+      opt.threads = 2;
+      const SdpaGradTensors want = sdpa_backward(s.q, s.k, s.v, fwd.out, s.dout, fwd.lse, opt);
+      std::vector<float> q, k, v, o, dout, dq, dk, dv;
+      const View4<float> qv = interleaved_heads(s.q, q), kv = interleaved_heads(s.k, k), vv = interleaved_heads(s.v, v);
+      const View4<float> ov = interleaved_heads(fwd.out, o), dov = interleaved_heads(s.dout, dout);
+      const SdpaGrads grads{
+          interleaved_heads(want.dq, dq), interleaved_heads(want.dk, dk), interleaved_heads(want.dv, dv), {}};
+      sdpa_backward(View4<const float>(qv), View4<const float>(kv), View4<const float>(vv), View4<const float>(ov),
+                    View4<const float>(dov),
+                    View4<const float>{fwd.lse.data(), {c.B, c.H, c.Tq, 1}, {c.H * c.Tq, c.Tq, 1, 1}}, opt, grads);
+      EXPECT_TRUE(same_bits(grads.dq, want.dq)) << "dq";
+      EXPECT_TRUE(same_bits(grads.dk, want.dk)) << "dk";
+      EXPECT_TRUE(same_bits(grads.dv, want.dv)) << "dv";
+    }
 }
 
 // ---- PyTorch autograd goldens ----------------------------------------------------------------------

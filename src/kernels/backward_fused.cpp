@@ -318,12 +318,16 @@ HWY_NOINLINE void block_gemm(const Operands& o, int64_t m, int64_t n, int64_t k,
   }
 }
 
-/// rows × width floats (ld apart) as B operand rows: the rows themselves when width is a whole
-/// number of vectors, else a copy padded with zeros to ldp (a multiple of every vector).
+/// rows × width floats (ld apart) as dense operand rows: the rows themselves when they are dense
+/// (ld = width) and whole vectors, else a copy padded with zeros to ldp (a multiple of every
+/// vector). Rows a few KiB apart (Q, dO or K inside a module's (N, 3·E) projection buffer, or a
+/// (B, T, h, d) layout) fall into a handful of cache sets, so a block's products, which read each
+/// row again for every strip of columns, would miss L1 on every pass: copied once per block, they
+/// cost a copy of br·d floats against five products of br·kBc·d multiply-adds.
 HWY_INLINE const float* whole_vectors(const float* src, int64_t ld, int64_t rows, int64_t width, float* pad,
                                       int64_t ldp, int64_t* ld_out) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
-  if (width % N == 0) {
+  if (width % N == 0 && (ld == width || rows <= 1)) {
     *ld_out = ld;
     return src;
   }
@@ -359,10 +363,13 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   float* s = ws + cx.L.s;
   float* prob = ws + cx.L.p;
   float* pt = ws + cx.L.pt;
-  const float* q = f.q.as<float>().row(job.b, job.h, job.i0);
-  const int64_t ldq = f.q.stride[2];
-  const float* dout = p.dout.row(job.b, job.h, job.i0);
-  const int64_t lddo = p.dout.stride[2];
+  // Q and dO rows of the block, dense (whole_vectors): the A operands of S and dP̃, the B operands
+  // of dK and dV.
+  int64_t ldq = 0, lddo = 0;
+  const float* q =
+      whole_vectors(f.q.as<float>().row(job.b, job.h, job.i0), f.q.stride[2], nr, D, ws + cx.L.qp, cx.L.ldk, &ldq);
+  const float* dout =
+      whole_vectors(p.dout.row(job.b, job.h, job.i0), p.dout.stride[2], nr, Dv, ws + cx.L.dop, cx.L.ldv, &lddo);
   float lse[64];
   for (int64_t r = 0; r < nr; ++r) lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
   // A block that straddles the causal diagonal is computed in groups of kCutRows: each group of
@@ -450,12 +457,10 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   }
   // dV_j += P̃ᵀ dO_i.
   if (dv_acc) {
-    int64_t ldb = 0;
-    const float* b = whole_vectors(dout, lddo, nr, Dv, ws + cx.L.dop, cx.L.ldv, &ldb);
     for (int64_t c0 = 0; c0 < nc; c0 += group) {
       const int64_t r_lo = first_row(c0);
       if (r_lo < nr)
-        block_gemm({p_used + r_lo * kBc + c0, 1, kBc, b + r_lo * ldb, ldb, dv_acc + c0 * cx.L.ldv, cx.L.ldv},
+        block_gemm({p_used + r_lo * kBc + c0, 1, kBc, dout + r_lo * lddo, lddo, dv_acc + c0 * cx.L.ldv, cx.L.ldv},
                    std::min(nc - c0, group), Dv, nr - r_lo, 1.0f, true);
     }
   }
@@ -467,12 +472,10 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
       for (int64_t c = 0; c < nc; ++c) s[r * kBc + c] *= cap[r * kBc + c];
   // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
   if (dk_acc) {
-    int64_t ldb = 0;
-    const float* b = whole_vectors(q, ldq, nr, D, ws + cx.L.qp, cx.L.ldk, &ldb);
     for (int64_t c0 = 0; c0 < nc; c0 += group) {
       const int64_t r_lo = first_row(c0);
       if (r_lo < nr)
-        block_gemm({s + r_lo * kBc + c0, 1, kBc, b + r_lo * ldb, ldb, dk_acc + c0 * cx.L.ldk, cx.L.ldk},
+        block_gemm({s + r_lo * kBc + c0, 1, kBc, q + r_lo * ldq, ldq, dk_acc + c0 * cx.L.ldk, cx.L.ldk},
                    std::min(nc - c0, group), D, nr - r_lo, f.scale, true);
     }
   }
