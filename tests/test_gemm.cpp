@@ -71,7 +71,8 @@ TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
         const auto one = run(ta, tb, s, 1.0f, 1.0f, a, b, c0, 1);
         for (int threads : {2, 3, 4}) {
           const auto many = run(ta, tb, s, 1.0f, 1.0f, a, b, c0, threads);
-          EXPECT_EQ(std::memcmp(one.data(), many.data(), sizeof(float) * one.size()), 0)
+          // (an empty C has no data pointer to compare: memcmp must not be given it)
+          EXPECT_TRUE(one.empty() || std::memcmp(one.data(), many.data(), sizeof(float) * one.size()) == 0)
               << s.m << "x" << s.n << "x" << s.k << " with " << threads << " threads";
         }
       }
