@@ -17,8 +17,8 @@ namespace {
 // C is cut into tiles whose sizes depend on the shape alone, never on the thread count, and each
 // tile is one single-threaded oneDNN call over the whole of k: every element of C is then summed
 // in the same order whatever the number of threads (docs/semantics.md, 'Determinism'). oneDNN's
-// own threading does not promise that: on an AVX2-only Zen it splits k between two threads for
-// some shapes (a 300×64×64 product differs in its last bits between 1 and 2 threads), which
+// own threading does not promise that: on an AVX2-only Zen it divides some shapes' work
+// differently between 2 threads than on 1 (a 300×64×64 product differs in its last bits), which
 // broke Module.BitwiseIdenticalForAnyThreadCount on that CPU. Tiles of at most kTileM × kTileN
 // keep each call large enough that oneDNN's packing of A and B costs a few percent of its FMAs.
 constexpr int64_t kTileM = 256;
@@ -36,7 +36,9 @@ int64_t part_size(int64_t n, int64_t most, int64_t align) {
 void sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads) {
   if (m == 0 || n == 0) return;
-  if (k == 0) {  // an empty sum: C = beta·C (oneDNN refuses the zero leading dimensions this brings)
+  // An empty sum (a layer with no inputs, a batch with no rows): C = beta·C, which oneDNN refuses
+  // for the zero leading dimensions that come with it.
+  if (k == 0) {
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
     return;
@@ -83,22 +85,12 @@ void linear(const float* x, int64_t rows, int64_t in, int64_t ldx, const float* 
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < out; ++c) y[r * ldy + c] = bias[c];
     beta = 1.0f;
-  } else if (in == 0) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < out; ++c) y[r * ldy + c] = 0.0f;
   }
-  if (in == 0) return;
   sgemm(Trans::No, Trans::Yes, rows, out, in, 1.0f, x, ldx, w, ldw, beta, y, ldy);
 }
 
 void linear_backward_input(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* w, int64_t in,
                            int64_t ldw, float* dx, int64_t lddx) {
-  if (rows == 0 || in == 0) return;
-  if (out == 0) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < in; ++c) dx[r * lddx + c] = 0.0f;
-    return;
-  }
   sgemm(Trans::No, Trans::No, rows, in, out, 1.0f, dy, lddy, w, ldw, 0.0f, dx, lddx);
 }
 
@@ -119,12 +111,6 @@ void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t 
       }
       for (int64_t c = 0; c < nc; ++c) db[c0 + c] = static_cast<float>(sum[c]);
     }
-  }
-  if (out == 0 || in == 0) return;
-  if (rows == 0) {
-    for (int64_t o = 0; o < out; ++o)
-      for (int64_t c = 0; c < in; ++c) dw[o * lddw + c] = 0.0f;
-    return;
   }
   sgemm(Trans::Yes, Trans::No, out, in, rows, 1.0f, dy, lddy, x, ldx, 0.0f, dw, lddw);
 }
