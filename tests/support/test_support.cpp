@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <system_error>
+#include <vector>
 
 #include "mha/random.h"
 
@@ -118,7 +120,30 @@ static std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+namespace {
+/// The directories temp_dir() made in this process. They go when the test binary exits, unless a
+/// test failed: then they stay, named on stderr, for a look at what the test wrote.
+struct TempDirs {
+  std::vector<std::filesystem::path> made;
+  TempDirs() = default;
+  TempDirs(const TempDirs&) = delete;
+  TempDirs& operator=(const TempDirs&) = delete;
+  ~TempDirs() {
+    const bool failed = ::testing::UnitTest::GetInstance()->Failed();
+    for (const auto& dir : made) {
+      if (failed) {
+        std::fprintf(stderr, "kept for a look after the failure: %s\n", dir.c_str());
+        continue;
+      }
+      std::error_code ignored;  // a directory that is gone already is fine
+      std::filesystem::remove_all(dir, ignored);
+    }
+  }
+};
+}  // namespace
+
 std::string temp_dir() {
+  static TempDirs dirs;
   static int counter = 0;
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "global";
@@ -128,6 +153,7 @@ std::string temp_dir() {
              ("mha_test_" + std::to_string(::getpid()) + "_" + name + "_" + std::to_string(counter++));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  dirs.made.push_back(dir);
   return dir.string();
 }
 

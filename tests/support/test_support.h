@@ -52,8 +52,8 @@ struct CommandResult {
 /// Runs a shell command line, capturing stdout and stderr.
 CommandResult run_command(const std::string& command_line);
 
-/// A fresh empty directory under the build tree's temp area, removed at process exit is not
-/// guaranteed; names are unique per test.
+/// A fresh empty directory under the system's temp directory, its name unique per process and
+/// test. Removed when the test binary exits, unless a test failed (then kept and named on stderr).
 std::string temp_dir();
 
 /// Runs `body` once per compiled SIMD target of the fused forward kernel that this CPU supports,
