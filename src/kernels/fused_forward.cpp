@@ -324,8 +324,17 @@ using VF = hn::Vec<DF>;
 constexpr int kMR = 6;  // register tile: 6 rows × 4 vectors = 24 of the 32 registers
 constexpr int kNV = 4;
 #else
-constexpr int kMR = 4;  // 4 rows × 2 vectors, leaves room in 16 registers
-constexpr int kNV = 2;
+// AVX2 (and SSE4): 3 rows × 4 vectors = 12 accumulators. A step over d is 12 FMAs against 3
+// broadcasts and 4 vector loads (GCC reads one of the four as an FMA's memory operand: 12 + 4 + 1
+// registers would be 17), where 4 rows × 2 vectors was 8 FMAs against 4 broadcasts and 2 loads:
+// half the broadcasts per FMA, and 12 independent sums instead of 8 (two FMA units of latency 4–5,
+// as on Haswell to Zen 3, need 8–10 in flight). Each accumulator still sums over d (or over the
+// keys) in order, so the bits are those of 4 × 2. Measured on a Zen 1 (T = 4096, E = 512, medians
+// of 3–4 interleaved rounds): 1 thread d = 64 1,275 → 1,209 ms, d = 128 1,183 → 1,104 ms, causal
+// 650 → 607 ms; 2 threads d = 64 746–793 → 695–725 ms, d = 128 696–730 → 649–691 ms. (6 × 2,
+// also 12 accumulators but 6 broadcasts per 12 FMAs, was no faster than 4 × 2 there.)
+constexpr int kMR = 3;
+constexpr int kNV = 4;
 #endif
 static_assert(kMR <= kMaxMR);
 // AVX-512: one score tile (kNV vectors of 16) spans a block's kBk keys, and the common softmax
