@@ -91,12 +91,8 @@ constexpr int64_t kKeyTile = 16;              // transposed keys: slots per tile
 //   NTA hints were slower than T1. With K/V already in cache (context 512, 1 thread) the extra
 //   requests cost f32 and bf16 about 15% (f32 31 → 37 ns per key and K/V head, bf16 27 → 31):
 //   decoding reads a cache that outgrows the LLC, so the loops are tuned for that. On AVX2 the far
-//   prefetches cost more than they gave (kFarBlocksHere).
+//   prefetches cost more than they gave (kFarBlocks, per target).
 constexpr int64_t kNearRows = 16;
-template <class T>
-constexpr int64_t kFarBlocks = 1;
-template <>
-constexpr int64_t kFarBlocks<int8_t> = 0;
 
 /// How the work is cut; a function of the shapes and the split count only.
 struct Plan {
@@ -172,15 +168,16 @@ using namespace decode_detail;
 
 using DF = hn::ScalableTag<float>;
 
-// The far prefetches (kFarBlocks) stay on the AVX-512 targets, where they were measured. On an
-// AVX2 Zen 1 (h=32, kv=8, d=128, context 8192 from memory, 1 thread, 3 interleaved rounds) steps
-// were 3–7% faster without them (float32 keys across lanes 9.91–10.38 → 9.46–9.77 ms, bf16 keys
-// across lanes 7.55–7.82 → 7.24–7.33 ms; int8, whose loops did not change, moved 3%: the noise),
-// and 12% faster with K/V in cache (context 512: 0.364 → 0.319 ms). Our reading: its hardware
-// prefetchers follow the two sequential streams by themselves, and the requests take issue slots
-// beside the FMAs.
+// Far prefetch distance in blocks (see the prefetching note above): one block for float32 and bf16
+// on the AVX-512 targets, where it was measured; none for int8, bound by its arithmetic; none on
+// AVX2 and below. On an AVX2 Zen 1 (h=32, kv=8, d=128, context 8192 from memory, 1 thread, 3
+// interleaved rounds) steps were 3–7% faster without them (float32 keys across lanes 9.91–10.38 →
+// 9.46–9.77 ms, bf16 keys across lanes 7.55–7.82 → 7.24–7.33 ms; int8, whose loops did not change,
+// moved 3%: the noise), and 12% faster with K/V in cache (context 512: 0.364 → 0.319 ms). Our
+// reading: its hardware prefetchers follow the two sequential streams by themselves, and the
+// requests take issue slots beside the FMAs.
 template <class T>
-constexpr int64_t kFarBlocksHere = HWY_TARGET <= HWY_AVX3 ? kFarBlocks<T> : 0;
+constexpr int64_t kFarBlocks = HWY_TARGET <= HWY_AVX3 && !std::is_same_v<T, int8_t> ? 1 : 0;
 
 HWY_INLINE hn::Vec<DF> load_row(DF df, const float* p) { return hn::LoadU(df, p); }
 HWY_INLINE hn::Vec<DF> load_row(DF df, const bf16* p) {
@@ -474,7 +471,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   int32_t klane[kTransposed ? kBlock : 1];
   const T* keys[kBlock];
   const T* vals[kBlock];
-  constexpr int64_t far_blocks = kFarBlocksHere<T>;
+  constexpr int64_t far_blocks = kFarBlocks<T>;
   const T* far_keys[kBlock];  // the rows of the block far_blocks on (null past the item's end)
   const T* far_vals[kBlock];
   const T* const* const fk = far_blocks > 0 ? far_keys : nullptr;
