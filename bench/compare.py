@@ -275,14 +275,15 @@ def anchors(a):
     runners = {} if a.no_torch else torch_runners(a)
     rows = [r for r in ANCHOR_ROWS if not a.rows or any(k in r[0] for k in a.rows)]
     cells = {}  # (row, threads, who) -> [median per round]
-    extra = {}  # (row, threads) -> mha's last JSON (fractions of the same-run peak)
+    fracs = {}  # (row, threads) -> mha's fraction of the same-run peak, per round
+    failed = {}  # ("error", row, threads, who) -> the error of a failed run
 
     def add(key, r):
         if "median_ms" in r:
             cells.setdefault(key, []).append(r["median_ms"])
         elif "error" in r:
             cells.setdefault(key, [])
-            extra.setdefault(("error",) + key, r["error"])
+            failed.setdefault(("error",) + key, r["error"])
 
     common = ["--embed-dim", str(a.embed_dim), "--heads", str(a.heads), "--repeat", str(a.repeat), "--json"]
     for rnd in range(a.rounds):
@@ -293,11 +294,17 @@ def anchors(a):
                 if label.startswith("training: core"):  # mha: core forward + core backward, summed
                     mb = run_json([a.mha, "bench"] + mha_args + ["--backward"] + common + t)
                     if "median_ms" in m and "median_ms" in mb:
-                        m = dict(m, median_ms=m["median_ms"] + mb["median_ms"], backward=mb)
+                        # The pair's fraction of the peak: each run's FLOPs over their summed time,
+                        # i.e. the two fractions weighted by time (each against its own same-run peak).
+                        tf, tb = m["median_ms"], mb["median_ms"]
+                        ff, fb = m.get("fraction_of_peak"), mb.get("fraction_of_peak")
+                        both = None if ff is None or fb is None else (ff * tf + fb * tb) / (tf + tb)
+                        m = dict(m, median_ms=tf + tb, fraction_of_peak=both, backward=mb)
                     else:
                         m = {"error": m.get("error") or mb.get("error")}
                 add((label, threads, "mha"), m)
-                extra[(label, threads)] = m
+                if isinstance(m.get("fraction_of_peak"), (int, float)):
+                    fracs.setdefault((label, threads), []).append(m["fraction_of_peak"])
                 for version, (prefix, env) in runners.items():
                     for kind in kinds:
                         anchor = [] if kind == "core" else ["--anchor", kind]
@@ -314,7 +321,9 @@ def anchors(a):
         for threads in a.thread_counts:
             m = med.get((label, threads, "mha"))
             line = [label, threads, f"{m:.1f}" if m else "n/a"]
-            frac = extra.get((label, threads), {}).get("fraction_of_peak")
+            # The median over rounds, as for the times (a round whose peak a neighbour took reads
+            # low; one run's value would be whichever round came last).
+            frac = statistics.median(fracs[(label, threads)]) if fracs.get((label, threads)) else None
             line.append(f"{frac:.2f}" if isinstance(frac, (int, float)) else "n/a")
             entry = {"row": label, "threads": threads, "mha_ms": m, "fraction_of_peak": frac, "anchors": {}}
             for w in who[1:]:
@@ -324,12 +333,13 @@ def anchors(a):
                 if t_ms:
                     entry["anchors"][w] = {"ms": t_ms, "ratio": r}
             entry["rounds"] = {w: cells.get((label, threads, w), []) for w in who}
+            entry["rounds_fraction_of_peak"] = fracs.get((label, threads), [])
             table.append(line)
             out.append(entry)
     print(f"\nanchors: E={a.embed_dim} h={a.heads} float32; medians of {a.rounds} interleaved rounds of "
           f"{a.repeat} runs; in brackets: anchor ms / mha ms (above 1: mha is faster)")
     print_table(["path", "thr", "mha ms", "mha frac. of peak"] + [f"{w} ms" for w in who[1:]], table)
-    errors = {" / ".join(map(str, k[1:])): v for k, v in extra.items() if k[0] == "error"}
+    errors = {" / ".join(map(str, k[1:])): v for k, v in failed.items() if k[0] == "error"}
     for k, v in errors.items():
         print(f"  error: {k}: {v}")
     save("anchors", {"config": config(a, "anchors", "mixed"), "rows": out, "errors": errors})
