@@ -312,8 +312,9 @@ TEST(SdpaBackwardFused, MatchesReferenceOverSweeps) {
   }
 }
 
-// 1, 2 and 3 threads, and both work schemes (one item per batch·kv-head, or per key block with a
-// second dQ pass), give bitwise the same gradients.
+// 1, 2, 3 and 5 threads, and the three work schemes they select here (an item per batch·kv-head;
+// per batch·query head with the heads' dK/dV shares summed after; per key block with a second dQ
+// pass), give bitwise the same gradients.
 TEST(SdpaBackwardFused, BitwiseIdenticalForAnyThreadCount) {
   SdpaCase big;
   big.name = "gqa_padding_dropout_causal";

@@ -18,14 +18,16 @@
 // dK/dV accumulators — come to about 180 KiB at d = 64 and 250 KiB at d = 128, so all five
 // products of a block run from L2 (1 MiB per core on the Zen 4 this project targets).
 //
-// Ownership and determinism. Work item = (batch, kv-head, key block): it owns its dK/dV rows,
-// accumulating over every query head of the group (GQA) and every query block, in order. dQ is
-// accumulated in key-block order for each query block. When B·kv offers enough parallelism, one
-// item per (batch, kv-head) walks its key blocks in order and adds into dQ directly (5 products);
-// otherwise items are (batch, kv-head, key block) for dK/dV, and a second pass over (batch, head,
-// query block) recomputes P and dS to accumulate dQ (7 products). Both schemes perform the same
-// floating-point operations in the same order per output element, so results are bitwise
-// identical for any thread count.
+// Ownership and determinism. A key block's dK/dV rows are a sum over every query head of the
+// group (GQA) of that head's share, each share summed over the query blocks in order, and the
+// shares added in head order; dQ is accumulated in key-block order for each query block. Three
+// ways to split the work (Scheme): when B·kv offers enough parallelism, one item per (batch,
+// kv-head) walks its key blocks in order and adds into dQ directly (5 products); else, with GQA,
+// one item per (batch, query head) does the same for its head and keeps its shares, summed per
+// key block afterwards; else items are (batch, kv-head, key block) for dK/dV, and a second pass
+// over (batch, head, query block) recomputes P and dS to accumulate dQ (7 products). All three
+// perform the same floating-point operations in the same order per output element, so results are
+// bitwise identical for any thread count.
 //
 // Masks: causal blocks that no (query, key) pair can see are skipped; blocks that straddle the
 // diagonal or the window edge run their products in groups of 16 rows and keys, each over only
@@ -73,7 +75,7 @@ constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512): padded r
 /// and padded copies of the block's operands and by the dK/dV accumulators.
 struct Scratch {
   int64_t s = 0, p = 0, pt = 0, cap = 0, k = 0, v = 0, kt = 0, vt = 0, kp = 0, qp = 0, dop = 0, dk = 0, dv = 0,
-          total = 0;
+          dk_head = 0, dv_head = 0, total = 0;
   int64_t ldk = 0, ldv = 0;
 };
 
@@ -96,6 +98,8 @@ inline Scratch scratch_for(const SdpaParams& f) {
   L.dop = c.take(br * L.ldv);
   L.dk = c.take(kBc * L.ldk);
   L.dv = c.take(kBc * L.ldv);
+  L.dk_head = c.take(f.group() > 1 ? kBc * L.ldk : 0);  // one query head's share of dK/dV (GQA)
+  L.dv_head = c.take(f.group() > 1 ? kBc * L.ldv : 0);
   L.total = c.total();
   return L;
 }
@@ -109,19 +113,41 @@ inline bool dense_rows(const SdpaBackwardParams& p) {
   return p.fwd.q.stride[2] != p.fwd.q.shape[3] || p.dout.stride[2] != p.dout.shape[3];
 }
 
+/// How the work is split between threads (every scheme gives the same bits: see the top of the file).
+/// - PerKvHead: an item per (batch, kv-head) walks its key blocks in order, dQ added directly
+///   (5 products per block); when B·kv offers enough items.
+/// - PerHead (GQA and MQA): an item per (batch, query head) does the same for its head alone and
+///   keeps the head's share of dK/dV; the shares are then summed over each group in head order.
+///   Without it, B=1 with kv = 1 or 2 on 2 threads took TwoPass at 0.42–0.47 of the FMA peak
+///   (against 0.72 for kv = h).
+/// - TwoPass: items (batch, kv-head, key block) for dK/dV, then (batch, head, query block) for
+///   dQ, which recompute P and dS (7 products per block).
+enum class Scheme { PerKvHead, PerHead, TwoPass };
+inline Scheme scheme_for(const SdpaParams& f) {
+  const int64_t threads = std::max(1, f.threads);
+  if (threads == 1 || f.batch() * f.kv_heads() >= 2 * threads) return Scheme::PerKvHead;
+  if (f.group() > 1 && f.batch() * f.heads() >= 2 * threads) return Scheme::PerHead;
+  return Scheme::TwoPass;
+}
+
 /// Where the shared part of the workspace lies (offsets in floats): D = rowsum(dO ∘ O) for every
 /// (batch, head, query); with dense_rows, Q and dO of every (batch, head, query) in rows of
-/// ldk / ldv floats, zero past d / d_v (the layout whole_vectors gives a block's rows).
+/// ldk / ldv floats, zero past d / d_v (the layout whole_vectors gives a block's rows); with
+/// Scheme::PerHead, each (batch, query head)'s share of dK and dV, (B, h, T_k) rows of ldk / ldv.
 struct Shared {
-  int64_t rowdot = 0, q = 0, dout = 0, total = 0;
+  int64_t rowdot = 0, q = 0, dout = 0, dk_heads = 0, dv_heads = 0, total = 0;
 };
 inline Shared shared_for(const SdpaParams& f, bool dense) {
   Shared S;
   ScratchCarver c;
-  const int64_t rows = f.batch() * f.heads() * f.t_q();
+  const int64_t rows = f.batch() * f.heads() * f.t_q(), ldk = round_up(f.d(), kMaxLanes),
+                ldv = round_up(f.d_v(), kMaxLanes);
+  const int64_t key_rows = scheme_for(f) == Scheme::PerHead ? f.batch() * f.heads() * f.t_k() : 0;
   S.rowdot = c.take(rows);
-  S.q = c.take(dense ? rows * round_up(f.d(), kMaxLanes) : 0);
-  S.dout = c.take(dense ? rows * round_up(f.d_v(), kMaxLanes) : 0);
+  S.q = c.take(dense ? rows * ldk : 0);
+  S.dout = c.take(dense ? rows * ldv : 0);
+  S.dk_heads = c.take(key_rows * ldk);
+  S.dv_heads = c.take(key_rows * ldv);
   S.total = c.total();
   return S;
 }
@@ -145,6 +171,9 @@ struct Ctx {
   // With dense_rows: Q and dO as (B, h, T_q) rows of L.ldk / L.ldv floats; else null.
   const float* dense_q = nullptr;
   const float* dense_dout = nullptr;
+  // Scheme::PerHead: each (batch, query head)'s share of dK and dV, (B, h, T_k) rows of L.ldk / L.ldv.
+  float* dk_heads = nullptr;
+  float* dv_heads = nullptr;
 };
 
 /// Q and dO into the dense rows of Shared (dense_rows), zero past d / d_v.
@@ -604,43 +633,111 @@ HWY_INLINE void prefetch_query_block(const Ctx& cx, int64_t b, int64_t h, int64_
   }
 }
 
-/// dK/dV of key block kb of (b, g), over every query head of the group and every query block;
-/// with want_dq also the dQ contributions of this key block.
-HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb, float* ws, bool want_dq) {
+/// Head h against the key block of `job` (ready: key_block) over every query block in order: its
+/// dK/dV contributions added into dk/dv (kBc rows of ldk / ldv floats), with want_dq also its dQ.
+/// After the last query block, query block 0 of head `next_h` (if ≥ 0) is asked for.
+HWY_INLINE void head_against_block(const Ctx& cx, BlockJob& job, int64_t h, int64_t next_h, float* ws, float* dk,
+                                   float* dv, bool want_dq) {
+  const int64_t Tq = cx.p->fwd.t_q();
+  for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
+    const int64_t i1 = std::min(Tq, i0 + cx.br);
+    const TileVis vis = cx.causal.tile(i0, i1, job.j0, job.j1);
+    if (vis == TileVis::None) continue;
+    job.h = h, job.i0 = i0, job.i1 = i1;
+    if (i1 < Tq)
+      prefetch_query_block(cx, job.b, h, i1, want_dq);
+    else if (next_h >= 0)
+      prefetch_query_block(cx, job.b, next_h, 0, want_dq);
+    run_block(cx, job, vis, ws, dk, dv, want_dq);
+  }
+}
+
+/// sum[i] += part[i], i < n: one query head's share of dK or dV into its group's sum. Every
+/// scheme adds the shares with this, in head order, so they give the same bits.
+HWY_INLINE void add_share(float* HWY_RESTRICT sum, const float* HWY_RESTRICT part, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) sum[i] += part[i];
+}
+
+/// dK/dV rows [j0, j1) of (b, g) from their sums (kBc rows of ldk / ldv): a key that is never read
+/// has gradient 0 even where a NaN query meets its zero dS (0·NaN in the dK product): it takes
+/// part in no product of the forward.
+HWY_INLINE void store_key_grads(const Ctx& cx, int64_t b, int64_t g, int64_t j0, int64_t j1, bool padded, float* dk_sum,
+                                float* dv_sum) {
   const SdpaBackwardParams& p = *cx.p;
   const SdpaParams& f = p.fwd;
-  const int64_t D = f.d(), Dv = f.d_v(), Tq = f.t_q(), Tk = f.t_k(), group = f.group();
-  const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
-  float* dk_acc = ws + cx.L.dk;
-  float* dv_acc = ws + cx.L.dv;
-  const int64_t ldk = cx.L.ldk, ldv = cx.L.ldv;
-  std::fill(dk_acc, dk_acc + (j1 - j0) * ldk, 0.0f);
-  std::fill(dv_acc, dv_acc + (j1 - j0) * ldv, 0.0f);
-  BlockJob job = key_block(cx, b, g, j0, j1, ws);
-  for (int64_t h = g * group; h < (g + 1) * group; ++h)
-    for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
-      const int64_t i1 = std::min(Tq, i0 + cx.br);
-      const TileVis vis = cx.causal.tile(i0, i1, j0, j1);
-      if (vis == TileVis::None) continue;
-      job.h = h, job.i0 = i0, job.i1 = i1;
-      if (i1 < Tq)
-        prefetch_query_block(cx, b, h, i1, want_dq);
-      else if (h + 1 < (g + 1) * group)
-        prefetch_query_block(cx, b, h + 1, 0, want_dq);
-      run_block(cx, job, vis, ws, dk_acc, dv_acc, want_dq);
-    }
-  // A key that is never read has gradient 0 even where a NaN query meets its zero dS (0·NaN in
-  // the dK product): it takes part in no product of the forward.
-  if (job.padded)
+  const int64_t D = f.d(), Dv = f.d_v(), ldk = cx.L.ldk, ldv = cx.L.ldv;
+  if (padded)
     for (int64_t j = j0; j < j1; ++j)
       if (key_dropped(f.masks, b, j)) {
-        std::fill(dk_acc + (j - j0) * ldk, dk_acc + (j - j0) * ldk + D, 0.0f);
-        std::fill(dv_acc + (j - j0) * ldv, dv_acc + (j - j0) * ldv + Dv, 0.0f);
+        std::fill(dk_sum + (j - j0) * ldk, dk_sum + (j - j0) * ldk + D, 0.0f);
+        std::fill(dv_sum + (j - j0) * ldv, dv_sum + (j - j0) * ldv + Dv, 0.0f);
       }
   for (int64_t j = j0; j < j1; ++j) {
-    std::memcpy(p.dk.row(b, g, j), dk_acc + (j - j0) * ldk, static_cast<size_t>(D) * sizeof(float));
-    std::memcpy(p.dv.row(b, g, j), dv_acc + (j - j0) * ldv, static_cast<size_t>(Dv) * sizeof(float));
+    std::memcpy(p.dk.row(b, g, j), dk_sum + (j - j0) * ldk, static_cast<size_t>(D) * sizeof(float));
+    std::memcpy(p.dv.row(b, g, j), dv_sum + (j - j0) * ldv, static_cast<size_t>(Dv) * sizeof(float));
   }
+}
+
+/// dK/dV of key block kb of (b, g), over every query head of the group and every query block;
+/// with want_dq also the dQ contributions of this key block. With GQA each head's share is
+/// formed on its own and then added to the group's sum (add_share), as Scheme::PerHead does.
+HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb, float* ws, bool want_dq) {
+  const SdpaParams& f = cx.p->fwd;
+  const int64_t Tk = f.t_k(), group = f.group();
+  const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
+  const int64_t ldk = cx.L.ldk, ldv = cx.L.ldv, nk = (j1 - j0) * ldk, nv = (j1 - j0) * ldv;
+  float* dk_sum = ws + cx.L.dk;
+  float* dv_sum = ws + cx.L.dv;
+  float* dk_head = group > 1 ? ws + cx.L.dk_head : dk_sum;
+  float* dv_head = group > 1 ? ws + cx.L.dv_head : dv_sum;
+  std::fill(dk_sum, dk_sum + nk, 0.0f);
+  std::fill(dv_sum, dv_sum + nv, 0.0f);
+  BlockJob job = key_block(cx, b, g, j0, j1, ws);
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+    if (group > 1) {
+      std::fill(dk_head, dk_head + nk, 0.0f);
+      std::fill(dv_head, dv_head + nv, 0.0f);
+    }
+    head_against_block(cx, job, h, h + 1 < (g + 1) * group ? h + 1 : -1, ws, dk_head, dv_head, want_dq);
+    if (group > 1) {
+      add_share(dk_sum, dk_head, nk);
+      add_share(dv_sum, dv_head, nv);
+    }
+  }
+  store_key_grads(cx, b, g, j0, j1, job.padded, dk_sum, dv_sum);
+}
+
+/// Scheme::PerHead: head h of batch b over every key block in order, dQ added directly, its share
+/// of each key block's dK/dV kept in cx.dk_heads / dv_heads for sum_head_shares.
+HWY_NOINLINE void head_item(const Ctx& cx, int64_t b, int64_t h, float* ws) {
+  const SdpaParams& f = cx.p->fwd;
+  const int64_t Tk = f.t_k(), g = h / f.group(), ldk = cx.L.ldk, ldv = cx.L.ldv;
+  for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {
+    const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
+    float* dk = cx.dk_heads + ((b * f.heads() + h) * Tk + j0) * ldk;
+    float* dv = cx.dv_heads + ((b * f.heads() + h) * Tk + j0) * ldv;
+    std::fill(dk, dk + (j1 - j0) * ldk, 0.0f);
+    std::fill(dv, dv + (j1 - j0) * ldv, 0.0f);
+    BlockJob job = key_block(cx, b, g, j0, j1, ws);
+    head_against_block(cx, job, h, kb + 1 < cx.n_kblocks ? h : -1, ws, dk, dv, true);
+  }
+}
+
+/// Scheme::PerHead, after every head_item: dK/dV of key block kb of (b, g), the group's shares
+/// added in head order.
+HWY_NOINLINE void sum_head_shares(const Ctx& cx, int64_t b, int64_t g, int64_t kb, float* ws) {
+  const SdpaParams& f = cx.p->fwd;
+  const int64_t Tk = f.t_k(), group = f.group(), ldk = cx.L.ldk, ldv = cx.L.ldv;
+  const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc), nk = (j1 - j0) * ldk, nv = (j1 - j0) * ldv;
+  float* dk_sum = ws + cx.L.dk;
+  float* dv_sum = ws + cx.L.dv;
+  std::fill(dk_sum, dk_sum + nk, 0.0f);
+  std::fill(dv_sum, dv_sum + nv, 0.0f);
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+    add_share(dk_sum, cx.dk_heads + ((b * f.heads() + h) * Tk + j0) * ldk, nk);
+    add_share(dv_sum, cx.dv_heads + ((b * f.heads() + h) * Tk + j0) * ldv, nv);
+  }
+  store_key_grads(cx, b, g, j0, j1, has_padding(f, b, j0, j1), dk_sum, dv_sum);
 }
 
 /// dQ of query block qb of (b, h), walking the key blocks in order (the second-pass scheme).
@@ -704,12 +801,25 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t i = 0; i < Tq; ++i) std::fill(p.dq.row(bh / H, bh % H, i), p.dq.row(bh / H, bh % H, i) + D, 0.0f);
 
-  if (B * KV >= 2 * threads || threads == 1) {
+  const Scheme scheme = scheme_for(f);
+  if (scheme == Scheme::PerKvHead) {
     // One item per (batch, kv-head): key blocks in order, dQ added directly (5 products).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < B * KV; ++item) {
       float* ws = plan.thread_part(workspace, omp_get_thread_num());
       for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) key_block_item(cx, item / KV, item % KV, kb, ws, true);
+    }
+  } else if (scheme == Scheme::PerHead) {
+    // One item per (batch, query head), then dK/dV per (batch, kv-head, key block) from the shares.
+    cx.dk_heads = plan.shared_part(workspace) + shared.dk_heads;
+    cx.dv_heads = plan.shared_part(workspace) + shared.dv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t item = 0; item < B * H; ++item)
+      head_item(cx, item / H, item % H, plan.thread_part(workspace, omp_get_thread_num()));
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t item = 0; item < B * KV * cx.n_kblocks; ++item) {
+      const int64_t bg = item / cx.n_kblocks;
+      sum_head_shares(cx, bg / KV, bg % KV, item % cx.n_kblocks, plan.thread_part(workspace, omp_get_thread_num()));
     }
   } else {
     // Items (batch, kv-head, key block) for dK/dV, then (batch, head, query block) for dQ.
