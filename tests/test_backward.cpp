@@ -456,8 +456,9 @@ bool same_bits(View4<float> got, const Tensor& want) {
 // The fused backward copies Q, dO and K rows that are not dense (a few KiB apart, they thrash a
 // handful of cache sets) before its products, Q and dO once per call: the gradients must keep the
 // contiguous call's bits, for whole-vector and padded head dims, causal and masked blocks, with
-// the outputs strided too, in both work schemes (1 thread: an item per (batch, kv-head); 3
-// threads here: items per key block, then dQ per query block).
+// the outputs strided too, in the three work schemes (at B=2, h=4, kv=2: 1 thread an item per
+// (batch, kv-head), 3 threads per (batch, query head), 5 threads per key block and then dQ per
+// query block).
 TEST(SdpaBackwardFused, InterleavedHeadRowsGiveTheBitsOfContiguousOnes) {
   for (int64_t d : {64, 24})
     for (bool causal : {false, true}) {
@@ -477,7 +478,7 @@ TEST(SdpaBackwardFused, InterleavedHeadRowsGiveTheBitsOfContiguousOnes) {
       const View4<float> ov = interleaved_heads(fwd.out, o), dov = interleaved_heads(s.dout, dout);
       const SdpaGrads grads{
           interleaved_heads(want.dq, dq), interleaved_heads(want.dk, dk), interleaved_heads(want.dv, dv), {}};
-      for (int threads : {1, 3}) {
+      for (int threads : {1, 3, 5}) {
         SCOPED_TRACE(::testing::Message() << threads << " threads");
         opt.threads = threads;
         sdpa_backward(View4<const float>(qv), View4<const float>(kv), View4<const float>(vv), View4<const float>(ov),

@@ -880,8 +880,10 @@ void sdpa_backward_fused(const SdpaBackwardParams& p, float* workspace) {
   MHA_DASSERT(workspace != nullptr);
   if (p.fwd.varlen.defined()) {
     // A packed batch: one sequence after another, each with every thread (its items are its own
-    // key blocks). The whole request's workspace covers any one sequence's: D has a row for
-    // every packed query and the per-thread scratch depends on d and d_v only.
+    // key blocks). The whole request's workspace covers any one sequence's: each sequence has the
+    // request's B = 1, heads, d, d_v, strides and threads (so the same dense_rows and Scheme),
+    // its shared part grows with T_q and T_k only, and the per-thread scratch does not depend on
+    // them.
     const auto fn = HWY_DYNAMIC_DISPATCH(bwd::backward_f32);
     for_each_sequence_backward(p, [&](const SdpaBackwardParams& r) { fn(r, workspace); });
     return;
