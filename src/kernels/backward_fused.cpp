@@ -152,6 +152,11 @@ inline Shared shared_for(const SdpaParams& f, bool dense) {
   return S;
 }
 
+/// Row i of (batch b, head h) in a (B, h, rows) array: the layout of every region of Shared.
+inline int64_t head_row(const SdpaParams& f, int64_t b, int64_t h, int64_t rows, int64_t i) {
+  return (b * f.heads() + h) * rows + i;
+}
+
 /// The whole workspace: the Shared part, then one Scratch per thread.
 inline WorkspacePlan workspace_plan(const SdpaParams& f, bool dense) {
   return {shared_for(f, dense).total, scratch_for(f).total, std::max(1, f.threads)};
@@ -443,11 +448,11 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   // Q and dO rows of the block, dense (the call's copy, dense_rows, or whole_vectors): the A
   // operands of S and dP̃, the B operands of dK and dV.
   int64_t ldq = cx.L.ldk, lddo = cx.L.ldv;
-  const int64_t dense_at = (job.b * f.heads() + job.h) * f.t_q() + job.i0;
-  const float* q = cx.dense_q ? cx.dense_q + dense_at * ldq
+  const int64_t row0 = head_row(f, job.b, job.h, f.t_q(), job.i0);  // in rowdot and the dense rows
+  const float* q = cx.dense_q ? cx.dense_q + row0 * ldq
                               : whole_vectors(f.q.as<float>().row(job.b, job.h, job.i0), f.q.stride[2], nr, D,
                                               ws + cx.L.qp, cx.L.ldk, &ldq);
-  const float* dout = cx.dense_dout ? cx.dense_dout + dense_at * lddo
+  const float* dout = cx.dense_dout ? cx.dense_dout + row0 * lddo
                                     : whole_vectors(p.dout.row(job.b, job.h, job.i0), p.dout.stride[2], nr, Dv,
                                                     ws + cx.L.dop, cx.L.ldv, &lddo);
   float lse[64];
@@ -545,7 +550,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     }
   }
   // Softmax backward: dS = P ∘ (dP − D) (into s: P̃ has been used).
-  score_grads(prob, pt, cx.rowdot + (job.b * f.heads() + job.h) * f.t_q() + job.i0, nr, cols, s);
+  score_grads(prob, pt, cx.rowdot + row0, nr, cols, s);
   // Softcap: s = c·tanh(t/c)  ⇒  dT = dS ∘ (1 − tanh²(t/c)), the gradient the products need.
   if (f.edits.capped())
     for (int64_t r = 0; r < nr; ++r)
@@ -620,11 +625,11 @@ HWY_INLINE void prefetch_query_block(const Ctx& cx, int64_t b, int64_t h, int64_
   const int64_t rows = std::min(cx.br, f.t_q() - i0);
   const int64_t qbytes = f.d() * static_cast<int64_t>(sizeof(float)),
                 obytes = f.d_v() * static_cast<int64_t>(sizeof(float));
-  const int64_t dense_at = (b * f.heads() + h) * f.t_q() + i0;
+  const int64_t row0 = head_row(f, b, h, f.t_q(), i0);
   for (int64_t r = 0; r < rows; ++r) {
     if (cx.dense_q) {  // the rows the block's products read
-      prefetch_bytes<2>(cx.dense_q + (dense_at + r) * cx.L.ldk, 0, qbytes);
-      prefetch_bytes<2>(cx.dense_dout + (dense_at + r) * cx.L.ldv, 0, obytes);
+      prefetch_bytes<2>(cx.dense_q + (row0 + r) * cx.L.ldk, 0, qbytes);
+      prefetch_bytes<2>(cx.dense_dout + (row0 + r) * cx.L.ldv, 0, obytes);
     } else {
       prefetch_bytes<2>(f.q.as<float>().row(b, h, i0 + r), 0, qbytes);
       prefetch_bytes<2>(p.dout.row(b, h, i0 + r), 0, obytes);
@@ -714,8 +719,8 @@ HWY_NOINLINE void head_item(const Ctx& cx, int64_t b, int64_t h, float* ws) {
   const int64_t Tk = f.t_k(), g = h / f.group(), ldk = cx.L.ldk, ldv = cx.L.ldv;
   for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {
     const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
-    float* dk = cx.dk_heads + ((b * f.heads() + h) * Tk + j0) * ldk;
-    float* dv = cx.dv_heads + ((b * f.heads() + h) * Tk + j0) * ldv;
+    float* dk = cx.dk_heads + head_row(f, b, h, Tk, j0) * ldk;
+    float* dv = cx.dv_heads + head_row(f, b, h, Tk, j0) * ldv;
     std::fill(dk, dk + (j1 - j0) * ldk, 0.0f);
     std::fill(dv, dv + (j1 - j0) * ldv, 0.0f);
     BlockJob job = key_block(cx, b, g, j0, j1, ws);
@@ -734,8 +739,8 @@ HWY_NOINLINE void sum_head_shares(const Ctx& cx, int64_t b, int64_t g, int64_t k
   std::fill(dk_sum, dk_sum + nk, 0.0f);
   std::fill(dv_sum, dv_sum + nv, 0.0f);
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-    add_share(dk_sum, cx.dk_heads + ((b * f.heads() + h) * Tk + j0) * ldk, nk);
-    add_share(dv_sum, cx.dv_heads + ((b * f.heads() + h) * Tk + j0) * ldv, nv);
+    add_share(dk_sum, cx.dk_heads + head_row(f, b, h, Tk, j0) * ldk, nk);
+    add_share(dv_sum, cx.dv_heads + head_row(f, b, h, Tk, j0) * ldv, nv);
   }
   store_key_grads(cx, b, g, j0, j1, has_padding(f, b, j0, j1), dk_sum, dv_sum);
 }
