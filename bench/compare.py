@@ -276,14 +276,14 @@ def anchors(a):
     rows = [r for r in ANCHOR_ROWS if not a.rows or any(k in r[0] for k in a.rows)]
     cells = {}  # (row, threads, who) -> [median per round]
     fracs = {}  # (row, threads) -> mha's fraction of the same-run peak, per round
-    failed = {}  # ("error", row, threads, who) -> the error of a failed run
+    failed = {}  # (row, threads, who) -> the error of a failed run
 
     def add(key, r):
         if "median_ms" in r:
             cells.setdefault(key, []).append(r["median_ms"])
         elif "error" in r:
             cells.setdefault(key, [])
-            failed.setdefault(("error",) + key, r["error"])
+            failed.setdefault(key, r["error"])
 
     common = ["--embed-dim", str(a.embed_dim), "--heads", str(a.heads), "--repeat", str(a.repeat), "--json"]
     for rnd in range(a.rounds):
@@ -339,7 +339,7 @@ def anchors(a):
     print(f"\nanchors: E={a.embed_dim} h={a.heads} float32; medians of {a.rounds} interleaved rounds of "
           f"{a.repeat} runs; in brackets: anchor ms / mha ms (above 1: mha is faster)")
     print_table(["path", "thr", "mha ms", "mha frac. of peak"] + [f"{w} ms" for w in who[1:]], table)
-    errors = {" / ".join(map(str, k[1:])): v for k, v in failed.items() if k[0] == "error"}
+    errors = {" / ".join(map(str, k)): v for k, v in failed.items()}
     for k, v in errors.items():
         print(f"  error: {k}: {v}")
     save("anchors", {"config": config(a, "anchors", "mixed"), "rows": out, "errors": errors})
