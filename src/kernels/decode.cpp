@@ -19,7 +19,8 @@
 // computed by one thread start to finish, so results are bitwise the same for any thread count.
 // Cost, measured on the 2-core Zen machine (h=32, kv=8, d=128): per core a step takes about the
 // arithmetic time with K/V in cache (≈ 31 ns per key and K/V head for f32, 24 for bf16) plus the
-// time to stream the rows from memory; prefetching (below) narrows that sum but does not hide it.
+// time to stream the rows from memory; prefetching (below) narrows that sum by asking for rows
+// while the arithmetic runs (on AVX2 each loop asks for what the other will read next).
 // Items are handed out dynamically: which thread takes an item cannot change its result, and a
 // thread that the OS preempts (a shared machine) no longer holds back a fixed half of the work.
 //
@@ -178,6 +179,36 @@ using DF = hn::ScalableTag<float>;
 // requests take issue slots beside the FMAs.
 template <class T>
 constexpr int64_t kFarBlocks = HWY_TARGET <= HWY_AVX3 && !std::is_same_v<T, int8_t> ? 1 : 0;
+// Where there are no far prefetches (AVX2 and below): each loop asks for the rows the *other* loop
+// will read next, so that memory streams while the arithmetic runs. Without it a block's P·V
+// started by pulling its V rows from memory in a burst (the near prefetches of its first column
+// pass run far ahead of 8 FMAs a key), with nothing to compute meanwhile: a step took about the
+// arithmetic time plus the streaming time. Now:
+// - the score loop asks for the block's V rows into L2, next to its K rows;
+// - for float32 the P·V loop asks for the next block's K rows into L2, a line per key in each
+//   column pass (each line once over the passes: a whole row per key in the first pass was slower
+//   than nothing). bf16 and int8 rows, widened before their FMAs, are bound more by the arithmetic:
+//   there the extra requests cost more than they gave, and only the first kind is kept.
+// Measured on a Zen 1 (h=32, kv=8, d=128, context 8192 from memory, 3 interleaved rounds, best
+// step of 10, a neighbour loading the machine): 1 thread float32 10.0–11.0 → 7.5–8.1 ms (0.53–0.59
+// → 0.70–0.77 of the same-run read bandwidth), keys across lanes 9.7–10.0 → 6.9–7.4, bf16 7.5–7.6
+// → 6.3–6.7, int8 6.9–7.1 → 6.3–6.6; 2 threads float32 5.5–6.2 → 4.2–4.6 ms, keys across lanes
+// 4.9–5.3 → 4.0–4.1.
+template <class T>
+constexpr bool kValuesDuringScores = kFarBlocks<T> == 0 && HWY_TARGET > HWY_AVX3;
+template <class T>
+constexpr bool kNextKeysDuringValues = kValuesDuringScores<T>&& std::is_same_v<T, float>;
+
+/// Rows to ask for into L2 (a T1 hint) alongside a loop over a block's keys: with key j, `bytes`
+/// of rows[j] (null: none). per_key (transposed scores): rows[j] starts the rows of a run of keys
+/// in one tile, `bytes` each. spread (the P·V loop): in each column pass only the lines under the
+/// pass's columns, instead of the whole row in the first pass.
+template <class T>
+struct FarRows {
+  const T* const* rows = nullptr;
+  int64_t bytes = 0;
+  bool per_key = false, spread = false;
+};
 
 HWY_INLINE hn::Vec<DF> load_row(DF df, const float* p) { return hn::LoadU(df, p); }
 HWY_INLINE hn::Vec<DF> load_row(DF df, const bf16* p) {
@@ -228,8 +259,8 @@ constexpr int64_t row_bytes(int64_t n) {
 /// Scores of rows [r0, r0 + NR) against keys [j0, j0 + NK) of the block: sc[r][j] = q_r · k_j
 /// (q pre-scaled). With NR·NK = L the sums are reduced as one tile.
 template <int NR, int NK, class T>
-HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, const T* const* far, int64_t j0,
-                           int64_t r0, float* sc) {
+HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, FarRows<T> far, int64_t j0, int64_t r0,
+                           float* sc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   const int64_t dv = d / L * L;
@@ -238,7 +269,7 @@ HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, con
   if (r0 == 0)  // the first row tile passes over the keys first
     for (int k = 0; k < NK; ++k) {
       prefetch_bytes<3>(keys[j0 + k], kNearRows * row_bytes<T>(d), row_bytes<T>(d));
-      if (far && far[j0 + k]) prefetch_bytes<2>(far[j0 + k], 0, row_bytes<T>(d));
+      if (far.rows && far.rows[j0 + k]) prefetch_bytes<2>(far.rows[j0 + k], 0, far.bytes);
     }
   for (int64_t c = 0; c < dv; c += L) {
     hn::Vec<DF> kv[NK];
@@ -266,11 +297,10 @@ HWY_INLINE void score_tile(const float* qs, int64_t d, const T* const* keys, con
     }
 }
 
-/// Scores of rows [r0, r0 + NR) against the block's `nb` keys; far[j] (if far is set and far[j]
-/// is not null) is the row to prefetch into L2 along with key j.
+/// Scores of rows [r0, r0 + NR) against the block's `nb` keys, asking for `far` along with them.
 template <int NR, class T>
-HWY_INLINE void score_rows(const float* qs, int64_t d, const T* const* keys, const T* const* far, int64_t nb,
-                           int64_t r0, float* sc) {
+HWY_INLINE void score_rows(const float* qs, int64_t d, const T* const* keys, FarRows<T> far, int64_t nb, int64_t r0,
+                           float* sc) {
   constexpr int NK = kLanes / NR;
   int64_t j = 0;
   for (; j + NK <= nb; j += NK) score_tile<NR, NK>(qs, d, keys, far, j, r0, sc);
@@ -279,8 +309,8 @@ HWY_INLINE void score_rows(const float* qs, int64_t d, const T* const* keys, con
 
 /// acc_r = acc_r · corr_r + Σ_j P[r][j] · v_j for rows [r0, r0 + NR), columns [c0, c0 + NC·L).
 template <int NR, int NC, class T>
-HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* const* vals, const T* const* far,
-                                int64_t nb, int64_t d_v, int64_t r0, int64_t c0, float* acc) {
+HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* const* vals, FarRows<T> far, int64_t nb,
+                                int64_t d_v, int64_t r0, int64_t c0, float* acc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   hn::Vec<DF> a[NR * NC];
@@ -291,7 +321,12 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
   for (int64_t j = 0; j < nb; ++j) {
     if (r0 == 0 && c0 == 0) {  // the first tile to pass over V
       prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));
-      if (far && far[j]) prefetch_bytes<2>(far[j], 0, row_bytes<T>(d_v));
+      if (!far.spread && far.rows && far.rows[j]) prefetch_bytes<2>(far.rows[j], 0, far.bytes);
+    }
+    if (far.spread && r0 == 0 && far.rows[j]) {  // the lines that start under columns [c0, c0 + NC·L)
+      const int64_t end = std::min(far.bytes, row_bytes<T>(c0 + NC * L));
+      for (int64_t b = (row_bytes<T>(c0) + 63) / 64 * 64; b < end; b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(far.rows[j]) + b, 0, 2);
     }
     hn::Vec<DF> vv[NC];
     for (int i = 0; i < NC; ++i) vv[i] = load_row(df, vals[j] + c0 + i * L);
@@ -304,10 +339,10 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
     for (int i = 0; i < NC; ++i) hn::StoreU(a[r * NC + i], df, acc + (r0 + r) * d_v + c0 + i * L);
 }
 
-/// The P·V update of rows [r0, r0 + NR) over all of d_v; far as in score_rows, for the V rows.
+/// The P·V update of rows [r0, r0 + NR) over all of d_v, asking for `far` along with the keys.
 template <int NR, class T>
-HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* const* vals, const T* const* far,
-                                int64_t nb, int64_t d_v, int64_t r0, float* acc) {
+HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* const* vals, FarRows<T> far, int64_t nb,
+                                int64_t d_v, int64_t r0, float* acc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   constexpr int NC = kLanes / NR >= 4 ? 4 : kLanes / NR;
@@ -333,10 +368,11 @@ constexpr int kTileRowsT = kTileVecs >= 4 ? 2 : 4;  // rows per transposed score
 
 /// out[r][0 … kKeyTile) = q_{r0+r} · key of lane i of `tile`, r < NR. With `ahead`, asks a few
 /// lines per channel step for the next tile in memory into L1 (the row layout's kNearRows ahead;
-/// past the last tile a prefetch only, never a read) and for `far` (if set) into L2 (kFarBlocks on).
+/// past the last tile a prefetch only, never a read) and for the first far_bytes of `far` (if
+/// set) into L2, at the same pace (so at most the tile's own size).
 template <int NR, class T>
-HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile, bool ahead, const T* far, int64_t r0,
-                                      float* out, int64_t ld_out) {
+HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile, bool ahead, const T* far,
+                                      int64_t far_bytes, int64_t r0, float* out, int64_t ld_out) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   constexpr int64_t kColBytes = kKeyTile * static_cast<int64_t>(sizeof(T)), kPrefetchEvery = 256 / kColBytes;
@@ -346,7 +382,7 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
     const T* col = tile + c * kKeyTile;
     if (ahead && c % kPrefetchEvery == 0) {               // 256 bytes (4 lines) every few channels
       prefetch_bytes<3>(tile, (d + c) * kColBytes, 256);  // the next tile starts d columns on
-      if (far) prefetch_bytes<2>(far, c * kColBytes, 256);
+      if (far && c * kColBytes < far_bytes) prefetch_bytes<2>(far, c * kColBytes, 256);
     }
     hn::Vec<DF> kv[kTileVecs];
     for (int i = 0; i < kTileVecs; ++i) kv[i] = load_row(df, col + i * L);
@@ -360,24 +396,26 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
 }
 
 /// Scores of every row against the block's nb keys in transposed tiles: key j lies in lane
-/// lane[j] of the tile at tile[j]; far[j] (if far is set; may be null) is the tile kFarBlocks
-/// blocks on. Runs of keys in consecutive lanes of one tile take one tile score each; a whole
-/// tile lands in sc directly, a part through `tmp` (rows × kKeyTile).
+/// lane[j] of the tile at tile[j]; `far` is asked for along with them (far.rows[j] for the run
+/// that starts at key j: the tile kFarBlocks blocks on, or with per_key the run's V rows).
+/// Runs of keys in consecutive lanes of one tile take one tile score each; a whole tile lands in
+/// sc directly, a part through `tmp` (rows × kKeyTile).
 template <class T>
 HWY_NOINLINE void score_block_transposed(const float* qs, int64_t rows, int64_t d, const T* const* tile,
-                                         const int32_t* lane, const T* const* far, int64_t nb, float* tmp, float* sc) {
+                                         const int32_t* lane, FarRows<T> far, int64_t nb, float* tmp, float* sc) {
   for (int64_t j = 0; j < nb;) {
     const int64_t lane0 = lane[j];
     int64_t n = 1;
     while (j + n < nb && tile[j + n] == tile[j] && lane[j + n] == lane0 + n) ++n;
-    const T* far_tile = far ? far[j] : nullptr;
+    const T* far_tile = far.rows ? far.rows[j] : nullptr;
+    const int64_t far_bytes = far.per_key ? n * far.bytes : far.bytes;
     const bool whole = lane0 == 0 && n == kKeyTile;
     float* out = whole ? sc + j : tmp;
     const int64_t ld = whole ? kBlock : kKeyTile;
     int64_t r = 0;
     for (; r + kTileRowsT <= rows; r += kTileRowsT)
-      score_tile_transposed<kTileRowsT>(qs, d, tile[j], r == 0, far_tile, r, out + r * ld, ld);
-    for (; r < rows; ++r) score_tile_transposed<1>(qs, d, tile[j], r == 0, far_tile, r, out + r * ld, ld);
+      score_tile_transposed<kTileRowsT>(qs, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
+    for (; r < rows; ++r) score_tile_transposed<1>(qs, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
     if (!whole)
       for (int64_t rr = 0; rr < rows; ++rr)
         std::copy(tmp + rr * kKeyTile + lane0, tmp + rr * kKeyTile + lane0 + n, sc + rr * kBlock + j);
@@ -390,11 +428,10 @@ HWY_NOINLINE void score_block_transposed(const float* qs, int64_t rows, int64_t 
 /// then the score tiles over that run. Its own function: inlined into decode_item_of, GCC kept
 /// the score tiles' accumulators in memory (the per-channel step ran 50% slower than per-token).
 HWY_NOINLINE void score_block_channels(const float* qs, float* qg, int64_t rows, int64_t d, const int8_t* const* keys,
-                                       int64_t nb, int64_t p0, int64_t key_group, const float* group_scales,
-                                       float* sc) {
+                                       FarRows<int8_t> far, int64_t nb, int64_t p0, int64_t key_group,
+                                       const float* group_scales, float* sc) {
   const DF df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
-  const int8_t* const* const kNoFar = nullptr;  // int8 keeps no far prefetch (kFarBlocks)
   for (int64_t j0 = 0; j0 < nb;) {
     const int64_t group = (p0 + j0) / key_group, n = std::min(nb, (group + 1) * key_group - p0) - j0;
     const float* scale = group_scales + group * d;
@@ -406,8 +443,9 @@ HWY_NOINLINE void score_block_channels(const float* qs, float* qg, int64_t rows,
       for (; x < d; ++x) gr[x] = qr[x] * scale[x];
     }
     int64_t r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qg, d, keys + j0, kNoFar, n, r, sc + j0);
-    for (; r < rows; ++r) score_rows<1>(qg, d, keys + j0, kNoFar, n, r, sc + j0);
+    const FarRows<int8_t> run_far{far.rows ? far.rows + j0 : nullptr, far.bytes};
+    for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qg, d, keys + j0, run_far, n, r, sc + j0);
+    for (; r < rows; ++r) score_rows<1>(qg, d, keys + j0, run_far, n, r, sc + j0);
     j0 += n;
   }
 }
@@ -474,8 +512,15 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   constexpr int64_t far_blocks = kFarBlocks<T>;
   const T* far_keys[kBlock];  // the rows of the block far_blocks on (null past the item's end)
   const T* far_vals[kBlock];
-  const T* const* const fk = far_blocks > 0 ? far_keys : nullptr;
-  const T* const* const fv = far_blocks > 0 ? far_vals : nullptr;
+  const T* next_keys[kNextKeysDuringValues<T> ? kBlock : 1];  // the next block's K rows (transposed: row-sized parts of
+                                                              // its tiles)
+  FarRows<T> score_far, value_far;                            // what the score and P·V loops ask for into L2
+  if constexpr (far_blocks > 0) {
+    score_far = {kTransposed ? far_ktile : far_keys, row_bytes<T>(kTransposed ? kKeyTile * d : d)};
+    value_far = {far_vals, row_bytes<T>(d_v)};
+  }
+  if constexpr (kValuesDuringScores<T>) score_far = {vals, row_bytes<T>(d_v), kTransposed};
+  if constexpr (kNextKeysDuringValues<T>) value_far = {next_keys, row_bytes<T>(d), false, true};
   if constexpr (far_blocks > 0)  // the first blocks have no earlier block to be asked for in
     for (int64_t pos = it.lo; pos < std::min(it.hi, it.lo + far_blocks * kBlock); ++pos) {
       const Place at = place_of(pos);
@@ -530,14 +575,28 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
         far_vals[j] = row < 0 ? nullptr : vpool + row * d_v;
       }
     }
+    if constexpr (kNextKeysDuringValues<T>)
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int64_t pos = p0 + kBlock + j;
+        if (pos >= it.hi) {
+          next_keys[j] = nullptr;
+          continue;
+        }
+        const Place at = place_of(pos);
+        int32_t lane = 0;
+        if constexpr (kTransposed)
+          next_keys[j] = key_tile(at, &lane) + lane * d;
+        else
+          next_keys[j] = kpool + row_at(at) * d;
+      }
     int64_t r = 0;
     if constexpr (kChannelKeys) {
-      score_block_channels(qs, qg, rows, d, keys, nb, p0, key_group, group_scales, sc);
+      score_block_channels(qs, qg, rows, d, keys, score_far, nb, p0, key_group, group_scales, sc);
     } else if constexpr (kTransposed) {
-      score_block_transposed(qs, rows, d, ktile, klane, far_blocks > 0 ? far_ktile : nullptr, nb, tile_tmp, sc);
+      score_block_transposed(qs, rows, d, ktile, klane, score_far, nb, tile_tmp, sc);
     } else {
-      for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, fk, nb, r, sc);
-      for (; r < rows; ++r) score_rows<1>(qs, d, keys, fk, nb, r, sc);
+      for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, score_far, nb, r, sc);
+      for (; r < rows; ++r) score_rows<1>(qs, d, keys, score_far, nb, r, sc);
     }
     // Causal / window masks, only where the block is not visible to every row.
     const bool all_visible = causal.tile(q_first, q_last + 1, p0, p0 + nb) == TileVis::All;
@@ -600,8 +659,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       m[rr] = m_new;
     }
     r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows) accumulate_rows<kTileRows>(sc, corr, vals, fv, nb, d_v, r, acc);
-    for (; r < rows; ++r) accumulate_rows<1>(sc, corr, vals, fv, nb, d_v, r, acc);
+    for (; r + kTileRows <= rows; r += kTileRows)
+      accumulate_rows<kTileRows>(sc, corr, vals, value_far, nb, d_v, r, acc);
+    for (; r < rows; ++r) accumulate_rows<1>(sc, corr, vals, value_far, nb, d_v, r, acc);
   }
 }
 
