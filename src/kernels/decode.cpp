@@ -189,11 +189,12 @@ constexpr int64_t kFarBlocks = HWY_TARGET <= HWY_AVX3 && !std::is_same_v<T, int8
 //   column pass (each line once over the passes: a whole row per key in the first pass was slower
 //   than nothing). bf16 and int8 rows, widened before their FMAs, are bound more by the arithmetic:
 //   there the extra requests cost more than they gave, and only the first kind is kept.
-// Measured on a Zen 1 (h=32, kv=8, d=128, context 8192 from memory, 3 interleaved rounds, best
-// step of 10, a neighbour loading the machine): 1 thread float32 10.0–11.0 → 7.5–8.1 ms (0.53–0.59
-// → 0.70–0.77 of the same-run read bandwidth), keys across lanes 9.7–10.0 → 6.9–7.4, bf16 7.5–7.6
-// → 6.3–6.7, int8 6.9–7.1 → 6.3–6.6; 2 threads float32 5.5–6.2 → 4.2–4.6 ms, keys across lanes
-// 4.9–5.3 → 4.0–4.1.
+// Measured on a Zen 1 (h=32, kv=8, d=128, context 8192 from memory, medians of 3 interleaved
+// rounds of the best of 20 steps, a neighbour loading the machine; the fraction is of the same-run
+// read bandwidth): 1 thread float32 9.75 → 7.47 ms (0.56 → 0.76), keys across lanes 9.01 → 6.73
+// (0.61 → 0.84), bf16 6.58 → 5.98, bf16 keys across lanes 6.70 → 5.78; 2 threads float32 5.68 →
+// 4.46 (0.57 → 0.73), keys across lanes 5.24 → 3.95 (0.60 → 0.84), bf16 3.82 → 3.28; int8 2–5%
+// (bench/results/decode_zen1_phase_prefetch_2026-12-03.jsonl).
 template <class T>
 constexpr bool kValuesDuringScores = kFarBlocks<T> == 0 && HWY_TARGET > HWY_AVX3;
 template <class T>
