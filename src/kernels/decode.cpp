@@ -20,7 +20,8 @@
 // Cost, measured on the 2-core Zen machine (h=32, kv=8, d=128): per core a step takes about the
 // arithmetic time with K/V in cache (≈ 31 ns per key and K/V head for f32, 24 for bf16) plus the
 // time to stream the rows from memory; prefetching (below) narrows that sum by asking for rows
-// while the arithmetic runs (on AVX2 each loop asks for what the other will read next).
+// while the arithmetic runs (on AVX2 the score loop asks for the block's V rows and, for float32,
+// the P·V loop for the next block's K rows).
 // Items are handed out dynamically: which thread takes an item cannot change its result, and a
 // thread that the OS preempts (a shared machine) no longer holds back a fixed half of the work.
 //
@@ -185,10 +186,11 @@ constexpr int64_t kFarBlocks = HWY_TARGET <= HWY_AVX3 && !std::is_same_v<T, int8
 // pass run far ahead of 8 FMAs a key), with nothing to compute meanwhile: a step took about the
 // arithmetic time plus the streaming time. Now:
 // - the score loop asks for the block's V rows into L2, next to its K rows;
-// - for float32 the P·V loop asks for the next block's K rows into L2, a line per key in each
-//   column pass (each line once over the passes: a whole row per key in the first pass was slower
-//   than nothing). bf16 and int8 rows, widened before their FMAs, are bound more by the arithmetic:
-//   there the extra requests cost more than they gave, and only the first kind is kept.
+// - for float32 the P·V loop asks for the next block's K rows into L2, spread over its column
+//   passes: each pass the lines under its columns (one line per key at d = 128 with ≥ 4 query
+//   rows), each line once (a whole row per key in the first pass was slower than nothing).
+//   bf16 and int8 rows, widened before their FMAs, are bound more by the arithmetic: there the
+//   extra requests cost more than they gave, and only the first kind is kept.
 // Measured on a Zen 1 (h=32, kv=8, d=128, context 8192 from memory, medians of 3 interleaved
 // rounds of the best of 20 steps, a neighbour loading the machine; the fraction is of the same-run
 // read bandwidth): 1 thread float32 9.75 → 7.47 ms (0.56 → 0.76), keys across lanes 9.01 → 6.73
@@ -319,16 +321,18 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
     const auto cv = hn::Set(df, corr[r0 + r]);
     for (int i = 0; i < NC; ++i) a[r * NC + i] = hn::Mul(hn::LoadU(df, acc + (r0 + r) * d_v + c0 + i * L), cv);
   }
+  // Spread: this pass asks for the lines at bytes [b0, b1) of each far row, those under its
+  // columns (the last pass to the row's end, for a far row longer than d_v): each line once over
+  // the passes, counted from the row's start (a row that does not start a line may miss its last).
+  const int64_t b0 = (row_bytes<T>(c0) + 63) / 64 * 64;
+  const int64_t b1 = c0 + NC * L >= d_v / L * L ? far.bytes : std::min(far.bytes, row_bytes<T>(c0 + NC * L));
   for (int64_t j = 0; j < nb; ++j) {
     if (r0 == 0 && c0 == 0) {  // the first tile to pass over V
       prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));
       if (!far.spread && far.rows && far.rows[j]) prefetch_bytes<2>(far.rows[j], 0, far.bytes);
     }
-    if (far.spread && r0 == 0 && far.rows[j]) {  // the lines that start under columns [c0, c0 + NC·L)
-      const int64_t end = std::min(far.bytes, row_bytes<T>(c0 + NC * L));
-      for (int64_t b = (row_bytes<T>(c0) + 63) / 64 * 64; b < end; b += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(far.rows[j]) + b, 0, 2);
-    }
+    if (far.spread && r0 == 0 && far.rows[j])
+      for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(far.rows[j]) + b, 0, 2);
     hn::Vec<DF> vv[NC];
     for (int i = 0; i < NC; ++i) vv[i] = load_row(df, vals[j] + c0 + i * L);
     for (int r = 0; r < NR; ++r) {
