@@ -515,17 +515,19 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   const T* keys[kBlock];
   const T* vals[kBlock];
   constexpr int64_t far_blocks = kFarBlocks<T>;
-  const T* far_keys[kBlock];  // the rows of the block far_blocks on (null past the item's end)
+  // The rows of the block `ahead` on (null past the item's end): far_blocks on with far prefetches,
+  // else the next block's K rows for the P·V loop (kNextKeysDuringValues). Transposed keys: far_ktile
+  // the key's tile, far_keys the key's row-sized part of it.
+  constexpr int64_t ahead = far_blocks > 0 ? far_blocks : kNextKeysDuringValues<T> ? 1 : 0;
+  const T* far_keys[kBlock];
   const T* far_vals[kBlock];
-  const T* next_keys[kNextKeysDuringValues<T> ? kBlock : 1];  // the next block's K rows (transposed: row-sized parts of
-                                                              // its tiles)
-  FarRows<T> score_far, value_far;                            // what the score and P·V loops ask for into L2
+  FarRows<T> score_far, value_far;  // what the score and P·V loops ask for into L2
   if constexpr (far_blocks > 0) {
     score_far = {kTransposed ? far_ktile : far_keys, row_bytes<T>(kTransposed ? kKeyTile * d : d)};
     value_far = {far_vals, row_bytes<T>(d_v)};
   }
   if constexpr (kValuesDuringScores<T>) score_far = {vals, row_bytes<T>(d_v), kTransposed};
-  if constexpr (kNextKeysDuringValues<T>) value_far = {next_keys, row_bytes<T>(d), false, true};
+  if constexpr (kNextKeysDuringValues<T>) value_far = {far_keys, row_bytes<T>(d), false, true};
   if constexpr (far_blocks > 0)  // the first blocks have no earlier block to be asked for in
     for (int64_t pos = it.lo; pos < std::min(it.hi, it.lo + far_blocks * kBlock); ++pos) {
       const Place at = place_of(pos);
@@ -567,33 +569,21 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       if constexpr (!kChannelKeys) std::fill(kscale + nb, kscale + kBlock, 0.0f);
       std::fill(vscale + nb, vscale + kBlock, 0.0f);
     }
-    if constexpr (far_blocks > 0) {  // the far rows, asked for in the loops below (see kNearRows)
-      const int64_t pf = p0 + far_blocks * kBlock;
+    if constexpr (ahead > 0) {  // the rows `ahead` blocks on, asked for in the loops below (see kNearRows)
+      const int64_t pf = p0 + ahead * kBlock;
       for (int64_t j = 0; j < nb; ++j) {
         const Place at = pf + j < it.hi ? place_of(pf + j) : Place{-1, 0};
         const int64_t row = at.head < 0 ? -1 : row_at(at);
         int32_t lane = 0;
-        if constexpr (kTransposed)
+        if constexpr (kTransposed) {
           far_ktile[j] = row < 0 ? nullptr : key_tile(at, &lane);
-        else
+          far_keys[j] = row < 0 ? nullptr : far_ktile[j] + lane * d;  // the key's row-sized part of its tile
+        } else {
           far_keys[j] = row < 0 ? nullptr : kpool + row * d;
-        far_vals[j] = row < 0 ? nullptr : vpool + row * d_v;
+        }
+        if constexpr (far_blocks > 0) far_vals[j] = row < 0 ? nullptr : vpool + row * d_v;
       }
     }
-    if constexpr (kNextKeysDuringValues<T>)
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const int64_t pos = p0 + kBlock + j;
-        if (pos >= it.hi) {
-          next_keys[j] = nullptr;
-          continue;
-        }
-        const Place at = place_of(pos);
-        int32_t lane = 0;
-        if constexpr (kTransposed)
-          next_keys[j] = key_tile(at, &lane) + lane * d;
-        else
-          next_keys[j] = kpool + row_at(at) * d;
-      }
     int64_t r = 0;
     if constexpr (kChannelKeys) {
       score_block_channels(qs, qg, rows, d, keys, score_far, nb, p0, key_group, group_scales, sc);
