@@ -425,13 +425,13 @@ Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {
   return run(part, Backend::Fused);
 }
 
-// From 32 query blocks (4096 queries) on the kernel packs each K/V block once per call
+// From 8 query blocks (1024 queries) on the kernel packs each K/V block once per call
 // (prepacked) and every item reads it; a single block packs per item. Both must give the same
 // bits, including a causal diagonal cutting a key block short, odd T_k, key padding and a key bias.
 TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
   for (bool causal : {false, true}) {
     Case c;
-    c.B = 1, c.H = 2, c.KV = 1, c.Tq = 32 * kQBlock + 5, c.Tk = 32 * kQBlock + 5 + 70, c.D = 12, c.Dv = 20;
+    c.B = 1, c.H = 2, c.KV = 1, c.Tq = 8 * kQBlock + 5, c.Tk = 8 * kQBlock + 5 + 70, c.D = 12, c.Dv = 20;
     c.make_inputs(causal ? 31 : 37);
     set_key_padding(c);  // NaN in the padded K/V rows: a prepacked block must not read them either
     set_key_bias(c);

@@ -11,7 +11,7 @@
 // of its group, and per head a running max m, running sum l and an output accumulator O
 // (kBq × d_v, float32) in the thread's scratch. It walks the keys in blocks of kBk = 64. Each
 // K/V block is packed — K transposed (d × kBk) so that S = Q·Kᵀ loads contiguous key vectors,
-// V as contiguous rows (kBk × d_v) — and then used by all `group` query heads. From 4096
+// V as contiguous rows (kBk × d_v) — and then used by all `group` query heads. From 1024
 // queries on (PrepackPlan) the whole call's K/V is packed once, before the items, into the shared
 // workspace (the size of K and V: memory stays linear in T) and every item reads it; with fewer
 // (and for packed batches) each item packs the blocks it uses into its own scratch.
@@ -78,8 +78,8 @@ constexpr int64_t kBk = 64;        // keys per K/V block (a multiple of every ta
 constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512)
 constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any target
 constexpr int64_t kRowsPad = kBq + kMaxMR;
-constexpr int64_t kPrepackMinQueries = 32 * kBq;  // pack K/V once per call from 4096 queries on
-constexpr int64_t kMaxPrefetchBytes = 32 * 64;    // per K/V row: a wider (strided) row is not worth it
+constexpr int64_t kPrepackMinQueries = 8 * kBq;  // pack K/V once per call from 1024 queries on
+constexpr int64_t kMaxPrefetchBytes = 32 * 64;   // per K/V row: a wider (strided) row is not worth it
 // Attention weights in one pass keep, per thread, one item's unnormalised weights for every head
 // of its group: group × kBq × T_k floats, 1 MiB at T_k = 2048 for one head, so that the fix-up at
 // the item's end finds them in L2/L3 and each output row is written once. (Fixing per-head
@@ -202,7 +202,7 @@ inline int64_t varlen_items(const SdpaParams& p) {
 /// K/V packed once per call, before the work items (PrepackPlan::used): the transposed K block,
 /// the V block and the key-only masks of every (batch, kv-head, key block), laid out exactly as
 /// one thread's scratch holds them when an item packs for itself. Worth it when a K/V block
-/// would otherwise be packed by many items: at T_q = 4096, 32 times per block (see prepack_plan
+/// would otherwise be packed by many items: at T_q = 1024, 8 times per block (see prepack_plan
 /// for where it stops paying). A packed batch keeps per-item
 /// packing (its key blocks start at each sequence's own offset).
 struct PrepackPlan {
@@ -219,7 +219,14 @@ inline PrepackPlan prepack_plan(const SdpaParams& p) {
   // the blocks it reads); packing once saves that share but writes a workspace the size of K and V,
   // whose fresh pages and DRAM traffic grow with B·T_k against products that grow with B·T_q·T_k.
   // Measured on 2 threads (Zen 5, quiet): once per call is ~5% faster at B=1, T=4096, but 8% slower
-  // at B=8, T=1024 and 1.2–2× slower (and its threads unbalanced by page faults) at B=64, T=512.
+  // at B=8, T=1024 and 1.2–2× slower (and its threads unbalanced by page faults) at B=64, T=512,
+  // so it started at 4096 queries. On an Intel Xeon (AVX-512, 2026-12-04, 3 interleaved rounds,
+  // E=512, h=8, 1 / 2 threads) it pays from 1024 queries (8 items per key block): core B=1 T=2048
+  // 67.4 / 33.9 → 60.7 / 32.1 ms, B=8 T=1024 142 / 70 → 134 / 69, B=32 T=1024 557 / 286 → 528 /
+  // 275, B=8 T=2048 530 / 283 → 492 / 251; the module, whose K and V rows lie 3E apart in its
+  // projection buffer, B=1 T=2048 127 / 64 → 95 / 50, B=8 T=1024 318 → 274 (1 thread). From 512
+  // queries (4 items) it was 10% slower on causal B=64, T=512 and level elsewhere, so it stays off
+  // there.
   P.used = !p.varlen.defined() && p.t_q() >= kPrepackMinQueries && p.t_k() > 0;
   if (!P.used) return P;
   const ScratchPlan L = scratch_plan(p);
