@@ -19,6 +19,10 @@
 #define MHA_MACHINE_PEAK_ONCE
 namespace mha::internal::peak {
 constexpr int kChains = 12;  // independent FMA chains: > 4-cycle latency × 2 FMA ports, with slack
+// The L1-fed tile (tile_chains): a panel of kTileDepth steps, each kTileVecs vectors of B and one
+// float of A per tile row, small enough for L1 on every target (16 KiB of B on AVX-512).
+constexpr int kTileDepth = 64;
+constexpr int kTileVecs = 4;
 }  // namespace mha::internal::peak
 #endif
 
@@ -55,6 +59,43 @@ float fma_chains(int64_t iters) {
     for (int i = 0; i < kChains; ++i) acc[i] = hn::MulAdd(acc[i], m, a);
   VF sum = acc[0];
   for (int i = 1; i < kChains; ++i) sum = hn::Add(sum, acc[i]);
+  return hn::GetLane(hn::SumOfLanes(df, sum));
+}
+
+/// Rows of the L1-fed tile: the attention kernels' register tile (kernels/fused_forward.cpp, kMR
+/// rows × 4 vectors): 6 rows where there are 32 vector registers, 3 where there are 16.
+constexpr int tile_rows() { return HWY_LANES(float) >= 16 ? 6 : 3; }
+int64_t tile_flops_per_step() { return int64_t{2} * tile_rows() * kTileVecs * kTileDepth * f32_lanes(); }
+
+/// What the kernels' micro-GEMMs do per step, at full speed: a register tile of tile_rows() ×
+/// kTileVecs accumulators, each depth step loading kTileVecs vectors of B and broadcasting one
+/// float of A per row from L1, `iters` passes over a kTileDepth-deep panel. The ceiling of any
+/// FMA loop whose operands come from L1 (loads and broadcasts share the core with the FMAs);
+/// values stay near 1e-6·steps: no overflow, no denormals.
+float tile_chains(int64_t iters) {
+  const DF df;
+  constexpr int R = tile_rows();
+  const int64_t N = f32_lanes();
+  HWY_ALIGN float b[kTileDepth * kTileVecs * (HWY_MAX_BYTES / sizeof(float))];
+  HWY_ALIGN float a[R * kTileDepth];
+  std::fill(b, b + kTileDepth * kTileVecs * N, 1e-3f);
+  std::fill(a, a + R * kTileDepth, 1e-3f);
+  VF acc[R * kTileVecs];
+  for (auto& v : acc) v = hn::Zero(df);
+  for (int64_t n = 0; n < iters; ++n) {
+    for (int k = 0; k < kTileDepth; ++k) {
+      VF bv[kTileVecs];
+      for (int v = 0; v < kTileVecs; ++v) bv[v] = hn::Load(df, b + (k * kTileVecs + v) * N);
+      for (int r = 0; r < R; ++r) {
+        const VF av = hn::Set(df, a[r * kTileDepth + k]);
+        for (int v = 0; v < kTileVecs; ++v) acc[r * kTileVecs + v] = hn::MulAdd(av, bv[v], acc[r * kTileVecs + v]);
+      }
+    }
+    // The panel may change between passes (as a kernel's next block does): no load is hoisted.
+    asm volatile("" ::: "memory");
+  }
+  VF sum = acc[0];
+  for (int i = 1; i < R * kTileVecs; ++i) sum = hn::Add(sum, acc[i]);
   return hn::GetLane(hn::SumOfLanes(df, sum));
 }
 
@@ -108,6 +149,8 @@ namespace mha::internal {
 namespace peak {
 HWY_EXPORT(f32_lanes);
 HWY_EXPORT(fma_chains);
+HWY_EXPORT(tile_chains);
+HWY_EXPORT(tile_flops_per_step);
 HWY_EXPORT(sum_floats);
 HWY_EXPORT(dot_chains);
 HWY_EXPORT(bf16_dot);
@@ -162,6 +205,12 @@ double f32_fma_peak_gflops(int threads, double ms_per_round, int rounds) {
   const double steps = peak::best_steps_per_second(chain, threads, ms_per_round, rounds);
   const double flops_per_step = 2.0 * peak::kChains * static_cast<double>(HWY_DYNAMIC_DISPATCH(peak::f32_lanes)());
   return steps * flops_per_step / 1e9;
+}
+
+double f32_tile_peak_gflops(int threads, double ms_per_round, int rounds) {
+  const auto chain = [](int64_t iters) { return HWY_DYNAMIC_DISPATCH(peak::tile_chains)(iters); };
+  const double steps = peak::best_steps_per_second(chain, threads, ms_per_round, rounds);
+  return steps * static_cast<double>(HWY_DYNAMIC_DISPATCH(peak::tile_flops_per_step)()) / 1e9;
 }
 
 bool has_bf16_dot() { return HWY_DYNAMIC_DISPATCH(peak::bf16_dot)(); }

@@ -46,11 +46,18 @@ void expect_measurement_keys(const nlohmann::json& j) {
   EXPECT_TRUE(j["dispatch"].is_string());
   // The same run's denominators: FMA peak on the dispatched SIMD target, read bandwidth, triad.
   for (const char* key : {"peak_f32_gflops", "peak_f32_gflops_before", "peak_f32_gflops_after", "peak_gflops",
-                          "fraction_of_peak", "read_bw_gbs", "triad_gbs", "min_bytes", "fraction_of_read_bw"}) {
+                          "fraction_of_peak", "read_bw_gbs", "triad_gbs", "min_bytes", "fraction_of_read_bw",
+                          "peak_f32_tile_gflops", "fraction_of_f32_tile_peak"}) {
     ASSERT_TRUE(j.contains(key)) << key << " missing in " << j.dump();
     EXPECT_GT(j[key].get<double>(), 0.0) << key;
   }
   EXPECT_GE(j["peak_bf16_dot_gflops"].get<double>(), 0.0);
+  // The L1-fed tile loads and broadcasts besides its FMAs: it cannot beat the register-only chains
+  // by more than the noise of two separate timings.
+  EXPECT_LT(j["peak_f32_tile_gflops"].get<double>(), 1.25 * j["peak_f32_gflops"].get<double>());
+  EXPECT_NEAR(j["fraction_of_f32_tile_peak"].get<double>(),
+              j["gflops"].get<double>() / j["peak_f32_tile_gflops"].get<double>(),
+              1e-9 * j["fraction_of_f32_tile_peak"].get<double>());
   EXPECT_NEAR(j["fraction_of_peak"].get<double>(), j["gflops"].get<double>() / j["peak_gflops"].get<double>(),
               1e-9 * j["fraction_of_peak"].get<double>());
   EXPECT_FALSE(j["simd_target"].get<std::string>().empty());

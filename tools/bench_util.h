@@ -398,6 +398,7 @@ inline double sgemm_gflops(int64_t n, int repeat) {
 struct MachinePeak {
   std::string simd_target;
   double f32_gflops = 0, bf16_dot_gflops = 0;  ///< bf16: 0 without a bf16 dot-product instruction
+  double f32_tile_gflops = 0;                  ///< the kernels' register tile fed from L1
   double amx_bf16_gflops = 0;                  ///< 0 without AMX tiles (kernels/amx.h)
   double read_gbs = 0, triad_gbs = 0;
 };
@@ -406,6 +407,7 @@ inline MachinePeak measure_machine(int threads, int64_t bytes) {
   MachinePeak m;
   m.simd_target = internal::simd_target_name();
   m.f32_gflops = internal::f32_fma_peak_gflops(threads);
+  m.f32_tile_gflops = internal::f32_tile_peak_gflops(threads);
   m.bf16_dot_gflops = internal::bf16_dot_peak_gflops(threads);
   m.amx_bf16_gflops = internal::amx_bf16_peak_gflops(threads);
   m.read_gbs = internal::read_bandwidth_gbs(bytes, threads);

@@ -330,6 +330,8 @@ void run_bench(BenchArgs a) {
     j["peak_gflops"] = peak;
     j["peak_kind"] = peak_kind;
     j["fraction_of_f32_peak"] = gflops / f32_peak;
+    j["peak_f32_tile_gflops"] = machine.f32_tile_gflops;
+    j["fraction_of_f32_tile_peak"] = gflops / machine.f32_tile_gflops;
     j["fraction_of_peak"] = gflops / peak;
     j["read_bw_gbs"] = machine.read_gbs;
     j["triad_gbs"] = machine.triad_gbs;
@@ -359,6 +361,9 @@ void run_bench(BenchArgs a) {
                          : "float32",
               machine.simd_target.c_str(), threads, gflops / peak,
               peak_ratio < 0.9 ? " (the peak fell during the run: machine busy, discard)" : "");
+  std::printf(
+      "  L1-fed FMA tile   %.1f GFLOP/s float32 (the kernels' register tile, operands from L1); fraction %.3f\n",
+      machine.f32_tile_gflops, gflops / machine.f32_tile_gflops);
   std::printf(
       "  memory            read %.1f GB/s, triad %.1f GB/s; the %.1f MiB it must touch at %.1f GB/s: "
       "fraction of read bandwidth %.3f\n",
