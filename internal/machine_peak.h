@@ -22,8 +22,9 @@ double f32_fma_peak_gflops(int threads, double ms_per_round = 20.0, int rounds =
 /// float32 FMA rate in GFLOP/s of the attention kernels' register tile fed from L1: each step
 /// loads 4 vectors and broadcasts one float per tile row for its 4 × rows FMAs, as their
 /// micro-GEMMs do. The attainable ceiling of such a loop, below f32_fma_peak_gflops where loads
-/// and broadcasts compete with the FMAs for issue (0.80 of it on an Intel Xeon with two 512-bit
-/// FMA ports, 2026-12-04): a second denominator, for how far a kernel is from its own loop.
+/// and broadcasts compete with the FMAs for issue (0.78–0.87 of it, median 0.85, on an Intel Xeon
+/// with two 512-bit FMA ports, 2026-12-04): a second denominator, for how far a kernel is from
+/// its own loop.
 double f32_tile_peak_gflops(int threads, double ms_per_round = 20.0, int rounds = 5);
 
 /// Whether the dispatched target multiplies bf16 pairs into float32 (vdpbf16ps), as the fused
