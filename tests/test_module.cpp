@@ -40,6 +40,41 @@ void expect_error_mentions(const std::function<void()>& f, const std::string& ne
   }
 }
 
+TEST(TensorStorage, ConstructorsFillCopyMoveOrLeaveUnwritten) {
+  EXPECT_EQ(Tensor({2, 2}).storage(), (mha::TensorStorage<float>{0, 0, 0, 0}));
+  EXPECT_EQ(Tensor({3}, 1.5f).storage(), (mha::TensorStorage<float>{1.5f, 1.5f, 1.5f}));
+  EXPECT_EQ(Tensor({3}, {1, 2, 3}).storage(), (mha::TensorStorage<float>{1, 2, 3}));
+  const std::vector<float> values{4, 5};
+  EXPECT_EQ(Tensor({2}, values).storage(), (mha::TensorStorage<float>{4, 5}));
+  mha::TensorStorage<float> owned(6, 7.0f);
+  const float* where = owned.data();
+  const Tensor moved({2, 3}, std::move(owned));
+  EXPECT_EQ(moved.data(), where);  // moved in, not copied
+  Tensor blank = Tensor::uninitialized({4, 5});
+  EXPECT_EQ(blank.shape(), (mha::Shape{4, 5}));
+  EXPECT_EQ(blank.numel(), 20);
+  for (int64_t i = 0; i < blank.numel(); ++i) blank.data()[i] = static_cast<float>(i);
+  EXPECT_EQ(blank.at({3, 4}), 19.0f);
+  EXPECT_EQ(Tensor::uninitialized({0, 3}).numel(), 0);
+  expect_error_mentions([] { (void)Tensor::uninitialized({2, -1}); }, "negative extent");
+  expect_error_mentions([] { (void)Tensor({2}, std::vector<float>{1, 2, 3}); }, "do not fill");
+}
+
+// The module's output is allocated without a fill (linear() writes all of it): memory that a
+// previous, freed buffer left full of NaN must not show through.
+TEST(Module, OutputOverDirtyMemoryIsWhollyWritten) {
+  MultiheadAttention m(config(16, 4));
+  const Tensor x = random_tensor({2, 5, 16}, 3);
+  const Tensor want = m.forward(x, x, x).output;
+  for (int round = 0; round < 3; ++round) {
+    {
+      Tensor dirty({2, 5, 16}, std::nanf(""));  // freed just before the call: its chunk is reused
+    }
+    const Tensor got = m.forward(x, x, x).output;
+    EXPECT_TRUE(mha::testing::bitwise_equal(got, want));
+  }
+}
+
 TEST(Module, ParameterCountIsFourDModelSquaredPlusBiasesWhateverTheHeads) {
   for (int64_t h : {1, 2, 4, 8, 12}) {
     MhaConfig c = config(768, h);

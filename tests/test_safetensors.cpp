@@ -176,8 +176,8 @@ TEST(Safetensors, TypedAddsAndBoolReads) {
   const Tensor bf = file.read_f32("b");
   for (int64_t i = 0; i < b.numel(); ++i) EXPECT_EQ(bf.data()[i], static_cast<float>(i) - 2.5f);
   EXPECT_EQ(file.info("mask").dtype, DType::BOOL);
-  EXPECT_EQ(file.read_bool("mask").storage(), (std::vector<uint8_t>{0, 1, 1, 0}));
-  EXPECT_EQ(file.read_bool("u8").storage(), (std::vector<uint8_t>{0, 1, 1}));
+  EXPECT_EQ(file.read_bool("mask").storage(), (mha::TensorStorage<uint8_t>{0, 1, 1, 0}));
+  EXPECT_EQ(file.read_bool("u8").storage(), (mha::TensorStorage<uint8_t>{0, 1, 1}));
   EXPECT_EQ(file.read_f32("scalar").shape(), Shape{});
   EXPECT_EQ(file.read_f32("scalar").data()[0], 42.0f);
   EXPECT_EQ(file.read_f32("empty").shape(), (Shape{0, 4}));
@@ -438,7 +438,7 @@ TEST(SafetensorsMalformed, EmptyTensorsAndGapsAreFine) {
                                                    R"("c":{"dtype":"U8","shape":[2],"data_offsets":[10,12]}})",
                                                    12));
   EXPECT_EQ(f.names().size(), 3u);
-  EXPECT_EQ(f.read_f32("c").storage(), (std::vector<float>{10, 11}));
+  EXPECT_EQ(f.read_f32("c").storage(), (mha::TensorStorage<float>{10, 11}));
 }
 
 TEST(SafetensorsMalformed, ShapeProductOverflows) {

@@ -13,6 +13,8 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "mha/error.h"
@@ -20,6 +22,36 @@
 namespace mha {
 
 using Shape = std::vector<int64_t>;
+
+namespace detail {
+/// std::allocator, except that elements a vector adds without a value (resize(n)) are left
+/// default-initialised, which for float, bf16 and uint8 means not written: a tensor whose every
+/// element a kernel writes first (Tensor::uninitialized) then skips a pass that zero-fills it.
+/// Elements given a value (assign(n, v), copies) are constructed as with std::allocator.
+template <class T>
+struct NoFillAllocator : std::allocator<T> {
+  using value_type = T;
+  template <class U>
+  struct rebind {
+    using other = NoFillAllocator<U>;
+  };
+  NoFillAllocator() noexcept = default;
+  template <class U>
+  NoFillAllocator(const NoFillAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+}  // namespace detail
+
+/// A tensor's storage: a std::vector whose resize(n) does not fill (detail::NoFillAllocator).
+template <class T>
+using TensorStorage = std::vector<T, detail::NoFillAllocator<T>>;
 
 namespace detail {
 /// Large buffers are worth backing with transparent huge pages: on Linux with THP in "madvise"
@@ -107,28 +139,25 @@ template <class T>
 class BasicTensor {
  public:
   BasicTensor() = default;
-  explicit BasicTensor(Shape shape, T fill = T{}) : shape_(std::move(shape)) {
-    for (int64_t s : shape_)
-      if (s < 0) fail("Tensor: negative extent in shape ", shape_str(shape_));
-    const int64_t n = shape_numel(shape_);
-    const int64_t bytes = checked_mul(n, static_cast<int64_t>(sizeof(T)), "Tensor " + shape_str(shape_));
-    try {
-      if (static_cast<size_t>(bytes) >= detail::kHugePageAdviceBytes) {
-        data_.reserve(static_cast<size_t>(n));  // allocate, advise, then touch
-        detail::advise_huge_pages(data_.data(), static_cast<size_t>(bytes));
-      }
-      data_.assign(static_cast<size_t>(n), fill);
-    } catch (const std::bad_alloc&) {
-      fail("Tensor: cannot allocate ", shape_str(shape_), ": ", bytes_str(static_cast<double>(bytes)), " (", bytes,
-           " bytes)");
-    } catch (const std::length_error&) {
-      fail("Tensor: cannot allocate ", shape_str(shape_), ": ", bytes_str(static_cast<double>(bytes)), " (", bytes,
-           " bytes)");
-    }
-  }
-  BasicTensor(Shape shape, std::vector<T> values) : shape_(std::move(shape)), data_(std::move(values)) {
+  /// `shape` with every element `fill` (zeros by default).
+  explicit BasicTensor(Shape shape, T fill = T{}) : shape_(std::move(shape)) { allocate(&fill); }
+  /// `shape` with the given values, row-major (copied).
+  BasicTensor(Shape shape, const std::vector<T>& values)
+      : BasicTensor(std::move(shape), TensorStorage<T>(values.begin(), values.end())) {}
+  BasicTensor(Shape shape, std::initializer_list<T> values)
+      : BasicTensor(std::move(shape), TensorStorage<T>(values.begin(), values.end())) {}
+  /// `shape` over the given storage (moved, not copied).
+  BasicTensor(Shape shape, TensorStorage<T> values) : shape_(std::move(shape)), data_(std::move(values)) {
     if (static_cast<int64_t>(data_.size()) != shape_numel(shape_))
       fail("Tensor: ", data_.size(), " values do not fill shape ", shape_str(shape_));
+  }
+  /// `shape` with its elements not written: for outputs that are overwritten in full before anything
+  /// reads them, which then cost no pass that fills them. Reading an element first is undefined.
+  static BasicTensor uninitialized(Shape shape) {
+    BasicTensor t;
+    t.shape_ = std::move(shape);
+    t.allocate(nullptr);
+    return t;
   }
 
   const Shape& shape() const { return shape_; }
@@ -141,8 +170,8 @@ class BasicTensor {
   const T* data() const { return data_.data(); }
   std::span<T> values() { return data_; }
   std::span<const T> values() const { return data_; }
-  std::vector<T>& storage() { return data_; }
-  const std::vector<T>& storage() const { return data_; }
+  TensorStorage<T>& storage() { return data_; }
+  const TensorStorage<T>& storage() const { return data_; }
 
   /// Element access by full index (bounds are the caller's responsibility).
   T& at(std::initializer_list<int64_t> index) { return data_[offset(index)]; }
@@ -161,6 +190,29 @@ class BasicTensor {
   View4<const T> view4() const { return make_view4<const T>(data_.data()); }
 
  private:
+  /// shape_'s elements, each *fill, or left unwritten where fill is null.
+  void allocate(const T* fill) {
+    for (int64_t s : shape_)
+      if (s < 0) fail("Tensor: negative extent in shape ", shape_str(shape_));
+    const int64_t n = shape_numel(shape_);
+    const int64_t bytes = checked_mul(n, static_cast<int64_t>(sizeof(T)), "Tensor " + shape_str(shape_));
+    try {
+      if (static_cast<size_t>(bytes) >= detail::kHugePageAdviceBytes) {
+        data_.reserve(static_cast<size_t>(n));  // allocate, advise, then touch
+        detail::advise_huge_pages(data_.data(), static_cast<size_t>(bytes));
+      }
+      if (fill)
+        data_.assign(static_cast<size_t>(n), *fill);
+      else
+        data_.resize(static_cast<size_t>(n));
+    } catch (const std::bad_alloc&) {
+      fail("Tensor: cannot allocate ", shape_str(shape_), ": ", bytes_str(static_cast<double>(bytes)), " (", bytes,
+           " bytes)");
+    } catch (const std::length_error&) {
+      fail("Tensor: cannot allocate ", shape_str(shape_), ": ", bytes_str(static_cast<double>(bytes)), " (", bytes,
+           " bytes)");
+    }
+  }
   size_t offset(std::initializer_list<int64_t> index) const {
     size_t off = 0, axis = 0;
     for (int64_t i : index) off = off * static_cast<size_t>(shape_[axis++]) + static_cast<size_t>(i);
@@ -175,7 +227,7 @@ class BasicTensor {
   }
 
   Shape shape_;
-  std::vector<T> data_;
+  TensorStorage<T> data_;
 };
 
 using Tensor = BasicTensor<float>;        ///< float32

@@ -64,13 +64,13 @@ mha::View4<const T> opt_view(const std::optional<py::array>& a, const char* what
 /// A C-contiguous float32 copy of a numpy array as an owning Tensor (the module's API owns its inputs).
 mha::Tensor tensor_from(const py::array_t<float, py::array::c_style | py::array::forcecast>& a) {
   mha::Shape shape(a.shape(), a.shape() + a.ndim());
-  std::vector<float> values(a.data(), a.data() + a.size());
+  mha::TensorStorage<float> values(a.data(), a.data() + a.size());
   return mha::Tensor(std::move(shape), std::move(values));
 }
 
 mha::BoolTensor bool_tensor_from(const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& a) {
   mha::Shape shape(a.shape(), a.shape() + a.ndim());
-  std::vector<uint8_t> values(a.data(), a.data() + a.size());
+  mha::TensorStorage<uint8_t> values(a.data(), a.data() + a.size());
   for (auto& x : values) x = x ? 1 : 0;
   return mha::BoolTensor(std::move(shape), std::move(values));
 }
@@ -86,8 +86,8 @@ py::object array_from(const mha::Tensor& t) {
 /// Moves a tensor's storage into a numpy array without copying (the capsule owns the vector).
 py::object array_take(mha::Tensor&& t) {
   if (!t.defined()) return py::none();
-  auto* storage = new std::vector<float>(std::move(t.storage()));
-  py::capsule owner(storage, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+  auto* storage = new mha::TensorStorage<float>(std::move(t.storage()));
+  py::capsule owner(storage, [](void* p) { delete static_cast<mha::TensorStorage<float>*>(p); });
   return py::array_t<float>(std::vector<py::ssize_t>(t.shape().begin(), t.shape().end()), storage->data(), owner);
 }
 

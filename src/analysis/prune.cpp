@@ -31,7 +31,7 @@ std::vector<bool> pruned_mask(const char* fn, const MhaConfig& c, const std::vec
 
 /// Appends rows [block·d, (block+1)·d) of a row-major (·, cols) matrix for each block, in order.
 void gather_blocks(const float* src, int64_t cols, int64_t d, const std::vector<int64_t>& blocks,
-                   std::vector<float>& dst) {
+                   TensorStorage<float>& dst) {
   for (int64_t block : blocks) {
     const float* begin = src + block * d * cols;
     dst.insert(dst.end(), begin, begin + d * cols);
@@ -39,7 +39,7 @@ void gather_blocks(const float* src, int64_t cols, int64_t d, const std::vector<
 }
 
 Tensor gathered(const Tensor& src, int64_t d, const std::vector<int64_t>& blocks, const Shape& shape) {
-  std::vector<float> out;
+  TensorStorage<float> out;
   gather_blocks(src.data(), src.numel() / src.size(0), d, blocks, out);
   return Tensor(shape, std::move(out));
 }

@@ -124,14 +124,14 @@ Tensor slice_rows(const Tensor& t, int64_t row0, int64_t rows) {
   Shape shape = t.shape();
   shape[0] = rows;
   const auto begin = t.storage().begin() + row0 * width;
-  return Tensor(std::move(shape), std::vector<float>(begin, begin + rows * width));
+  return Tensor(std::move(shape), TensorStorage<float>(begin, begin + rows * width));
 }
 
 /// Stacks tensors along the first dimension (equal trailing dims are the caller's to ensure).
 Tensor concat_rows(std::initializer_list<const Tensor*> parts) {
   Shape shape = (*parts.begin())->shape();
   shape[0] = 0;
-  std::vector<float> values;
+  TensorStorage<float> values;
   for (const Tensor* p : parts) {
     shape[0] += p->size(0);
     values.insert(values.end(), p->storage().begin(), p->storage().end());

@@ -207,7 +207,8 @@ void append_extra_positions(const MhaConfig& c, const MhaParameters& params, Vie
 Tensor project_output(const MhaConfig& c, const MhaParameters& params, const float* heads, const Shape& query_shape,
                       int64_t rows) {
   const int64_t E = c.embed_dim, hd = c.num_heads * c.head_dim();
-  Tensor output(query_shape);  // (…, E): same layout as the query
+  // (…, E): same layout as the query; linear() writes every element (no zero fill first).
+  Tensor output = Tensor::uninitialized(query_shape);
   kernels::linear(heads, rows, hd, hd, params.out_proj_weight.data(), E, hd,
                   c.bias ? params.out_proj_bias.data() : nullptr, output.data(), E);
   return output;
