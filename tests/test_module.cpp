@@ -60,18 +60,61 @@ TEST(TensorStorage, ConstructorsFillCopyMoveOrLeaveUnwritten) {
   expect_error_mentions([] { (void)Tensor({2}, std::vector<float>{1, 2, 3}); }, "do not fill");
 }
 
-// The module's output is allocated without a fill (linear() writes all of it): memory that a
-// previous, freed buffer left full of NaN must not show through.
-TEST(Module, OutputOverDirtyMemoryIsWhollyWritten) {
-  MultiheadAttention m(config(16, 4));
-  const Tensor x = random_tensor({2, 5, 16}, 3);
-  const Tensor want = m.forward(x, x, x).output;
+// The module's output and weights are allocated without a fill (every kernel writes all of them):
+// memory that a freed buffer of the same size left full of NaN must not show through, on either
+// backend, for per-head and averaged weights, under masks that leave rows with nothing to see,
+// NaN inputs and the extra key positions. (The shapes are small, so malloc hands the freed chunks
+// back rather than fresh zeroed pages.)
+void expect_same_over_dirty_memory(const MultiheadAttention& m, const Tensor& q, const Tensor& kv,
+                                   const mha::MhaForwardOptions& opt, const std::string& what) {
+  const auto want = m.forward(q, kv, kv, opt);
   for (int round = 0; round < 3; ++round) {
     {
-      Tensor dirty({2, 5, 16}, std::nanf(""));  // freed just before the call: its chunk is reused
+      Tensor dirty_out(want.output.shape(), std::nanf(""));
+      Tensor dirty_weights(want.attn_weights.defined() ? want.attn_weights.shape() : mha::Shape{1}, std::nanf(""));
     }
-    const Tensor got = m.forward(x, x, x).output;
-    EXPECT_TRUE(mha::testing::bitwise_equal(got, want));
+    const auto got = m.forward(q, kv, kv, opt);
+    EXPECT_TRUE(mha::testing::bitwise_equal(got.output, want.output)) << what;
+    EXPECT_TRUE(mha::testing::bitwise_equal(got.attn_weights, want.attn_weights)) << what;
+  }
+}
+
+TEST(Module, OutputAndWeightsOverDirtyMemoryAreWhollyWritten) {
+  MhaConfig c = config(16, 4);
+  const Tensor x = random_tensor({2, 5, 16}, 3);
+  Tensor kv = random_tensor({2, 7, 16}, 4);
+  for (const bool extra : {false, true}) {
+    MhaConfig ce = c;
+    ce.add_bias_kv = extra;
+    ce.add_zero_attn = extra;
+    const MultiheadAttention m(ce, 11);
+    for (const auto backend : {mha::Backend::Auto, mha::Backend::Reference})
+      for (const auto weights : {mha::NeedWeights::None, mha::NeedWeights::PerHead, mha::NeedWeights::Averaged}) {
+        mha::MhaForwardOptions opt;
+        opt.backend = backend;
+        opt.need_weights = weights;
+        const std::string what = std::string(extra ? "bias_kv+zero_attn " : "") +
+                                 (backend == mha::Backend::Reference ? "reference " : "auto ") +
+                                 std::to_string(static_cast<int>(weights));
+        expect_same_over_dirty_memory(m, x, kv, opt, what + " plain");
+        opt.causal = mha::Causal::top_left();
+        expect_same_over_dirty_memory(m, x, x, opt, what + " causal");
+        opt.causal = {};
+        mha::BoolTensor padding({2, 7}, 0);
+        for (int64_t j = 0; j < 7; ++j) padding.at({1, j}) = 1;  // batch item 1: every key padded
+        padding.at({0, 3}) = 1;
+        opt.key_padding_mask.is_padding = padding;
+        expect_same_over_dirty_memory(m, x, kv, opt, what + " key padding");
+        opt.key_padding_mask = {};
+        mha::BoolTensor allowed({5, 7}, 1);
+        for (int64_t j = 0; j < 7; ++j) allowed.at({2, j}) = 0;  // query 2 sees no key
+        opt.attn_mask = mha::AttnMask::allow(allowed);
+        expect_same_over_dirty_memory(m, x, kv, opt, what + " attn_mask");
+        opt.attn_mask = {};
+        Tensor kv_nan = kv;
+        kv_nan.at({0, 2, 5}) = std::nanf("");
+        expect_same_over_dirty_memory(m, x, kv_nan, opt, what + " NaN key");
+      }
   }
 }
 

@@ -335,12 +335,14 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
     pass.lse = Tensor({B, H, Tq});
     souts.lse = contiguous_view(pass.lse.data(), B, H, Tq, int64_t{1});
   }
+  // Weights are written in full by every kernel (zeros where a row sees nothing, NaN rows NaN),
+  // so neither tensor is zero-filled first (128 MiB for per-head weights at T=2048, h=8).
   if (keep.weights) {
-    pass.weights = Tensor({B, H, Tq, S});
+    pass.weights = Tensor::uninitialized({B, H, Tq, S});
     souts.weights = pass.weights.view4();
   }
   if (keep.averaged_weights) {  // averaged over heads by the attention itself, no per-head intermediate
-    pass.averaged_weights = Tensor({B, 1, Tq, S});
+    pass.averaged_weights = Tensor::uninitialized({B, 1, Tq, S});
     souts.averaged_weights = pass.averaged_weights.view4();
   }
   if (options.packed) {
