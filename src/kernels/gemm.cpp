@@ -40,12 +40,16 @@ void tiled_sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, 
                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads,
                  const float* bias) {
   if (m == 0 || n == 0) return;
-  // An empty sum (a layer with no inputs, a batch with no rows): C = beta·C, which oneDNN refuses
-  // for the zero leading dimensions that come with it.
+  // An empty sum (a layer with no inputs, a batch with no rows): C = beta·C (+ bias), which oneDNN
+  // refuses for the zero leading dimensions that come with it. No bias adds nothing (not +0, which
+  // would turn a −0 into +0), and beta = 0 with a bias gives the bias itself.
   if (k == 0) {
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j)
-        c[i * ldc + j] = (beta == 0.0f ? 0.0f : beta * c[i * ldc + j]) + (bias ? bias[j] : 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        float& x = c[i * ldc + j];
+        x = beta == 0.0f ? 0.0f : beta * x;
+        if (bias) x = beta == 0.0f ? bias[j] : x + bias[j];
+      }
     return;
   }
   const char ta = trans_a == Trans::Yes ? 'T' : 'N', tb = trans_b == Trans::Yes ? 'T' : 'N';
