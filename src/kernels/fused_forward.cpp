@@ -80,6 +80,9 @@ constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any targe
 constexpr int64_t kRowsPad = kBq + kMaxMR;
 constexpr int64_t kPrepackMinQueries = 8 * kBq;  // pack K/V once per call from 1024 queries on
 constexpr int64_t kMaxPrefetchBytes = 32 * 64;   // per K/V row: a wider (strided) row is not worth it
+// Float32 query rows between two prefetch steps (PrefetchDrip): one AVX-512 register tile. At
+// B = 64, T = 128 a step every 6 rows took 14% off the core where one every 12 took 2%.
+constexpr int64_t kDripRows = 6;
 // Attention weights in one pass keep, per thread, one item's unnormalised weights for every head
 // of its group: group × kBq × T_k floats, 1 MiB at T_k = 2048 for one head, so that the fix-up at
 // the item's end finds them in L2/L3 and each output row is written once. (Fixing per-head
@@ -344,6 +347,7 @@ constexpr int kMR = 3;
 constexpr int kNV = 4;
 #endif
 static_assert(kMR <= kMaxMR);
+static_assert(kDripRows % kMR == 0);  // chunks of whole tiles: the products' bits do not change
 // AVX-512: one score tile (kNV vectors of 16) spans a block's kBk keys, and the common softmax
 // runs 16 rows at a time (softmax_rows16). AVX2: the score tiles (kNV vectors of 8) take a row's
 // max over the block's tiles in turn, and the common softmax runs 8 rows at a time
@@ -1343,39 +1347,77 @@ struct Upcoming {
   int64_t b = -1, g = 0, qb = 0;
 };
 
-/// Prefetches part `part` of `parts` of what item `u` reads from memory first: its Q rows (every
-/// head of the group), the K and V rows of its first key block (unless packed once per call), and
-/// its output rows (the stores then find their lines in cache). A short item waits on these
-/// loads (at T = 128 about a sixth of its time); asked for one item ahead, a part per key block,
-/// they arrive while the products of the current item run. Locality 2: into L2 where the
-/// target's prefetch instruction tells the levels apart.
+/// Cache lines asked for a few at a time between the register tiles of the products: a queue of
+/// row ranges and a cursor. Hundreds of prefetches at once fill the core's line-fill buffers and
+/// the next instructions wait on them (perf at B = 64, T = 128: a fifth of the kernel's samples on
+/// the prefetch bursts); a few per tile arrive while the tiles run.
+template <int kLocality>
+class PrefetchDrip {
+ public:
+  /// `rows` rows `row_stride` bytes apart, of `heads` heads `head_stride` bytes apart, the first
+  /// `bytes` of each (at most kMaxPrefetchBytes).
+  void add(const void* row0, int64_t row_stride, int64_t rows, int64_t head_stride, int64_t heads, int64_t bytes) {
+    if (rows <= 0 || heads <= 0 || bytes <= 0) return;
+    MHA_DASSERT(n_ < kMaxRanges);
+    bytes = std::min(bytes, kMaxPrefetchBytes);
+    ranges_[n_++] = {reinterpret_cast<uintptr_t>(row0), row_stride, rows, head_stride, heads, bytes};
+    lines_ += heads * rows * ((bytes + 63) / 64 + 1);  // an upper bound: a row may straddle one more line
+  }
+  /// Lines still to ask for (an upper bound).
+  int64_t lines() const { return lines_; }
+  /// Asks for the next n lines.
+  void step(int64_t n) {
+    for (; n > 0 && cur_ < n_; --n) {
+      const Range& r = ranges_[cur_];
+      const uintptr_t row = r.base + static_cast<uintptr_t>(head_ * r.head_stride + row_ * r.row_stride);
+      const uintptr_t line = (row & ~uintptr_t{63}) + static_cast<uintptr_t>(64 * line_);
+      __builtin_prefetch(reinterpret_cast<const char*>(line), 0, kLocality);
+      lines_ = std::max<int64_t>(0, lines_ - 1);
+      if (line + 64 < row + static_cast<uintptr_t>(r.bytes)) {
+        ++line_;
+        continue;
+      }
+      line_ = 0;
+      if (++row_ < r.rows) continue;
+      row_ = 0;
+      if (++head_ < r.heads) continue;
+      head_ = 0;
+      ++cur_;
+    }
+    if (cur_ == n_) clear();
+  }
+  void finish() { step(lines_ + 1); }
+  void clear() { n_ = cur_ = 0, head_ = row_ = line_ = lines_ = 0; }
+
+ private:
+  static constexpr int kMaxRanges = 4;
+  struct Range {
+    uintptr_t base;
+    int64_t row_stride, rows, head_stride, heads, bytes;
+  };
+  Range ranges_[kMaxRanges];
+  int n_ = 0, cur_ = 0;
+  int64_t head_ = 0, row_ = 0, line_ = 0, lines_ = 0;
+};
+
+/// Queues what item `u` reads from memory first: its Q rows (every head of the group), its output
+/// rows (the stores then find their lines in cache) and the K and V rows of its first key block
+/// (unless packed once per call). Into L2.
 template <class T>
-void prefetch_upcoming(const Ctx<T>& cx, const Upcoming& u, int64_t part, int64_t parts) {
+void queue_upcoming(const Ctx<T>& cx, const Upcoming& u, PrefetchDrip<2>& drip) {
   if (u.b < 0) return;
   const SdpaParams& p = *cx.p;
   const int64_t group = p.group(), i0 = u.qb * kBq, nq = std::min(kBq, cx.t_q - i0);
   const KeyRange keys = cx.causal.visible_keys(i0, i0 + nq, 0, cx.t_k);
   const int64_t nk = cx.prepacked ? 0 : std::min(kBk, keys.hi - keys.lo);
-  // The rows in order: Q head by head, output head by head, K, V; this part is [lo, hi).
-  const int64_t rows = 2 * group * nq + 2 * nk, lo = rows * part / parts, hi = rows * (part + 1) / parts;
-  // Rows [first, first + count) of the list, `stride` elements apart from `row0`: those in [lo, hi).
-  const auto rows_of = [&](int64_t first, int64_t count, const auto* row0, int64_t stride, int64_t bytes) {
-    const int64_t a = std::max(lo, first), z = std::min(hi, first + count);
-    bytes = std::min(bytes, kMaxPrefetchBytes);
-    for (int64_t r = a; r < z; ++r) prefetch_bytes<2>(row0 + (r - first) * stride, 0, bytes);
-  };
-  const int64_t q_bytes = p.d() * cx.q.stride[3] * static_cast<int64_t>(sizeof(T));
-  const int64_t o_bytes = p.d_v() * cx.out.stride[3] * static_cast<int64_t>(sizeof(float));
-  for (int64_t hh = 0; hh < group; ++hh) {
-    const int64_t h = u.g * group + hh;
-    rows_of(hh * nq, nq, cx.q.row(u.b, h, i0), cx.q.stride[2], q_bytes);
-    rows_of((group + hh) * nq, nq, cx.out.row(u.b, h, i0), cx.out.stride[2], o_bytes);
-  }
+  const int64_t h0 = u.g * group;
+  constexpr int64_t kT = sizeof(T), kF = sizeof(float);
+  drip.add(cx.q.row(u.b, h0, i0), cx.q.stride[2] * kT, nq, cx.q.stride[1] * kT, group, p.d() * cx.q.stride[3] * kT);
+  drip.add(cx.out.row(u.b, h0, i0), cx.out.stride[2] * kF, nq, cx.out.stride[1] * kF, group,
+           p.d_v() * cx.out.stride[3] * kF);
   if (nk == 0) return;
-  rows_of(2 * group * nq, nk, cx.k.row(u.b, u.g, keys.lo), cx.k.stride[2],
-          p.d() * cx.k.stride[3] * static_cast<int64_t>(sizeof(T)));
-  rows_of(2 * group * nq + nk, nk, cx.v.row(u.b, u.g, keys.lo), cx.v.stride[2],
-          p.d_v() * cx.v.stride[3] * static_cast<int64_t>(sizeof(T)));
+  drip.add(cx.k.row(u.b, u.g, keys.lo), cx.k.stride[2] * kT, nk, 0, 1, p.d() * cx.k.stride[3] * kT);
+  drip.add(cx.v.row(u.b, u.g, keys.lo), cx.v.stride[2] * kT, nk, 0, 1, p.d_v() * cx.v.stride[3] * kT);
 }
 
 // ---- (batch b, kv-head g, query block qb) for every query head of the group ----------------
@@ -1461,6 +1503,24 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const bool v_in_place =
       kF32 && vs == 1 && Dv % N == 0 && !p.masks.key_padding.view.defined() && !p.masks.key_bias.view.defined();
   int64_t ldvp = ldv;
+  // Lines for later, asked for a few at a time between the tiles of the products (PrefetchDrip):
+  // the next key block's K and V rows, and the next item's rows. The float32 products run in
+  // chunks of kDripRows query rows, a step after each; the bf16 ones a step after each product.
+  // Under a call's prepacked K/V, only the next item's Q and output rows remain, a trickle per
+  // key block: each product runs whole (its chunks' calls cost ~5% at T = 4096).
+  const int64_t chunk_rows = kF32 && !cx.prepacked ? kDripRows : kRowsPad;
+  const int64_t chunks = (nq + chunk_rows - 1) / chunk_rows;
+  const int64_t block_steps = group * 2 * chunks;
+  PrefetchDrip<3> next_block;
+  PrefetchDrip<2> next_item;
+  queue_upcoming(cx, upcoming, next_item);
+  const int64_t item_steps = std::max<int64_t>(1, (j_end - j_begin + kBk - 1) / kBk) * block_steps;
+  const int64_t item_step = (next_item.lines() + item_steps - 1) / item_steps;
+  int64_t block_step = 0;
+  const auto drip = [&] {
+    next_block.step(block_step);
+    next_item.step(item_step);
+  };
   const auto pack_block = [&](int64_t j0, int64_t nk, bool with_v) {
     ldvp = ldv;
     const int64_t width = std::min(kBk, Tk - j0);
@@ -1485,17 +1545,17 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     if constexpr (kF32) {
       if (v_in_place) vp_use = cx.v.row(b, g, j0), ldvp = cx.v.stride[2];
     }
-    // Ask for the next K/V block now: packing reads it from L3 or memory, and the products
-    // below give the prefetches time to land. (A prefetch reads no value; padded rows stay unread.)
+    // Ask for the next K/V block now, a few lines between the tiles of this block's products:
+    // packing reads it from L3 or memory. (A prefetch reads no value; padded rows stay unread.)
+    next_block.finish();  // what the last block's tiles left (a run that skipped tiles)
     if (j0 + kBk < j_end) {
-      for (int64_t jj = 0; jj < std::min(kBk, j_end - j0 - kBk); ++jj) {
-        prefetch_bytes(cx.k.row(b, g, j0 + kBk + jj), 0,
-                       std::min(D * ks * static_cast<int64_t>(sizeof(T)), kMaxPrefetchBytes));
-        if (with_v)
-          prefetch_bytes(cx.v.row(b, g, j0 + kBk + jj), 0,
-                         std::min(Dv * vs * static_cast<int64_t>(sizeof(T)), kMaxPrefetchBytes));
-      }
+      constexpr int64_t kT = sizeof(T);
+      const int64_t n_next = std::min(kBk, j_end - j0 - kBk);
+      next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
+      if (with_v) next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
+      if (!with_v) next_block.finish();  // the first of two weights passes: no tiles to spread them over
     }
+    block_step = (next_block.lines() + block_steps - 1) / block_steps;
   };
 
   if (cx.amx) amx::configure();  // this thread's tiles, for the products of this item
@@ -1529,7 +1589,6 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       for (int64_t r = 0; r < nq; ++r) add_sink(p.edits.sinks[g * group + hh], m[r], l[r], rescale);
     }
   }
-  const int64_t key_blocks = (j_end - j_begin + kBk - 1) / kBk;
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) {
     const int64_t nk = std::min(kBk, j_end - j0);
     pack_block(j0, nk, true);
@@ -1547,9 +1606,6 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       n_runs = row_runs(cx.causal, i0, nq, j0, nk, runs);
     for (int64_t hh = 0; hh < group; ++hh) {
       const int64_t h = g * group + hh;
-      // The next item's rows in small parts: before these scores, and after this P·V.
-      const int64_t part = 2 * (block_at * group + hh), parts = 2 * key_blocks * group;
-      prefetch_upcoming(cx, upcoming, part, parts);
       for (int64_t ri = 0; ri < n_runs; ++ri) {
         const RowRun& run = runs[ri];
         if (run.vis == TileVis::None) continue;
@@ -1577,7 +1633,12 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
           (cx.amx ? score_block_amx : score_block_dp)(
               q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use, rmax);
         else
-          score_block(q_head(hh) + r0 * ldq_use, ldq_use, rows_run, D, kt_use, nvec, sr, p.scale, kb_use, rmax);
+          for (int64_t c0 = 0; c0 < rows_run; c0 += chunk_rows) {
+            score_block(q_head(hh) + (r0 + c0) * ldq_use, ldq_use, std::min(chunk_rows, rows_run - c0), D, kt_use, nvec,
+                        sr + c0 * kBk, p.scale, kb_use, rmax ? rmax + c0 * kMaxLanes : nullptr);
+            drip();
+          }
+        if constexpr (kDot) drip();
         if (rows16 && partial) cut_causal_rows(cx.causal, i0 + r0, nq_run, j0, nk_run, sr, rmax);
         if (cx.weights_two_pass) {
           // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
@@ -1604,14 +1665,19 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
                           reinterpret_cast<uint32_t*>(ws + L.vtail));
           else
             out_block_dp(p2r, alpha, rows_run, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk_run, nvec_o, oh);
+          drip();
         } else
-          out_block(sr, alpha, rows_run, vp_use, ldvp, ldv, nk_run, nvec_o, oh);
+          for (int64_t c0 = 0; c0 < rows_run; c0 += chunk_rows) {
+            out_block(sr + c0 * kBk, alpha + c0, std::min(chunk_rows, rows_run - c0), vp_use, ldvp, ldv, nk_run, nvec_o,
+                      oh + c0 * ldv);
+            drip();
+          }
       }
-      prefetch_upcoming(cx, upcoming, part + 1, parts);
     }
   }
 
   if (cx.amx) amx::release();
+  next_item.finish();  // what tiles skipped under a causal mask left
 
   // Normalise and write out; a row that saw no key gives zeros and lse = −inf; a row that saw a
   // NaN score has l = NaN, so out and lse are NaN.
@@ -1817,7 +1883,7 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
       busy.resume();
     }
     // Items are claimed one ahead of the one in hand, so that the next one's rows can be
-    // prefetched while this one computes (prefetch_upcoming); still first come, first served.
+    // prefetched while this one computes (queue_upcoming); still first come, first served.
     int64_t it = next_item.fetch_add(1, std::memory_order_relaxed);
     while (it < items) {
       const int64_t ahead = next_item.fetch_add(1, std::memory_order_relaxed);
