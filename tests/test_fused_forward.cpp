@@ -506,9 +506,9 @@ TEST(FusedForward, Bf16Lengths) {
 
 /// Where no block needs a per-element mask, the AVX-512 targets' softmax runs 16 rows at a time
 /// and AVX2's 8, the score tiles having scaled S and taken each row's max (softmax_rows16, bf16
-/// writing P as bf16 pairs directly; softmax_rows8); it must be bitwise the general softmax. An all-true `allowed` mask sends every
-/// block through the general one without changing a score, so out and lse must be identical, NaN
-/// rows, fully padded rows, partial row groups and partial register tiles included.
+/// writing P as bf16 pairs directly; softmax_rows8); it must be bitwise the general softmax. An all-true `allowed` mask
+/// sends every block through the general one without changing a score, so out and lse must be identical, NaN rows,
+/// fully padded rows, partial row groups and partial register tiles included.
 template <class Inputs>
 void expect_fast_softmax_is_the_general_one(const Case& c, const Inputs& q, const Inputs& k, const Inputs& v) {
   BoolTensor all({c.B, c.H, c.Tq, c.Tk});
@@ -1071,6 +1071,60 @@ TEST(FusedWeights, Bf16MatchesTheReferenceOnWidenedValues) {
     EXPECT_TRUE(bitwise_equal(ref16.w, want.w));
     EXPECT_TRUE(bitwise_equal(ref16.avg, want.avg));
   }
+}
+
+/// Out, lse and both kinds of weights computed into buffers first filled with `fill`.
+template <class Q>
+WeightsResult run_into(const Case& c, const Q& q, const Q& k, const Q& v, Backend backend, bool weights, float fill) {
+  WeightsResult r{Tensor({c.B, c.H, c.Tq, c.Dv}, fill), Tensor({c.B, c.H, c.Tq, 1}, fill), {}, {}};
+  SdpaOutputs outs{r.out.view4(), {}, r.lse.view4(), {}};
+  if (weights) {
+    r.w = Tensor({c.B, c.H, c.Tq, c.Tk}, fill);
+    r.avg = Tensor({c.B, 1, c.Tq, c.Tk}, fill);
+    outs.weights = r.w.view4();
+    outs.averaged_weights = r.avg.view4();
+  }
+  SdpaOptions opt = c.opt;
+  opt.backend = backend;
+  sdpa(q.view4(), k.view4(), v.view4(), opt, outs);
+  return r;
+}
+
+// The outputs are written whole, whatever they held: sdpa(const Tensor&…) and the module hand the
+// kernels memory that is not zero-filled. Buffers full of NaN must give the bits of buffers full
+// of zeros, on both paths, with every mask (rows and whole batch items that see no key), dropout,
+// NaN inputs, no keys and no queries.
+TEST(SdpaOutputs, EveryElementIsWrittenWhateverTheBuffersHeld) {
+  struct Shape {
+    int64_t tq, tk, dv;
+  };
+  for (const Shape sh : {Shape{70, 150, 16}, Shape{kQBlock + 1, kKBlock + 1, 17}, Shape{5, 0, 8}, Shape{0, 5, 8}})
+    for (const MaskCase& mc : mask_cases()) {
+      // (The mask cases hide rows 3 and 5 and keys: the edge shapes take one of them.)
+      if ((sh.tq < 6 || sh.tk == 0) && std::string(mc.name) != "causal top-left") continue;
+      SCOPED_TRACE(::testing::Message() << mc.name << ", T_q " << sh.tq << " T_k " << sh.tk << " d_v " << sh.dv);
+      Case c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = sh.tq, c.Tk = sh.tk, c.D = 32, c.Dv = sh.dv;
+      c.make_inputs(static_cast<uint64_t>(sh.tq + sh.tk));
+      mc.apply(c);
+      if (sh.tq > 9 && sh.tk > 0) c.q.at({1, 2, 9, 0}) = kNaN;  // a NaN row
+      with_f32_and_bf16(c, [&](const auto& q, const auto& k, const auto& v) {
+        for (const Backend backend : {Backend::Fused, Backend::Reference})
+          for (const bool weights : {false, true}) {
+            if (backend == Backend::Reference && !std::is_same_v<std::decay_t<decltype(q)>, Tensor>) continue;
+            const WeightsResult clean = run_into(c, q, k, v, backend, weights, 0.0f);
+            const WeightsResult dirty = run_into(c, q, k, v, backend, weights, kNaN);
+            const char* path = backend == Backend::Fused ? "fused" : "reference";
+            EXPECT_TRUE(bitwise_equal(dirty.out, clean.out)) << path << " out, weights " << weights;
+            EXPECT_TRUE(bitwise_equal(dirty.lse, clean.lse)) << path << " lse, weights " << weights;
+            if (weights) {
+              EXPECT_TRUE(bitwise_equal(dirty.w, clean.w)) << path << " per-head weights";
+              EXPECT_TRUE(bitwise_equal(dirty.avg, clean.avg)) << path << " averaged weights";
+            }
+          }
+      });
+      if (HasFailure()) return;
+    }
 }
 
 }  // namespace

@@ -296,6 +296,26 @@ TEST(Varlen, ThreadCountDoesNotChangeAnyBit) {
 }
 
 // Lengths of very different sizes (the load-balancing case) give the same bits as each alone.
+// sdpa_varlen(const Tensor&…) hands the kernels out and lse unfilled: each element is written,
+// whatever the buffers held (rows of empty sequences and rows that see no key included).
+TEST(Varlen, EveryOutputElementIsWrittenWhateverTheBuffersHeld) {
+  for (const Packed& c : sweep())
+    for (Backend backend : {Backend::Reference, Backend::Fused}) {
+      const int64_t nq = c.q.size(0);
+      const auto run_into = [&](float fill) {
+        SdpaResult r{Tensor({nq, c.H, c.Dv}, fill), {}, Tensor({nq, c.H}, fill)};
+        sdpa_varlen(packed_view<const float>(c.q.data(), nq, c.H, c.D),
+                    packed_view<const float>(c.k.data(), c.k.size(0), c.KV, c.D),
+                    packed_view<const float>(c.v.data(), c.v.size(0), c.KV, c.Dv), c.seqs, c.options(backend, 2),
+                    {packed_view(r.out.data(), nq, c.H, c.Dv), {}, packed_view(r.lse.data(), nq, c.H, int64_t{1})});
+        return r;
+      };
+      const SdpaResult clean = run_into(0.0f), dirty = run_into(std::numeric_limits<float>::quiet_NaN());
+      EXPECT_TRUE(bitwise_equal(dirty.out, clean.out)) << (backend == Backend::Fused ? "fused" : "reference");
+      EXPECT_TRUE(bitwise_equal(dirty.lse, clean.lse)) << (backend == Backend::Fused ? "fused" : "reference");
+    }
+}
+
 TEST(Varlen, UnevenLengthsBalancedAndExact) {
   const Packed c({700, 3, 1, 250, 17}, {700, 3, 1, 250, 17}, 2, 1, 16, 16, Causal::top_left(), 7);
   const SdpaResult r1 = c.forward(Backend::Fused, 1), r3 = c.forward(Backend::Fused, 3);

@@ -79,7 +79,8 @@ struct SdpaOutputs {
 void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
                      const SdpaOutputs& outputs);
 
-/// Scaled dot-product attention into caller-owned outputs.
+/// Scaled dot-product attention into caller-owned outputs. Every element of each output given is
+/// written, on every path; what the buffers held before is never read.
 void sdpa(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
           const SdpaOutputs& outputs);
 

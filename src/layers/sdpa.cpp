@@ -115,12 +115,13 @@ SdpaResult sdpa_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const 
   if (want == Want::Weights || want == Want::WeightsAndLse)
     fail(kVarlen, ": attention weights are not returned for a packed batch");
   const int64_t Nq = q.size(0), H = q.size(1), Nk = k.size(0), Dv = v.size(2);
+  // Every element of out and lse is written (Varlen.EveryOutputElementIsWrittenWhateverTheBuffersHeld).
   SdpaResult r;
-  r.out = Tensor({Nq, H, Dv});
+  r.out = Tensor::uninitialized({Nq, H, Dv});
   SdpaOutputs outs;
   outs.out = packed_view(r.out.data(), Nq, H, Dv);
   if (want == Want::Lse) {
-    r.lse = Tensor({Nq, H});
+    r.lse = Tensor::uninitialized({Nq, H});
     outs.lse = packed_view(r.lse.data(), Nq, H, int64_t{1});
   }
   sdpa_varlen(packed_view(q.data(), Nq, H, q.size(2)), packed_view(k.data(), Nk, k.size(1), k.size(2)),
@@ -139,17 +140,19 @@ SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOpt
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
     fail("sdpa: query, key and value must be 4-D (B, h, T, d); got ", shape_str(q.shape()), ", ", shape_str(k.shape()),
          ", ", shape_str(v.shape()));
+  // Every element of out, weights and lse is written, on either path, whatever the buffers held
+  // (SdpaOutputs.EveryElementIsWrittenWhateverTheBuffersHeld): no pass fills them first.
   SdpaResult r;
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2), Dv = v.size(3);
-  r.out = Tensor({B, H, Tq, Dv});
+  r.out = Tensor::uninitialized({B, H, Tq, Dv});
   SdpaOutputs outs;
   outs.out = r.out.view4();
   if (want == Want::Weights || want == Want::WeightsAndLse) {
-    r.weights = Tensor({B, H, Tq, Tk});
+    r.weights = Tensor::uninitialized({B, H, Tq, Tk});
     outs.weights = r.weights.view4();
   }
   if (want == Want::Lse || want == Want::WeightsAndLse) {
-    r.lse = Tensor({B, H, Tq});
+    r.lse = Tensor::uninitialized({B, H, Tq});
     outs.lse = contiguous_view(r.lse.data(), B, H, Tq, 1);
   }
   sdpa(q.view4(), k.view4(), v.view4(), opt, outs);
