@@ -1342,9 +1342,12 @@ void pack_kv_block(const Ctx<T>& cx, int64_t b, int64_t g, int64_t j0, int64_t n
 }
 
 // ---- the next item's rows, asked for while this one computes ------------------------------
-/// An item a thread has claimed but not started (b < 0: none).
+/// An item a thread has claimed but not started, in its context (a packed batch's items each have
+/// their sequence's); none where cx is null.
+template <class T>
 struct Upcoming {
-  int64_t b = -1, g = 0, qb = 0;
+  const Ctx<T>* cx = nullptr;
+  int64_t b = 0, g = 0, qb = 0;
 };
 
 /// Cache lines asked for a few at a time between the register tiles of the products: a queue of
@@ -1404,8 +1407,9 @@ class PrefetchDrip {
 /// rows (the stores then find their lines in cache) and the K and V rows of its first key block
 /// (unless packed once per call). Into L2.
 template <class T>
-void queue_upcoming(const Ctx<T>& cx, const Upcoming& u, PrefetchDrip<2>& drip) {
-  if (u.b < 0) return;
+void queue_upcoming(const Upcoming<T>& u, PrefetchDrip<2>& drip) {
+  if (!u.cx) return;
+  const Ctx<T>& cx = *u.cx;
   const SdpaParams& p = *cx.p;
   const int64_t group = p.group(), i0 = u.qb * kBq, nq = std::min(kBq, cx.t_q - i0);
   const KeyRange keys = cx.causal.visible_keys(i0, i0 + nq, 0, cx.t_k);
@@ -1430,7 +1434,7 @@ void queue_upcoming(const Ctx<T>& cx, const Upcoming& u, PrefetchDrip<2>& drip) 
 // accumulates P·V with no rescaling.
 template <class T, bool kDot>
 HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, float* ws,
-                            const Upcoming& upcoming = {}) {
+                            const Upcoming<T>& upcoming = {}) {
   const SdpaParams& p = *cx.p;
   const ScratchPlan& L = cx.L;
   const int64_t group = p.group(), Tq = cx.t_q, Tk = cx.t_k, D = p.d(), Dv = p.d_v();
@@ -1513,7 +1517,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   const int64_t block_steps = group * 2 * chunks;
   PrefetchDrip<3> next_block;
   PrefetchDrip<2> next_item;
-  queue_upcoming(cx, upcoming, next_item);
+  queue_upcoming(upcoming, next_item);
   const int64_t item_steps = std::max<int64_t>(1, (j_end - j_begin + kBk - 1) / kBk) * block_steps;
   const int64_t item_step = (next_item.lines() + item_steps - 1) / item_steps;
   int64_t block_step = 0;
@@ -1719,9 +1723,9 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws, int64_t next_item = -1)
   const SdpaParams& p = *cx.p;
   const int64_t KV = p.kv_heads(), qb = item % cx.q_blocks;
   if (!p.weights_avg.defined()) {
-    Upcoming next;
+    Upcoming<T> next;
     if (next_item >= 0)
-      next = {next_item / (cx.q_blocks * KV), (next_item / cx.q_blocks) % KV, next_item % cx.q_blocks};
+      next = {&cx, next_item / (cx.q_blocks * KV), (next_item / cx.q_blocks) % KV, next_item % cx.q_blocks};
     run_group<T, kDot>(cx, item / (cx.q_blocks * KV), (item / cx.q_blocks) % KV, qb, ws, next);
     return;
   }
@@ -1812,15 +1816,26 @@ void run_varlen(const Ctx<T>& whole, float* workspace, bool dot) {
     if (a.cost != b.cost) return a.cost > b.cost;
     return a.s != b.s ? a.s < b.s : a.qb != b.qb ? a.qb < b.qb : a.g < b.g;
   });
+  // Claimed one ahead, as run() does, so that the next item's rows (its own sequence's) are
+  // asked for while this one computes.
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(plan.threads)
   {
     BusyClock busy(p.thread_busy_ms);
     float* ws = plan.thread_part(workspace, omp_get_thread_num());
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t it = 0; it < n; ++it) {
-      const VarlenItem& item = items[it];
-      const Ctx<T> cx = sequence_ctx(whole, item.s);
-      with_dot<T>(dot, [&](auto kDot) { run_group<T, decltype(kDot)::value>(cx, 0, item.g, item.qb, ws); });
+    int64_t it = next_item.fetch_add(1, std::memory_order_relaxed);
+    Ctx<T> cx = it < n ? sequence_ctx(whole, items[it].s) : whole, cx_ahead = cx;
+    while (it < n) {
+      const int64_t ahead = next_item.fetch_add(1, std::memory_order_relaxed);
+      Upcoming<T> upcoming;
+      if (ahead < n) {
+        cx_ahead = sequence_ctx(whole, items[ahead].s);
+        upcoming = {&cx_ahead, 0, items[ahead].g, items[ahead].qb};
+      }
+      with_dot<T>(
+          dot, [&](auto kDot) { run_group<T, decltype(kDot)::value>(cx, 0, items[it].g, items[it].qb, ws, upcoming); });
+      it = ahead;
+      cx = cx_ahead;
     }
   }
 }
