@@ -441,11 +441,13 @@ HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* 
 template <bool kScaled>
 void score_block_t(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
                    float scale, const float* kb, float* rmax) {
+  // Row r0's max vectors; null without kScaled (no offset is formed from a null pointer).
+  const auto row_max = [&](int64_t r) { return kScaled ? rmax + r * kMaxLanes : rmax; };
   int64_t r0 = 0;
   for (; r0 + kMR <= rows; r0 += kMR)
-    score_rows<kMR, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, rmax + r0 * kMaxLanes);
+    score_rows<kMR, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, row_max(r0));
   with_count<kMR - 1>(rows - r0, [&](auto mr) {
-    score_rows<mr, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, rmax + r0 * kMaxLanes);
+    score_rows<mr, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, row_max(r0));
   });
 }
 
@@ -1374,6 +1376,7 @@ class PrefetchDrip {
       const Range& r = ranges_[cur_];
       const uintptr_t row = r.base + static_cast<uintptr_t>(head_ * r.head_stride + row_ * r.row_stride);
       const uintptr_t line = (row & ~uintptr_t{63}) + static_cast<uintptr_t>(64 * line_);
+      asm volatile("");  // (keeps the loop: see prefetch_bytes in kernels/common.h)
       __builtin_prefetch(reinterpret_cast<const char*>(line), 0, kLocality);
       lines_ = std::max<int64_t>(0, lines_ - 1);
       if (line + 64 < row + static_cast<uintptr_t>(r.bytes)) {
