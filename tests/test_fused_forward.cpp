@@ -1073,17 +1073,12 @@ TEST(FusedWeights, Bf16MatchesTheReferenceOnWidenedValues) {
   }
 }
 
-/// Out, lse and both kinds of weights computed into buffers first filled with `fill`.
+/// Out, lse and (with `weights`) both kinds of weights computed into buffers first filled with `fill`.
 template <class Q>
 WeightsResult run_into(const Case& c, const Q& q, const Q& k, const Q& v, Backend backend, bool weights, float fill) {
-  WeightsResult r{Tensor({c.B, c.H, c.Tq, c.Dv}, fill), Tensor({c.B, c.H, c.Tq, 1}, fill), {}, {}};
-  SdpaOutputs outs{r.out.view4(), {}, r.lse.view4(), {}};
-  if (weights) {
-    r.w = Tensor({c.B, c.H, c.Tq, c.Tk}, fill);
-    r.avg = Tensor({c.B, 1, c.Tq, c.Tk}, fill);
-    outs.weights = r.w.view4();
-    outs.averaged_weights = r.avg.view4();
-  }
+  SdpaOutputs outs;
+  WeightsResult r = weights_buffers(c, weights ? kBoth : WantWeights{0}, outs);
+  for (Tensor* t : {&r.out, &r.lse, &r.w, &r.avg}) std::fill(t->data(), t->data() + t->numel(), fill);
   SdpaOptions opt = c.opt;
   opt.backend = backend;
   sdpa(q.view4(), k.view4(), v.view4(), opt, outs);

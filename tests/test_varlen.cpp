@@ -295,7 +295,6 @@ TEST(Varlen, ThreadCountDoesNotChangeAnyBit) {
   }
 }
 
-// Lengths of very different sizes (the load-balancing case) give the same bits as each alone.
 // sdpa_varlen(const Tensor&…) hands the kernels out and lse unfilled: each element is written,
 // whatever the buffers held (rows of empty sequences and rows that see no key included).
 TEST(Varlen, EveryOutputElementIsWrittenWhateverTheBuffersHeld) {
@@ -316,6 +315,7 @@ TEST(Varlen, EveryOutputElementIsWrittenWhateverTheBuffersHeld) {
     }
 }
 
+// Lengths of very different sizes (the load-balancing case) give the same bits as each alone.
 TEST(Varlen, UnevenLengthsBalancedAndExact) {
   const Packed c({700, 3, 1, 250, 17}, {700, 3, 1, 250, 17}, 2, 1, 16, 16, Causal::top_left(), 7);
   const SdpaResult r1 = c.forward(Backend::Fused, 1), r3 = c.forward(Backend::Fused, 3);

@@ -1427,6 +1427,19 @@ void queue_upcoming(const Upcoming<T>& u, PrefetchDrip<2>& drip) {
   drip.add(cx.v.row(u.b, u.g, keys.lo), cx.v.stride[2] * kT, nk, 0, 1, p.d_v() * cx.v.stride[3] * kT);
 }
 
+/// Runs f(it, ahead) for items taken from `counter` until it passes n, each claimed one ahead of
+/// the one in hand (ahead ≥ n: none), so that the next item's rows can be asked for while this
+/// one computes (queue_upcoming); still first come, first served, each item by one thread.
+template <class F>
+void claim_one_ahead(std::atomic<int64_t>& counter, int64_t n, const F& f) {
+  int64_t it = counter.fetch_add(1, std::memory_order_relaxed);
+  while (it < n) {
+    const int64_t ahead = counter.fetch_add(1, std::memory_order_relaxed);
+    f(it, ahead);
+    it = ahead;
+  }
+}
+
 // ---- (batch b, kv-head g, query block qb) for every query head of the group ----------------
 // Without weights: one pass over the keys with the online softmax. With weights in one pass
 // (weights_one_pass), the same pass keeps each block's probabilities and the max they were taken
@@ -1559,8 +1572,10 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       constexpr int64_t kT = sizeof(T);
       const int64_t n_next = std::min(kBk, j_end - j0 - kBk);
       next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
-      if (with_v) next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
-      if (!with_v) next_block.finish();  // the first of two weights passes: no tiles to spread them over
+      if (with_v)
+        next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
+      else
+        next_block.finish();  // the first of two weights passes: no tiles to spread them over
     }
     block_step = (next_block.lines() + block_steps - 1) / block_steps;
   };
@@ -1636,16 +1651,17 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         const bool rows16 =
             kFusedSoftmax && !cx.weights_two_pass && !cx.edit_scores && !per_element_masks && !p.dropout.active();
         float* const rmax = rows16 ? ws + L.rmax + r0 * kMaxLanes : nullptr;
-        if constexpr (kDot)
+        if constexpr (kDot) {
           (cx.amx ? score_block_amx : score_block_dp)(
               q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use, rmax);
-        else
+          drip();
+        } else {
           for (int64_t c0 = 0; c0 < rows_run; c0 += chunk_rows) {
             score_block(q_head(hh) + (r0 + c0) * ldq_use, ldq_use, std::min(chunk_rows, rows_run - c0), D, kt_use, nvec,
                         sr + c0 * kBk, p.scale, kb_use, rmax ? rmax + c0 * kMaxLanes : nullptr);
             drip();
           }
-        if constexpr (kDot) drip();
+        }
         if (rows16 && partial) cut_causal_rows(cx.causal, i0 + r0, nq_run, j0, nk_run, sr, rmax);
         if (cx.weights_two_pass) {
           // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
@@ -1819,17 +1835,15 @@ void run_varlen(const Ctx<T>& whole, float* workspace, bool dot) {
     if (a.cost != b.cost) return a.cost > b.cost;
     return a.s != b.s ? a.s < b.s : a.qb != b.qb ? a.qb < b.qb : a.g < b.g;
   });
-  // Claimed one ahead, as run() does, so that the next item's rows (its own sequence's) are
-  // asked for while this one computes.
+  // Claimed one ahead, as run() does; the next item's rows are its own sequence's.
   std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(plan.threads)
   {
     BusyClock busy(p.thread_busy_ms);
     float* ws = plan.thread_part(workspace, omp_get_thread_num());
-    int64_t it = next_item.fetch_add(1, std::memory_order_relaxed);
-    Ctx<T> cx = it < n ? sequence_ctx(whole, items[it].s) : whole, cx_ahead = cx;
-    while (it < n) {
-      const int64_t ahead = next_item.fetch_add(1, std::memory_order_relaxed);
+    claim_one_ahead(next_item, n, [&](int64_t it, int64_t ahead) {
+      const Ctx<T> cx = sequence_ctx(whole, items[it].s);
+      Ctx<T> cx_ahead;
       Upcoming<T> upcoming;
       if (ahead < n) {
         cx_ahead = sequence_ctx(whole, items[ahead].s);
@@ -1837,9 +1851,7 @@ void run_varlen(const Ctx<T>& whole, float* workspace, bool dot) {
       }
       with_dot<T>(
           dot, [&](auto kDot) { run_group<T, decltype(kDot)::value>(cx, 0, items[it].g, items[it].qb, ws, upcoming); });
-      it = ahead;
-      cx = cx_ahead;
-    }
+    });
   }
 }
 
@@ -1900,16 +1912,11 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
 #pragma omp barrier
       busy.resume();
     }
-    // Items are claimed one ahead of the one in hand, so that the next one's rows can be
-    // prefetched while this one computes (queue_upcoming); still first come, first served.
-    int64_t it = next_item.fetch_add(1, std::memory_order_relaxed);
-    while (it < items) {
-      const int64_t ahead = next_item.fetch_add(1, std::memory_order_relaxed);
+    claim_one_ahead(next_item, items, [&](int64_t it, int64_t ahead) {
       with_dot<T>(dot, [&](auto kDot) {
         run_item<T, decltype(kDot)::value>(cx, item_at(cx, it), ws, ahead < items ? item_at(cx, ahead) : -1);
       });
-      it = ahead;
-    }
+    });
   }
 }
 
