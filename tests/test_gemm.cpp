@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -36,11 +37,12 @@ std::vector<float> run(Trans ta, Trans tb, const Case& s, float alpha, float bet
   return c;
 }
 
-// Shapes around the tile edges (256 rows, 512 columns of C), odd sizes, 0 and 1, and the shapes
-// whose bits oneDNN's own threading changed with the thread count on an AVX2 Zen.
-const Case kCases[] = {{300, 64, 64}, {300, 64, 192}, {150, 64, 64},  {300, 192, 64}, {1, 1, 1},
-                       {1, 1536, 64}, {257, 513, 7},  {513, 97, 33},  {7, 5, 0},      {0, 5, 3},
-                       {5, 0, 3},     {33, 1, 300},   {512, 1024, 16}};
+// Shapes around the tile edges (256 rows, 512 columns of C), odd sizes, 0 and 1, the shapes whose
+// bits oneDNN's own threading changed with the thread count on an AVX2 Zen, and k around the
+// edges of the chunks that products with A transposed are summed in (192 terms at most).
+const Case kCases[] = {{300, 64, 64},   {300, 64, 192}, {150, 64, 64},  {300, 192, 64}, {1, 1, 1}, {1, 1536, 64},
+                       {257, 513, 7},   {513, 97, 33},  {7, 5, 0},      {0, 5, 3},      {5, 0, 3}, {33, 1, 300},
+                       {512, 1024, 16}, {20, 24, 193},  {260, 40, 385}, {9, 530, 1000}};
 
 TEST(Gemm, MatchesDoublePrecisionForEveryTransposition) {
   for (const Case& s : kCases)
@@ -61,6 +63,22 @@ TEST(Gemm, MatchesDoublePrecisionForEveryTransposition) {
                 << s.m << "x" << s.n << "x" << s.k << " at (" << i << ", " << j << ")";
           }
       }
+}
+
+// beta = 0 overwrites C without reading it (BLAS's rule), also when k is summed in chunks: C full
+// of NaN gives the product alone.
+TEST(Gemm, BetaZeroNeverReadsC) {
+  for (const Case& s : kCases)
+    for (Trans ta : {Trans::No, Trans::Yes}) {
+      const auto a = random_floats(s.m * s.k, 7), b = random_floats(s.k * s.n, 8);
+      const std::vector<float> zeros(static_cast<size_t>(s.m * s.n), 0.0f),
+          nans(zeros.size(), std::numeric_limits<float>::quiet_NaN());
+      const auto from_zeros = run(ta, Trans::No, s, 1.0f, 0.0f, a, b, zeros, 2);
+      const auto from_nans = run(ta, Trans::No, s, 1.0f, 0.0f, a, b, nans, 2);
+      EXPECT_TRUE(from_zeros.empty() ||
+                  std::memcmp(from_zeros.data(), from_nans.data(), sizeof(float) * from_zeros.size()) == 0)
+          << s.m << "x" << s.n << "x" << s.k;
+    }
 }
 
 TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
