@@ -19,6 +19,7 @@
 #include "kernels/backward_fused.h"
 #include "kernels/dropout_rng.h"
 #include "layers/scratch_pool.h"
+#include "layers/sdpa_prepare.h"
 #include "mha/safetensors.h"
 #include "mha/training.h"
 #include "mha/weights.h"
@@ -402,6 +403,61 @@ TEST(SdpaBackwardFused, CausalCutIsBitwiseTheElementwisePath) {
         EXPECT_TRUE(bitwise_equal(cut.dv, elementwise.dv)) << "dv";
       }
   });
+}
+
+/// Every kernel scratch buffer filled with `value` while it lives (layers/sdpa_prepare.h).
+struct ScratchFill {
+  explicit ScratchFill(float value) { detail::fill_kernel_scratch_for_testing(value); }
+  ~ScratchFill() { detail::fill_kernel_scratch_for_testing(std::nullopt); }
+  ScratchFill(const ScratchFill&) = delete;
+  ScratchFill& operator=(const ScratchFill&) = delete;
+};
+
+/// The forward (out, lse) and backward (dQ, dK, dV) of one case, the gradients written into
+/// views of tensors that hold `grads_fill` beforehand.
+std::array<Tensor, 5> forward_backward_into(const SdpaSetup& s, Backend backend, int threads, float grads_fill) {
+  SdpaOptions opt = s.opt;
+  opt.backend = backend;
+  opt.threads = threads;
+  const SdpaResult fwd = sdpa(s.q, s.k, s.v, opt, Want::Lse);
+  Tensor dq(s.q.shape(), grads_fill), dk(s.k.shape(), grads_fill), dv(s.v.shape(), grads_fill);
+  const View4<const float> lse =
+      contiguous_view<const float>(fwd.lse.data(), s.q.size(0), s.q.size(1), s.q.size(2), int64_t{1});
+  sdpa_backward(s.q.view4(), s.k.view4(), s.v.view4(), fwd.out.view4(), s.dout.view4(), lse, opt,
+                {dq.view4(), dk.view4(), dv.view4(), {}});
+  return {fwd.out, fwd.lse, dq, dk, dv};
+}
+
+// Workspaces and gradient buffers are never zero-filled (the module reuses its buffers across
+// steps; sdpa_backward's own allocates them uninitialised): every kernel must write what it reads
+// of its scratch, and every gradient element, itself. Scratch and gradient buffers full of NaN
+// give the bits of zeroed ones, on both backends, over the sweep (every mask kind, GQA, dropout,
+// rows that see no key, lengths 0 to 197 around the block edges) and the three work schemes.
+TEST(SdpaBackward, ReadsNoScratchOrGradientItDidNotWrite) {
+  std::vector<std::pair<SdpaCase, int>> cases;
+  for (const SdpaCase& c : sweep_cases()) cases.push_back({c, 2});
+  SdpaCase big;
+  big.name = "schemes";
+  big.B = 2, big.H = 4, big.KV = 2, big.Tq = 150, big.Tk = 170, big.D = 16, big.Dv = 8, big.padding = true;
+  big.dropout = 0.1f, big.causal = Causal::bottom_right();
+  for (int threads : {1, 3, 5}) cases.push_back({big, threads});
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  uint64_t seed = 900;
+  for (const auto& [c, threads] : cases)
+    for (Backend backend : {Backend::Fused, Backend::Reference}) {
+      SCOPED_TRACE(c.name + (backend == Backend::Fused ? " fused, " : " reference, ") + std::to_string(threads) +
+                   " threads");
+      SdpaSetup s = make_setup(c, seed += 10);
+      poison_padding(s);
+      const std::array<Tensor, 5> clean = forward_backward_into(s, backend, threads, 0.0f);
+      std::array<Tensor, 5> dirty;
+      {
+        const ScratchFill fill(nan);
+        dirty = forward_backward_into(s, backend, threads, nan);
+      }
+      const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+      for (size_t x = 0; x < clean.size(); ++x) EXPECT_TRUE(bitwise_equal(dirty[x], clean[x])) << names[x];
+    }
 }
 
 TEST(SdpaBackwardFused, PaddedKeysGetZeroGradient) {

@@ -209,9 +209,10 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
     kernels::linear_backward_params(dv_rows, Nk, KV * d, ldkv, value.data(), vdim, vdim, dwv, lddv,
                                     db ? db + (H + KV) * d : nullptr);
   }
-  g.query = Tensor(query.shape());
-  g.key = Tensor(key.shape());
-  g.value = Tensor(value.shape());
+  // Each input gradient is written whole by its GEMM (beta = 0): no zero-fill first.
+  g.query = Tensor::uninitialized(query.shape());
+  g.key = Tensor::uninitialized(key.shape());
+  g.value = Tensor::uninitialized(value.shape());
   kernels::linear_backward_input(dq_rows, Nq, H * d, ldq, w.q, E, w.ld_q, g.query.data(), E);
   kernels::linear_backward_input(dk_rows, Nk, KV * d, ldkv, w.k, kdim, w.ld_k, g.key.data(), kdim);
   kernels::linear_backward_input(dv_rows, Nk, KV * d, ldkv, w.v, vdim, w.ld_v, g.value.data(), vdim);

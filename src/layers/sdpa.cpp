@@ -20,20 +20,10 @@ bool use_fused(const kernels::SdpaParams& p, Backend backend, std::string* why) 
   return detail::choose_fused(kSdpa, backend, ok, reason, why);
 }
 
-/// Scratch the kernel fully overwrites before reading: allocated without zero-filling, and a large
-/// one (the fused kernel's prepacked K/V is the size of K and V) on huge pages where the OS allows,
-/// since faulting it in 4 KiB at a time costs more than packing it.
-std::unique_ptr<float[]> scratch(size_t floats) {
-  auto buf = std::make_unique_for_overwrite<float[]>(floats);
-  if (floats * sizeof(float) >= detail::kHugePageAdviceBytes)
-    detail::advise_huge_pages(buf.get(), floats * sizeof(float));
-  return buf;
-}
-
 /// The reference oracle writes per-head weights only: averaged weights are formed here from a
 /// per-head intermediate, summed over heads in double (as nn.MultiheadAttention's average).
 void run_reference(kernels::SdpaParams p) {
-  std::unique_ptr<float[]> workspace = scratch(kernels::reference_workspace_floats(p));
+  std::unique_ptr<float[]> workspace = detail::kernel_scratch(kernels::reference_workspace_floats(p));
   if (!p.weights_avg.defined()) return kernels::sdpa_reference(p, workspace.get());
   const View4<float> avg = p.weights_avg;
   const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k();
@@ -61,7 +51,7 @@ void run(kernels::SdpaParams p, Backend backend, SdpaThreadStats* stats) {
   }
   if (shape_numel(p.out.shape_vec()) == 0 && !p.weights.defined() && !p.weights_avg.defined()) return;
   if (use_fused(p, backend, nullptr)) {
-    std::unique_ptr<float[]> workspace = scratch(kernels::fused_workspace_floats(p));
+    std::unique_ptr<float[]> workspace = detail::kernel_scratch(kernels::fused_workspace_floats(p));
     kernels::sdpa_fused(p, workspace.get());
   } else {
     run_reference(p);

@@ -1,6 +1,7 @@
 // layers/sdpa_backward.cpp — the public SDPA backward entry point: the forward's preparation
 // (layers/sdpa_prepare.h) plus the gradient views' checks, the same backend choice, a workspace.
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "kernels/attention_backward.h"
@@ -64,8 +65,8 @@ std::span<float> sink_grads(const SdpaOptions& opt, SdpaGradTensors& g) {
 
 void run(const kernels::SdpaBackwardParams& p, Backend backend) {
   if (use_fused(p, backend, nullptr)) {
-    std::vector<float> workspace(kernels::fused_backward_workspace_floats(p));
-    kernels::sdpa_backward_fused(p, workspace.data());
+    const std::unique_ptr<float[]> workspace = detail::kernel_scratch(kernels::fused_backward_workspace_floats(p));
+    kernels::sdpa_backward_fused(p, workspace.get());
   } else {
     std::vector<double> workspace(kernels::reference_backward_workspace_doubles(p));
     kernels::sdpa_backward_reference(p, workspace.data());
@@ -101,7 +102,8 @@ SdpaGradTensors sdpa_backward_varlen(const Tensor& q, const Tensor& k, const Ten
   if (lse.shape() != want_lse)
     fail(fn, ": lse has shape ", shape_str(lse.shape()), ", expected ", shape_str(want_lse), " (total_q, h)");
   const auto pv = [](const Tensor& t) { return packed_view(t.data(), t.size(0), t.size(1), t.size(2)); };
-  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape()), Tensor()};
+  SdpaGradTensors g{Tensor::uninitialized(q.shape()), Tensor::uninitialized(k.shape()),
+                    Tensor::uninitialized(v.shape()), Tensor()};
   const std::span<float> dsinks = sink_grads(opt, g);
   const auto pg = [](Tensor& t) { return packed_view(t.data(), t.size(0), t.size(1), t.size(2)); };
   sdpa_backward_varlen(pv(q), pv(k), pv(v), pv(out), pv(d_out), packed_view(lse.data(), Nq, H, int64_t{1}), seqs, opt,
@@ -135,7 +137,8 @@ SdpaGradTensors sdpa_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   const Shape want_lse{q.size(0), q.size(1), q.size(2)};
   if (lse.shape() != want_lse)
     fail(kBwd, ": lse has shape ", shape_str(lse.shape()), ", expected ", shape_str(want_lse), " (B, h, T_q)");
-  SdpaGradTensors g{Tensor(q.shape()), Tensor(k.shape()), Tensor(v.shape()), Tensor()};
+  SdpaGradTensors g{Tensor::uninitialized(q.shape()), Tensor::uninitialized(k.shape()),
+                    Tensor::uninitialized(v.shape()), Tensor()};
   const std::span<float> dsinks = sink_grads(opt, g);
   const View4<const float> lse_view = contiguous_view(lse.data(), want_lse[0], want_lse[1], want_lse[2], int64_t{1});
   sdpa_backward(q.view4(), k.view4(), v.view4(), out.view4(), d_out.view4(), lse_view, opt,

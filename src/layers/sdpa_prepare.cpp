@@ -2,12 +2,17 @@
 // (layers/sdpa_prepare.h).
 #include "layers/sdpa_prepare.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+
+#include "mha/tensor.h"
 
 namespace mha::detail {
 
 namespace {
+
+std::optional<float> g_scratch_fill;  // fill_kernel_scratch_for_testing()
 
 /// Checks that `view` broadcasts to `full` (each extent equal or 1) and returns it with stride 0
 /// along broadcast dimensions, so kernels can index it with full-size indices.
@@ -144,6 +149,15 @@ bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::s
   if (why) *why = fused_ok ? "fused: supported" : "reference: " + reason;
   return fused_ok;
 }
+
+std::unique_ptr<float[]> kernel_scratch(size_t floats) {
+  auto buf = std::make_unique_for_overwrite<float[]>(floats);
+  if (floats * sizeof(float) >= kHugePageAdviceBytes) advise_huge_pages(buf.get(), floats * sizeof(float));
+  if (g_scratch_fill) std::fill_n(buf.get(), floats, *g_scratch_fill);
+  return buf;
+}
+
+void fill_kernel_scratch_for_testing(std::optional<float> value) { g_scratch_fill = value; }
 
 }  // namespace mha::detail
 

@@ -7,6 +7,8 @@
 // directions and says why.
 #pragma once
 
+#include <cstddef>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -40,5 +42,16 @@ kernels::ScoreEdits check_score_edits(const char* fn, int64_t heads, const Alibi
 /// kernel supports the request (`fused_ok`, else `reason` says what it lacks); Backend::Fused on
 /// an unsupported request throws. *why (if given) gets "fused: supported" or "reference: …".
 bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::string& reason, std::string* why);
+
+/// Scratch that a kernel fully overwrites before it reads it (the forward's and the backward's
+/// workspaces): allocated without zero-filling, and a large one (the forward's prepacked K/V, the
+/// backward's dense copies of Q and dO) on huge pages where the OS allows, since faulting it in
+/// 4 KiB at a time costs more than filling it.
+std::unique_ptr<float[]> kernel_scratch(size_t floats);
+
+/// For tests: every kernel_scratch() buffer from now on filled with `value` (NaN shows that the
+/// kernels read no scratch they did not write first), or left as allocated (nullopt, the
+/// default). Not for use while other threads call the library.
+void fill_kernel_scratch_for_testing(std::optional<float> value);
 
 }  // namespace mha::detail
