@@ -326,13 +326,13 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
     pass.heads_scratch = pool->take(static_cast<size_t>(call.q_rows.rows() * H * d));
     heads = pass.heads_scratch.data();
   } else {
-    pass.heads = Tensor({call.q_rows.rows(), H * d});
+    pass.heads = Tensor::uninitialized({call.q_rows.rows(), H * d});
     heads = pass.heads.data();
   }
   SdpaOutputs souts;
   souts.out = call.q_rows.heads(heads, H * d, 0, H, d);
-  if (keep.lse) {
-    pass.lse = Tensor({B, H, Tq});
+  if (keep.lse) {  // written for every row, as the heads are
+    pass.lse = Tensor::uninitialized({B, H, Tq});
     souts.lse = contiguous_view(pass.lse.data(), B, H, Tq, int64_t{1});
   }
   // Weights are written in full by every kernel (zeros where a row sees nothing, NaN rows NaN),
