@@ -1,0 +1,129 @@
+// Stand-alone copy of the fused backward's micro-GEMM (6 rows x 4 vectors, AVX-512), timing whole block
+// products from L1 against an FMA-chain peak: the record behind the README's ceiling paragraph
+// (2026-12-05). Build: g++ -O3 -march=skylake-avx512 -std=c++20 block_product_ceiling.cpp
+// Run: ./a.out M K TRANS (64 64 0, 64 64 1, 128 64 0).
+#include <hwy/highway.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+struct Operands {
+  const float* a;
+  int64_t sai, sar;
+  const float* b;
+  int64_t ldb;
+  float* c;
+  int64_t ldc;
+};
+
+template <int MR, int NV>
+HWY_INLINE void gemm_tile(const Operands& o, int64_t k, float alpha, bool accumulate) {
+  const DF df;
+  const int64_t N = hn::Lanes(df);
+  VF acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = hn::Zero(df);
+  for (int64_t r = 0; r < k; ++r) {
+    VF bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = hn::LoadU(df, o.b + r * o.ldb + v * N);
+    for (int i = 0; i < MR; ++i) {
+      const VF av = hn::Set(df, o.a[i * o.sai + r * o.sar]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = hn::MulAdd(av, bv[v], acc[i][v]);
+    }
+  }
+  const VF al = hn::Set(df, alpha);
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) {
+      float* ci = o.c + i * o.ldc + v * N;
+      hn::StoreU(accumulate ? hn::MulAdd(al, acc[i][v], hn::LoadU(df, ci)) : hn::Mul(al, acc[i][v]), df, ci);
+    }
+}
+template <int MR>
+HWY_NOINLINE void rows(const Operands& o, int64_t m, int64_t k, bool acc) {
+  int64_t i0 = 0;
+  for (; i0 + MR <= m; i0 += MR) {
+    Operands t = o;
+    t.a += i0 * o.sai;
+    t.c += i0 * o.ldc;
+    gemm_tile<MR, 4>(t, k, 1.0f, acc);
+  }
+  if (m - i0 == 4) {
+    Operands t = o;
+    t.a += i0 * o.sai;
+    t.c += i0 * o.ldc;
+    gemm_tile<4, 4>(t, k, 1.0f, acc);
+  } else if (m - i0 == 2) {
+    Operands t = o;
+    t.a += i0 * o.sai;
+    t.c += i0 * o.ldc;
+    gemm_tile<2, 4>(t, k, 1.0f, acc);
+  } else if (m - i0 == 0) {
+  } else if (m - i0 == 1) {
+    Operands t = o;
+    t.a += i0 * o.sai;
+    t.c += i0 * o.ldc;
+    gemm_tile<1, 4>(t, k, 1.0f, acc);
+  } else if (m - i0 == 3) {
+    Operands t = o;
+    t.a += i0 * o.sai;
+    t.c += i0 * o.ldc;
+    gemm_tile<3, 4>(t, k, 1.0f, acc);
+  } else if (m - i0 == 5) {
+    Operands t = o;
+    t.a += i0 * o.sai;
+    t.c += i0 * o.ldc;
+    gemm_tile<5, 4>(t, k, 1.0f, acc);
+  }
+}
+HWY_NOINLINE void chains(int64_t iters, float* out) {
+  const DF df;
+  VF a[12];
+  for (int i = 0; i < 12; ++i) a[i] = hn::Set(df, 1.0f + i * 1e-7f);
+  const VF x = hn::Set(df, 0.9999999f), y = hn::Set(df, 1e-8f);
+  for (int64_t t = 0; t < iters; ++t)
+    for (int i = 0; i < 12; ++i) a[i] = hn::MulAdd(a[i], x, y);
+  VF s = a[0];
+  for (int i = 1; i < 12; ++i) s = hn::Add(s, a[i]);
+  hn::StoreU(s, df, out);
+}
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+int main(int argc, char** argv) {
+  const int64_t m = argc > 1 ? atoi(argv[1]) : 64, k = argc > 2 ? atoi(argv[2]) : 64;
+  const int trans = argc > 3 ? atoi(argv[3]) : 0;
+  std::vector<float> A(256 * 256, 0.001f), B(256 * 64, 0.002f), C(256 * 64, 0.f);
+  float sink[16];
+  double peak = 0;
+  for (int r = 0; r < 5; ++r) {
+    double t = now();
+    chains(2000000, sink);
+    t = now() - t;
+    peak = std::max(peak, 2000000.0 * 12 * 16 * 2 / t / 1e9);
+  }
+  Operands o{A.data(), trans ? 1 : k, trans ? m : 1, B.data(), 64, C.data(), 64};
+  for (int mr : {6, 4, 5, 7}) {
+    double best = 0;
+    for (int r = 0; r < 7; ++r) {
+      const int64_t reps = 20000;
+      double t = now();
+      for (int64_t i = 0; i < reps; ++i) {
+        if (mr == 6)
+          rows<6>(o, m, k, true);
+        else if (mr == 4)
+          rows<4>(o, m, k, true);
+        else if (mr == 5)
+          rows<5>(o, m, k, true);
+        else
+          rows<7>(o, m, k, true);
+      }
+      t = now() - t;
+      best = std::max(best, reps * 2.0 * m * 64 * k / t / 1e9);
+    }
+    printf("m=%ld k=%ld trans=%d MR=%d: %.1f GF/s = %.3f of chain peak %.1f\n", m, k, trans, mr, best, best / peak,
+           peak);
+  }
+  return (int)sink[0] & 0;
+}
