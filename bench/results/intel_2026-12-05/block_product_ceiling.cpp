@@ -1,14 +1,23 @@
-// Stand-alone copy of the fused backward's micro-GEMM (6 rows x 4 vectors, AVX-512), timing whole block
-// products from L1 against an FMA-chain peak: the record behind the README's ceiling paragraph
-// (2026-12-05). Build: g++ -O3 -march=skylake-avx512 -std=c++20 block_product_ceiling.cpp
+// Stand-alone copy of the fused backward's micro-GEMM (6 rows x 4 vectors, AVX-512) in the kernel's
+// structure (run-time strides, remainder rows in a smaller tile), timing whole block products from
+// L1 against an FMA-chain peak: the record behind the README's paragraph on it (2026-12-05).
+// Build: g++ -O3 -march=skylake-avx512 -std=c++20 [-DUNROLL_ALL] block_product_ceiling.cpp
 // Run: ./a.out M K TRANS (64 64 0, 64 64 1, 128 64 0).
 #include <hwy/highway.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 namespace hn = hwy::HWY_NAMESPACE;
+// -DUNROLL_ALL: every loop over the tile unrolled by pragma. Without it GCC 12 passes the
+// accumulators through the stack around the loop over k, as it does in the kernel itself.
+#ifdef UNROLL_ALL
+#define MHA_UNROLL(n) _Pragma("GCC unroll 8")
+#else
+#define MHA_UNROLL(n)
+#endif
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 struct Operands {
@@ -25,59 +34,43 @@ HWY_INLINE void gemm_tile(const Operands& o, int64_t k, float alpha, bool accumu
   const DF df;
   const int64_t N = hn::Lanes(df);
   VF acc[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = hn::Zero(df);
+  MHA_UNROLL(8)
+  for (int i = 0; i < MR; ++i) MHA_UNROLL(4) for (int v = 0; v < NV; ++v) acc[i][v] = hn::Zero(df);
   for (int64_t r = 0; r < k; ++r) {
     VF bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = hn::LoadU(df, o.b + r * o.ldb + v * N);
+    MHA_UNROLL(4) for (int v = 0; v < NV; ++v) bv[v] = hn::LoadU(df, o.b + r * o.ldb + v * N);
+    MHA_UNROLL(8)
     for (int i = 0; i < MR; ++i) {
       const VF av = hn::Set(df, o.a[i * o.sai + r * o.sar]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = hn::MulAdd(av, bv[v], acc[i][v]);
+      MHA_UNROLL(4) for (int v = 0; v < NV; ++v) acc[i][v] = hn::MulAdd(av, bv[v], acc[i][v]);
     }
   }
   const VF al = hn::Set(df, alpha);
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) {
+  MHA_UNROLL(8)
+  for (int i = 0; i < MR; ++i) MHA_UNROLL(4) for (int v = 0; v < NV; ++v) {
       float* ci = o.c + i * o.ldc + v * N;
       hn::StoreU(accumulate ? hn::MulAdd(al, acc[i][v], hn::LoadU(df, ci)) : hn::Mul(al, acc[i][v]), df, ci);
     }
 }
+/// The last rows (< MR) of a product: a tile of that many rows, chosen at run time.
+template <int MR>
+HWY_INLINE void rest(const Operands& o, int64_t rows, int64_t k, bool acc) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return gemm_tile<MR, 4>(o, k, 1.0f, acc);
+    rest<MR - 1>(o, rows, k, acc);
+  }
+}
 template <int MR>
 HWY_NOINLINE void rows(const Operands& o, int64_t m, int64_t k, bool acc) {
+  const auto at = [&](int64_t i0) {
+    Operands t = o;
+    t.a += i0 * o.sai;
+    t.c += i0 * o.ldc;
+    return t;
+  };
   int64_t i0 = 0;
-  for (; i0 + MR <= m; i0 += MR) {
-    Operands t = o;
-    t.a += i0 * o.sai;
-    t.c += i0 * o.ldc;
-    gemm_tile<MR, 4>(t, k, 1.0f, acc);
-  }
-  if (m - i0 == 4) {
-    Operands t = o;
-    t.a += i0 * o.sai;
-    t.c += i0 * o.ldc;
-    gemm_tile<4, 4>(t, k, 1.0f, acc);
-  } else if (m - i0 == 2) {
-    Operands t = o;
-    t.a += i0 * o.sai;
-    t.c += i0 * o.ldc;
-    gemm_tile<2, 4>(t, k, 1.0f, acc);
-  } else if (m - i0 == 0) {
-  } else if (m - i0 == 1) {
-    Operands t = o;
-    t.a += i0 * o.sai;
-    t.c += i0 * o.ldc;
-    gemm_tile<1, 4>(t, k, 1.0f, acc);
-  } else if (m - i0 == 3) {
-    Operands t = o;
-    t.a += i0 * o.sai;
-    t.c += i0 * o.ldc;
-    gemm_tile<3, 4>(t, k, 1.0f, acc);
-  } else if (m - i0 == 5) {
-    Operands t = o;
-    t.a += i0 * o.sai;
-    t.c += i0 * o.ldc;
-    gemm_tile<5, 4>(t, k, 1.0f, acc);
-  }
+  for (; i0 + MR <= m; i0 += MR) gemm_tile<MR, 4>(at(i0), k, 1.0f, acc);
+  rest<MR - 1>(at(i0), m - i0, k, acc);
 }
 HWY_NOINLINE void chains(int64_t iters, float* out) {
   const DF df;
@@ -104,20 +97,15 @@ int main(int argc, char** argv) {
     peak = std::max(peak, 2000000.0 * 12 * 16 * 2 / t / 1e9);
   }
   Operands o{A.data(), trans ? 1 : k, trans ? m : 1, B.data(), 64, C.data(), 64};
-  for (int mr : {6, 4, 5, 7}) {
+  using RowsFn = void (*)(const Operands&, int64_t, int64_t, bool);
+  const std::pair<int, RowsFn> tiles[] = {{6, rows<6>}, {4, rows<4>}, {5, rows<5>}, {7, rows<7>}};
+  for (const auto& [mr, run_rows] : tiles) {
     double best = 0;
     for (int r = 0; r < 7; ++r) {
       const int64_t reps = 20000;
       double t = now();
       for (int64_t i = 0; i < reps; ++i) {
-        if (mr == 6)
-          rows<6>(o, m, k, true);
-        else if (mr == 4)
-          rows<4>(o, m, k, true);
-        else if (mr == 5)
-          rows<5>(o, m, k, true);
-        else
-          rows<7>(o, m, k, true);
+        run_rows(o, m, k, true);
       }
       t = now() - t;
       best = std::max(best, reps * 2.0 * m * 64 * k / t / 1e9);
