@@ -432,7 +432,9 @@ std::array<Tensor, 5> forward_backward_into(const SdpaSetup& s, Backend backend,
 // steps; sdpa_backward's own allocates them uninitialised): every kernel must write what it reads
 // of its scratch, and every gradient element, itself. Scratch and gradient buffers full of NaN
 // give the bits of zeroed ones, on both backends, over the sweep (every mask kind, GQA, dropout,
-// rows that see no key, lengths 0 to 197 around the block edges) and the three work schemes.
+// rows that see no key, lengths 0 to 197 around the block edges) and the three work schemes. (The
+// reference backward's own double-precision workspace stays a zero-filled vector: there only its
+// gradients and the forward's scratch are filled.)
 TEST(SdpaBackward, ReadsNoScratchOrGradientItDidNotWrite) {
   std::vector<std::pair<SdpaCase, int>> cases;
   for (const SdpaCase& c : sweep_cases()) cases.push_back({c, 2});
