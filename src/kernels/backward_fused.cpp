@@ -325,67 +325,81 @@ struct Operands {
   int64_t ldc;
 };
 
-template <int MR, int NV>
-HWY_INLINE void gemm_tile(const Operands& o, int64_t k, float alpha, bool accumulate, int64_t cols) {
+// Every loop over the tile's rows and vectors is unrolled: indexed by constants, the MR·NV
+// accumulators stay in registers from the first product to the store (GCC 12 otherwise keeps the
+// array on the stack around the loop over k). For the same reason the epilogue is straight-line:
+// whether to add into C is a template parameter, and only the last vector of a row can be partial.
+template <int MR, int NV, bool kAccumulate>
+HWY_INLINE void gemm_tile(const Operands& o, int64_t k, float alpha, int64_t cols) {
   const hn::ScalableTag<float> df;
   using V = hn::Vec<decltype(df)>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   V acc[MR][NV];
-  for (int i = 0; i < MR; ++i)
+  HWY_UNROLL(8)
+  for (int i = 0; i < MR; ++i) {
+    HWY_UNROLL(4)
     for (int v = 0; v < NV; ++v) acc[i][v] = hn::Zero(df);
+  }
   for (int64_t r = 0; r < k; ++r) {
     V bv[NV];
+    HWY_UNROLL(4)
     for (int v = 0; v < NV; ++v) bv[v] = hn::LoadU(df, o.b + r * o.ldb + v * N);
+    HWY_UNROLL(8)
     for (int i = 0; i < MR; ++i) {
       const V av = hn::Set(df, o.a[i * o.sai + r * o.sar]);
+      HWY_UNROLL(4)
       for (int v = 0; v < NV; ++v) acc[i][v] = hn::MulAdd(av, bv[v], acc[i][v]);
     }
   }
   const V al = hn::Set(df, alpha);
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) {
-      float* ci = o.c + i * o.ldc + v * N;
-      const int64_t valid = std::min<int64_t>(N, cols - v * N);
-      if (valid == N) {
-        hn::StoreU(accumulate ? hn::MulAdd(al, acc[i][v], hn::LoadU(df, ci)) : hn::Mul(al, acc[i][v]), df, ci);
-      } else {  // the last, partial vector of a row: through a vector-sized buffer
-        HWY_ALIGN float tmp[kMaxLanes] = {};
-        if (accumulate) std::copy(ci, ci + valid, tmp);
-        const V prev = hn::Load(df, tmp);
-        hn::Store(accumulate ? hn::MulAdd(al, acc[i][v], prev) : hn::Mul(al, acc[i][v]), df, tmp);
-        std::copy(tmp, tmp + valid, ci);
-      }
+  const auto scaled = [&](const V a, float* c) {
+    return kAccumulate ? hn::MulAdd(al, a, hn::LoadU(df, c)) : hn::Mul(al, a);
+  };
+  const int64_t last_valid = cols - (NV - 1) * N;  // 1..N floats of each row's last vector
+  HWY_UNROLL(8)
+  for (int i = 0; i < MR; ++i) {
+    float* ci = o.c + i * o.ldc;
+    HWY_UNROLL(4)
+    for (int v = 0; v + 1 < NV; ++v) hn::StoreU(scaled(acc[i][v], ci + v * N), df, ci + v * N);
+    float* cl = ci + (NV - 1) * N;
+    if (last_valid == N) {
+      hn::StoreU(scaled(acc[i][NV - 1], cl), df, cl);
+    } else {  // a partial vector: through a vector-sized buffer, so nothing past the row is touched
+      HWY_ALIGN float tmp[kMaxLanes] = {};
+      if constexpr (kAccumulate) std::copy(cl, cl + last_valid, tmp);
+      hn::Store(scaled(acc[i][NV - 1], tmp), df, tmp);
+      std::copy(tmp, tmp + last_valid, cl);
     }
-}
-
-/// One tile of `rows` < kMR rows (the last rows of a product): MR chosen at run time.
-template <int MR, int NV>
-HWY_INLINE void gemm_rest(int64_t rows, const Operands& o, int64_t k, float alpha, bool accumulate, int64_t cols) {
-  if constexpr (MR > 0) {
-    if (rows == MR) return gemm_tile<MR, NV>(o, k, alpha, accumulate, cols);
-    gemm_rest<MR - 1, NV>(rows, o, k, alpha, accumulate, cols);
   }
 }
 
-template <int NV>
-HWY_INLINE void gemm_rows(const Operands& o, int64_t m, int64_t k, float alpha, bool accumulate, int64_t cols) {
+/// One tile of `rows` < kMR rows (the last rows of a product): MR chosen at run time.
+template <int MR, int NV, bool kAccumulate>
+HWY_INLINE void gemm_rest(int64_t rows, const Operands& o, int64_t k, float alpha, int64_t cols) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return gemm_tile<MR, NV, kAccumulate>(o, k, alpha, cols);
+    gemm_rest<MR - 1, NV, kAccumulate>(rows, o, k, alpha, cols);
+  }
+}
+
+template <int NV, bool kAccumulate>
+HWY_INLINE void gemm_rows(const Operands& o, int64_t m, int64_t k, float alpha, int64_t cols) {
   const auto at = [&](int64_t i) {
     Operands t = o;
     t.a += i * o.sai, t.c += i * o.ldc;
     return t;
   };
   int64_t i0 = 0;
-  for (; i0 + kMR <= m; i0 += kMR) gemm_tile<kMR, NV>(at(i0), k, alpha, accumulate, cols);
-  gemm_rest<kMR - 1, NV>(m - i0, at(i0), k, alpha, accumulate, cols);
+  for (; i0 + kMR <= m; i0 += kMR) gemm_tile<kMR, NV, kAccumulate>(at(i0), k, alpha, cols);
+  gemm_rest<kMR - 1, NV, kAccumulate>(m - i0, at(i0), k, alpha, cols);
 }
 
 /// A column strip of NV ≤ kNV vectors: NV chosen at run time.
-template <int NV>
-HWY_INLINE void gemm_strip(int64_t nv, const Operands& o, int64_t m, int64_t k, float alpha, bool accumulate,
-                           int64_t cols) {
+template <int NV, bool kAccumulate>
+HWY_INLINE void gemm_strip(int64_t nv, const Operands& o, int64_t m, int64_t k, float alpha, int64_t cols) {
   if constexpr (NV > 0) {
-    if (nv == NV) return gemm_rows<NV>(o, m, k, alpha, accumulate, cols);
-    gemm_strip<NV - 1>(nv, o, m, k, alpha, accumulate, cols);
+    if (nv == NV) return gemm_rows<NV, kAccumulate>(o, m, k, alpha, cols);
+    gemm_strip<NV - 1, kAccumulate>(nv, o, m, k, alpha, cols);
   }
 }
 
@@ -396,7 +410,11 @@ HWY_NOINLINE void block_gemm(const Operands& o, int64_t m, int64_t n, int64_t k,
     Operands t = o;
     t.b += j0, t.c += j0;
     const int64_t cols = std::min(kNV * N, n - j0);
-    gemm_strip<kNV>((cols + N - 1) / N, t, m, k, alpha, accumulate, cols);
+    const int64_t nv = (cols + N - 1) / N;
+    if (accumulate)
+      gemm_strip<kNV, true>(nv, t, m, k, alpha, cols);
+    else
+      gemm_strip<kNV, false>(nv, t, m, k, alpha, cols);
   }
 }
 

@@ -12,7 +12,8 @@
 #include <vector>
 namespace hn = hwy::HWY_NAMESPACE;
 // -DUNROLL_ALL: every loop over the tile unrolled by pragma. Without it GCC 12 passes the
-// accumulators through the stack around the loop over k, as it does in the kernel itself.
+// accumulators through the stack around the loop over k, as it did in the kernel itself until the
+// kernel's tile took the unrolled form (the commit after 376a3ed).
 #ifdef UNROLL_ALL
 #define MHA_UNROLL(n) _Pragma("GCC unroll 8")
 #else
