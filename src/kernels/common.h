@@ -113,7 +113,7 @@ inline std::vector<int64_t> target_bits(int64_t targets) {
 /// kLocality: 3 into L1, 2 into L2. The address is formed as an integer, since it may lie past
 /// the end of base's buffer; a prefetch reads no value and never faults. The empty asm statement
 /// (no instruction) keeps the loop: without it GCC 12 deleted whole loops of these prefetches
-/// (the decode kernel's far prefetches, the fused forward's next-item ones: no prefetch of them
+/// (the decode kernel's former far prefetches, the fused forward's next-item ones: no prefetch of them
 /// was left in the binary), as loops with no effect.
 template <int kLocality = 3>
 inline void prefetch_bytes(const void* base, int64_t offset, int64_t bytes) {

@@ -77,23 +77,12 @@ namespace mha::kernels::decode_detail {
 constexpr int64_t kBlock = MHA_DECODE_BLOCK;  // keys per block (a multiple of every target's float lanes)
 constexpr int64_t kRowsPerTile = 16;          // query rows per work item (G heads × a few queries)
 constexpr int64_t kKeyTile = 16;              // transposed keys: slots per tile (mha::kKeyTile, mha/kv_cache.h)
-// Prefetching, two distances (chosen by measuring h=32, kv=8, d=128, 8192 keys from memory, 2
-// threads, against the previous single burst of the next block into L1: f32 −8%, bf16 −20%):
+// Prefetching, two kinds (h=32, kv=8, d=128, 8192 keys from memory):
 // - near: inside the score and P·V loops, the K or V row kNearRows keys ahead into L1, so the
 //   loads of the arithmetic hit L1 instead of waiting on L2 (4 to 32 rows were within noise);
-// - far: the rows of the block kFarBlocks on into L2 (a T1 hint), spread over the loops: each
-//   K row's far partner is asked for next to its near prefetch in the score loop, each V row's
-//   in the P·V loop, and the item's first kFarBlocks blocks in one burst at its start. Spread,
-//   the requests can keep memory busy while the arithmetic runs; issued as one burst of a whole
-//   block at each block start (as before), streaming and arithmetic took turns (our reading: the
-//   burst fills the core's miss buffers and the loads behind it wait; this VM has no counters to
-//   confirm it). Measured on a Zen 4 (1 thread, a loaded shared machine, medians over rounds of
-//   the best step): f32 5.5–5.8 → 4.2–4.5 ms, bf16 2.7–2.8 → 2.4–2.6 ms; int8, bound by its
-//   arithmetic, gained nothing and keeps none. A distance of 2 blocks was no better than 1; T0 and
-//   NTA hints were slower than T1. With K/V already in cache (context 512, 1 thread) the extra
-//   requests cost f32 and bf16 about 15% (f32 31 → 37 ns per key and K/V head, bf16 27 → 31):
-//   decoding reads a cache that outgrows the LLC, so the loops are tuned for that. On AVX2 the far
-//   prefetches cost more than they gave (kFarBlocks, per target).
+// - the other loop's rows: each loop asks for the rows the *other* loop reads next into L2, so
+//   that memory streams while the arithmetic runs (kNextKeysDuringValues below, with the
+//   measurements).
 constexpr int64_t kNearRows = 16;
 
 /// How the work is cut; a function of the shapes and the split count only.
@@ -170,37 +159,32 @@ using namespace decode_detail;
 
 using DF = hn::ScalableTag<float>;
 
-// Far prefetch distance in blocks (see the prefetching note above): one block for float32 and bf16
-// on the AVX-512 targets, where it was measured; none for int8, bound by its arithmetic; none on
-// AVX2 and below. On an AVX2 Zen 1 (h=32, kv=8, d=128, context 8192 from memory, 1 thread, 3
-// interleaved rounds) steps were 3–7% faster without them (float32 keys across lanes 9.91–10.38 →
-// 9.46–9.77 ms, bf16 keys across lanes 7.55–7.82 → 7.24–7.33 ms; int8, whose loops did not change,
-// moved 3%: the noise), and 12% faster with K/V in cache (context 512: 0.364 → 0.319 ms). Our
-// reading: its hardware prefetchers follow the two sequential streams by themselves, and the
-// requests take issue slots beside the FMAs.
-template <class T>
-constexpr int64_t kFarBlocks = HWY_TARGET <= HWY_AVX3 && !std::is_same_v<T, int8_t> ? 1 : 0;
-// Where there are no far prefetches (AVX2 and below): each loop asks for the rows the *other* loop
-// will read next, so that memory streams while the arithmetic runs. Without it a block's P·V
-// started by pulling its V rows from memory in a burst (the near prefetches of its first column
-// pass run far ahead of 8 FMAs a key), with nothing to compute meanwhile: a step took about the
-// arithmetic time plus the streaming time. Now:
-// - the score loop asks for the block's V rows into L2, next to its K rows;
+// Each loop asks for the rows the *other* loop will read next, so that memory streams while the
+// arithmetic runs. Without it a block's P·V started by pulling its V rows from memory in a burst
+// (the near prefetches of its first column pass run far ahead of 8 FMAs a key), with nothing to
+// compute meanwhile: a step took about the arithmetic time plus the streaming time. Now:
+// - the score loop asks for the block's V rows into L2 (a T1 hint), next to its K rows;
 // - for float32 the P·V loop asks for the next block's K rows into L2, spread over its column
 //   passes: each pass the lines under its columns (one line per key at d = 128 with ≥ 4 query
 //   rows), each line once (a whole row per key in the first pass was slower than nothing).
 //   bf16 and int8 rows, widened before their FMAs, are bound more by the arithmetic: there the
-//   extra requests cost more than they gave, and only the first kind is kept.
-// Measured on a Zen 1 (h=32, kv=8, d=128, context 8192 from memory, medians of 3 interleaved
-// rounds of the best of 20 steps, a neighbour loading the machine; the fraction is of the same-run
-// read bandwidth): 1 thread float32 9.75 → 7.47 ms (0.56 → 0.76), keys across lanes 9.01 → 6.73
-// (0.61 → 0.84), bf16 6.58 → 5.98, bf16 keys across lanes 6.70 → 5.78; 2 threads float32 5.68 →
-// 4.46 (0.57 → 0.73), keys across lanes 5.24 → 3.95 (0.60 → 0.84), bf16 3.82 → 3.28; int8 2–5%
-// (bench/results/decode_zen1_phase_prefetch_2026-12-03.jsonl).
+//   extra requests cost more than they gave, and only the first kind is kept (Intel Xeon, AVX3_DL,
+//   2 threads: asking for the next keys too, bf16 1.52 → 1.58 ms, int8 0.99 → 1.09 ms).
+// Measured on a Zen 1 (AVX2; h=32, kv=8, d=128, context 8192 from memory, medians of 3
+// interleaved rounds of the best of 20 steps, a neighbour loading the machine; the fraction is of
+// the same-run read bandwidth): 1 thread float32 9.75 → 7.47 ms (0.56 → 0.76), keys across lanes
+// 9.01 → 6.73 (0.61 → 0.84), bf16 6.58 → 5.98, bf16 keys across lanes 6.70 → 5.78; 2 threads
+// float32 5.68 → 4.46 (0.57 → 0.73), keys across lanes 5.24 → 3.95 (0.60 → 0.84), bf16 3.82 →
+// 3.28; int8 2–5% (bench/results/decode_zen1_phase_prefetch_2026-12-03.jsonl).
+// The AVX-512 targets used instead "far" requests (the rows of the next block into L2, spread
+// over the same loops; chosen on a Zen 4 against one burst of the next block into L1) until an
+// Intel Xeon (AVX3_DL, 2026-12-05, 3 interleaved rounds, medians of the fraction of the same-run
+// read bandwidth) measured these to be better on every cache: 2 threads f32 0.76 → 0.78, f32
+// keys across lanes 0.77 → 0.82, bf16 0.65 → 0.78, bf16 keys across lanes 0.75 → 0.85, int8 0.51
+// → 0.60; 1 thread f32 0.82 → 0.85, keys across lanes 0.81 → 0.86, bf16 keys across lanes 0.80
+// → 0.93 (bench/results/intel_2026-12-05/decode_prefetch.txt).
 template <class T>
-constexpr bool kValuesDuringScores = kFarBlocks<T> == 0 && HWY_TARGET > HWY_AVX3;
-template <class T>
-constexpr bool kNextKeysDuringValues = kValuesDuringScores<T>&& std::is_same_v<T, float>;
+constexpr bool kNextKeysDuringValues = std::is_same_v<T, float>;
 
 /// Rows to ask for into L2 (a T1 hint) alongside a loop over a block's keys: with key j, `bytes`
 /// of rows[j] (null: none). per_key (transposed scores): rows[j] starts the rows of a run of keys
@@ -402,7 +386,7 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
 
 /// Scores of every row against the block's nb keys in transposed tiles: key j lies in lane
 /// lane[j] of the tile at tile[j]; `far` is asked for along with them (far.rows[j] for the run
-/// that starts at key j: the tile kFarBlocks blocks on, or with per_key the run's V rows).
+/// that starts at key j: with per_key the run's V rows, else far.bytes of one row).
 /// Runs of keys in consecutive lanes of one tile take one tile score each; a whole tile lands in
 /// sc directly, a part through `tmp` (rows × kKeyTile).
 template <class T>
@@ -510,37 +494,16 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     return kpool + (at.head * p.k_slots + at.slot - at.slot % kKeyTile) * d;
   };
   const T* ktile[kTransposed ? kBlock : 1];
-  const T* far_ktile[kTransposed ? kBlock : 1];
   int32_t klane[kTransposed ? kBlock : 1];
   const T* keys[kBlock];
   const T* vals[kBlock];
-  constexpr int64_t far_blocks = kFarBlocks<T>;
-  // The rows of the block `ahead` on (null past the item's end): far_blocks on with far prefetches,
-  // else the next block's K rows for the P·V loop (kNextKeysDuringValues). Transposed keys: far_ktile
-  // the key's tile, far_keys the key's row-sized part of it.
-  constexpr int64_t ahead = far_blocks > 0 ? far_blocks : kNextKeysDuringValues<T> ? 1 : 0;
-  const T* far_keys[kBlock];
-  const T* far_vals[kBlock];
-  FarRows<T> score_far, value_far;  // what the score and P·V loops ask for into L2
-  if constexpr (far_blocks > 0) {
-    score_far = {kTransposed ? far_ktile : far_keys, row_bytes<T>(kTransposed ? kKeyTile * d : d)};
-    value_far = {far_vals, row_bytes<T>(d_v)};
-  }
-  if constexpr (kValuesDuringScores<T>) score_far = {vals, row_bytes<T>(d_v), kTransposed};
-  if constexpr (kNextKeysDuringValues<T>) value_far = {far_keys, row_bytes<T>(d), false, true};
-  if constexpr (far_blocks > 0)  // the first blocks have no earlier block to be asked for in
-    for (int64_t pos = it.lo; pos < std::min(it.hi, it.lo + far_blocks * kBlock); ++pos) {
-      const Place at = place_of(pos);
-      const int64_t row = row_at(at);
-      if constexpr (kTransposed) {  // a key's values lie across its tile: the whole tile, once
-        int32_t lane = 0;
-        const T* tile = key_tile(at, &lane);
-        if (pos == it.lo || lane == 0) prefetch_bytes<2>(tile, 0, row_bytes<T>(kKeyTile * d));
-      } else {
-        prefetch_bytes<2>(kpool + row * d, 0, row_bytes<T>(d));
-      }
-      prefetch_bytes<2>(vpool + row * d_v, 0, row_bytes<T>(d_v));
-    }
+  // The next block's K rows (null past the item's end), for the P·V loop (kNextKeysDuringValues).
+  // Transposed keys: the key's row-sized part of its tile.
+  const T* next_keys[kBlock];
+  // What the score and P·V loops ask for into L2: the block's V rows, the next block's K rows.
+  const FarRows<T> score_far{vals, row_bytes<T>(d_v), kTransposed};
+  FarRows<T> value_far;
+  if constexpr (kNextKeysDuringValues<T>) value_far = {next_keys, row_bytes<T>(d), false, true};
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
   static_assert(!kChannelKeys || kScaled);
   const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
@@ -569,19 +532,18 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       if constexpr (!kChannelKeys) std::fill(kscale + nb, kscale + kBlock, 0.0f);
       std::fill(vscale + nb, vscale + kBlock, 0.0f);
     }
-    if constexpr (ahead > 0) {  // the rows `ahead` blocks on, asked for in the loops below (see kNearRows)
-      const int64_t pf = p0 + ahead * kBlock;
+    if constexpr (kNextKeysDuringValues<T>) {  // the next block's rows, asked for in the P·V loop
+      const int64_t pf = p0 + kBlock;
       for (int64_t j = 0; j < nb; ++j) {
         const Place at = pf + j < it.hi ? place_of(pf + j) : Place{-1, 0};
         const int64_t row = at.head < 0 ? -1 : row_at(at);
         int32_t lane = 0;
         if constexpr (kTransposed) {
-          far_ktile[j] = row < 0 ? nullptr : key_tile(at, &lane);
-          far_keys[j] = row < 0 ? nullptr : far_ktile[j] + lane * d;  // the key's row-sized part of its tile
+          const T* tile = row < 0 ? nullptr : key_tile(at, &lane);  // sets lane first
+          next_keys[j] = tile ? tile + lane * d : nullptr;          // the key's row-sized part of its tile
         } else {
-          far_keys[j] = row < 0 ? nullptr : kpool + row * d;
+          next_keys[j] = row < 0 ? nullptr : kpool + row * d;
         }
-        if constexpr (far_blocks > 0) far_vals[j] = row < 0 ? nullptr : vpool + row * d_v;
       }
     }
     int64_t r = 0;
