@@ -187,14 +187,13 @@ template <class T>
 constexpr bool kNextKeysDuringValues = std::is_same_v<T, float>;
 
 /// Rows to ask for into L2 (a T1 hint) alongside a loop over a block's keys: with key j, `bytes`
-/// of rows[j] (null: none). per_key (transposed scores): rows[j] starts the rows of a run of keys
-/// in one tile, `bytes` each. spread (the P·V loop): in each column pass only the lines under the
-/// pass's columns, instead of the whole row in the first pass.
+/// of rows[j] (null: none). The score loops ask for the block's V rows (the transposed scores, once
+/// per run of keys in one tile: the run's rows, contiguous, `bytes` each); the P·V loop for the
+/// next block's K rows, spread over its column passes (each pass only the lines under its columns).
 template <class T>
 struct FarRows {
   const T* const* rows = nullptr;
   int64_t bytes = 0;
-  bool per_key = false, spread = false;
 };
 
 HWY_INLINE hn::Vec<DF> load_row(DF df, const float* p) { return hn::LoadU(df, p); }
@@ -305,17 +304,15 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
     const auto cv = hn::Set(df, corr[r0 + r]);
     for (int i = 0; i < NC; ++i) a[r * NC + i] = hn::Mul(hn::LoadU(df, acc + (r0 + r) * d_v + c0 + i * L), cv);
   }
-  // Spread: this pass asks for the lines at bytes [b0, b1) of each far row, those under its
+  // This pass asks for the lines at bytes [b0, b1) of each far row, those under its
   // columns (the last pass to the row's end, for a far row longer than d_v): each line once over
   // the passes, counted from the row's start (a row that does not start a line may miss its last).
   const int64_t b0 = (row_bytes<T>(c0) + 63) / 64 * 64;
   const int64_t b1 = c0 + NC * L >= d_v / L * L ? far.bytes : std::min(far.bytes, row_bytes<T>(c0 + NC * L));
   for (int64_t j = 0; j < nb; ++j) {
-    if (r0 == 0 && c0 == 0) {  // the first tile to pass over V
+    if (r0 == 0 && c0 == 0)  // the first tile to pass over V
       prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));
-      if (!far.spread && far.rows && far.rows[j]) prefetch_bytes<2>(far.rows[j], 0, far.bytes);
-    }
-    if (far.spread && r0 == 0 && far.rows[j])
+    if (far.rows && r0 == 0 && far.rows[j])
       for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(far.rows[j]) + b, 0, 2);
     hn::Vec<DF> vv[NC];
     for (int i = 0; i < NC; ++i) vv[i] = load_row(df, vals[j] + c0 + i * L);
@@ -386,7 +383,7 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
 
 /// Scores of every row against the block's nb keys in transposed tiles: key j lies in lane
 /// lane[j] of the tile at tile[j]; `far` is asked for along with them (far.rows[j] for the run
-/// that starts at key j: with per_key the run's V rows, else far.bytes of one row).
+/// that starts at key j: the run's rows, far.bytes each).
 /// Runs of keys in consecutive lanes of one tile take one tile score each; a whole tile lands in
 /// sc directly, a part through `tmp` (rows × kKeyTile).
 template <class T>
@@ -397,7 +394,7 @@ HWY_NOINLINE void score_block_transposed(const float* qs, int64_t rows, int64_t 
     int64_t n = 1;
     while (j + n < nb && tile[j + n] == tile[j] && lane[j + n] == lane0 + n) ++n;
     const T* far_tile = far.rows ? far.rows[j] : nullptr;
-    const int64_t far_bytes = far.per_key ? n * far.bytes : far.bytes;
+    const int64_t far_bytes = n * far.bytes;
     const bool whole = lane0 == 0 && n == kKeyTile;
     float* out = whole ? sc + j : tmp;
     const int64_t ld = whole ? kBlock : kKeyTile;
@@ -501,9 +498,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // Transposed keys: the key's row-sized part of its tile.
   const T* next_keys[kBlock];
   // What the score and P·V loops ask for into L2: the block's V rows, the next block's K rows.
-  const FarRows<T> score_far{vals, row_bytes<T>(d_v), kTransposed};
+  const FarRows<T> score_far{vals, row_bytes<T>(d_v)};
   FarRows<T> value_far;
-  if constexpr (kNextKeysDuringValues<T>) value_far = {next_keys, row_bytes<T>(d), false, true};
+  if constexpr (kNextKeysDuringValues<T>) value_far = {next_keys, row_bytes<T>(d)};
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
   static_assert(!kChannelKeys || kScaled);
   const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
