@@ -1,6 +1,9 @@
 // The multi-head module: configuration, layouts, masks, parameter counts and errors.
+#include <atomic>
 #include <cmath>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "layers/scratch_pool.h"
 #include "mha/module.h"
@@ -58,6 +61,96 @@ TEST(TensorStorage, ConstructorsFillCopyMoveOrLeaveUnwritten) {
   EXPECT_EQ(Tensor::uninitialized({0, 3}).numel(), 0);
   expect_error_mentions([] { (void)Tensor::uninitialized({2, -1}); }, "negative extent");
   expect_error_mentions([] { (void)Tensor({2}, std::vector<float>{1, 2, 3}); }, "do not fill");
+}
+
+/// The cache of freed tensor blocks at a given limit for one test, restored (and emptied) after.
+struct TensorCacheLimit {
+  size_t before = mha::tensor_cache_limit();
+  explicit TensorCacheLimit(size_t bytes) {
+    mha::release_cached_tensors();
+    mha::set_tensor_cache_limit(bytes);
+  }
+  ~TensorCacheLimit() {
+    mha::release_cached_tensors();
+    mha::set_tensor_cache_limit(before);
+  }
+};
+
+constexpr int64_t kFourMiB = int64_t{1} << 20;  // floats
+
+TEST(TensorCache, FreedLargeBlocksServeRequestsOfTheirSizeUpToTheLimit) {
+  const TensorCacheLimit scope(size_t{11} << 20);
+  constexpr size_t kMiB = size_t{1} << 20;
+  const float* first = nullptr;
+  {
+    Tensor a = Tensor::uninitialized({kFourMiB});
+    first = a.data();
+  }
+  EXPECT_EQ(mha::cached_tensor_bytes(), 4 * kMiB);
+  {
+    Tensor other = Tensor::uninitialized({kFourMiB + 16});  // another size: a new block
+    EXPECT_NE(other.data(), first);
+    Tensor same({2, kFourMiB / 2}, 1.0f);  // the same bytes, any shape, filled or not: the cached block
+    EXPECT_EQ(same.data(), first);
+    EXPECT_EQ(same.at({1, kFourMiB / 2 - 1}), 1.0f);
+    EXPECT_EQ(mha::cached_tensor_bytes(), 0u);
+  }  // `same` freed, then `other` (the most recent)
+  EXPECT_EQ(mha::cached_tensor_bytes(), 8 * kMiB + 64);
+  { Tensor six = Tensor::uninitialized({kFourMiB / 2 * 3}); }
+  // 14 MiB + 64 bytes would pass the 11 MiB limit: the oldest block (`same`'s) is freed.
+  EXPECT_EQ(mha::cached_tensor_bytes(), 10 * kMiB + 64);
+  { Tensor small = Tensor::uninitialized({1000}); }  // under 4 MiB: never cached
+  EXPECT_EQ(mha::cached_tensor_bytes(), 10 * kMiB + 64);
+  mha::set_tensor_cache_limit(8 * kMiB);  // a lower limit frees the oldest beyond it
+  EXPECT_EQ(mha::cached_tensor_bytes(), 6 * kMiB);
+  EXPECT_EQ(mha::release_cached_tensors(), 6 * kMiB);
+  EXPECT_EQ(mha::cached_tensor_bytes(), 0u);
+  { Tensor big = Tensor::uninitialized({kFourMiB * 3}); }  // 12 MiB: over the limit, freed
+  EXPECT_EQ(mha::cached_tensor_bytes(), 0u);
+  mha::set_tensor_cache_limit(0);  // off: every freed block is freed
+  { Tensor a = Tensor::uninitialized({kFourMiB}); }
+  EXPECT_EQ(mha::cached_tensor_bytes(), 0u);
+}
+
+TEST(TensorCache, ThreadsAllocatingAndFreeingAtOnceKeepTheirOwnBlocks) {
+  const TensorCacheLimit scope(size_t{12} << 20);
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([t, &wrong] {
+      for (int round = 0; round < 20; ++round) {
+        Tensor a = Tensor::uninitialized({kFourMiB});
+        const float mark = static_cast<float>(t * 1000 + round);
+        for (int64_t i = 0; i < a.numel(); i += 4096) a.data()[i] = mark;
+        for (int64_t i = 0; i < a.numel(); i += 4096)
+          if (a.data()[i] != mark) ++wrong;
+      }
+    });
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_LE(mha::cached_tensor_bytes(), size_t{12} << 20);
+}
+
+TEST(TensorCache, ModuleOutputsOverReusedDirtyBlocksAreWhollyWritten) {
+  // Per-head weights of 8 MiB and averaged ones of 4 MiB: a repeated call gets the blocks the last
+  // one freed, here filled with NaN first; every element must be written again (zeros under the
+  // causal mask included).
+  const TensorCacheLimit scope(size_t{64} << 20);
+  const MultiheadAttention m(config(8, 2), 5);
+  const Tensor x = random_tensor({1, 1024, 8}, 6);
+  for (const auto weights : {mha::NeedWeights::PerHead, mha::NeedWeights::Averaged}) {
+    mha::MhaForwardOptions opt;
+    opt.need_weights = weights;
+    opt.causal = mha::Causal::top_left();
+    const auto want = m.forward(x, x, x, opt);
+    for (int round = 0; round < 2; ++round) {
+      { Tensor dirty(want.attn_weights.shape(), std::nanf("")); }
+      EXPECT_GE(mha::cached_tensor_bytes(), static_cast<size_t>(want.attn_weights.numel()) * sizeof(float));
+      const auto got = m.forward(x, x, x, opt);
+      EXPECT_TRUE(mha::testing::bitwise_equal(got.attn_weights, want.attn_weights));
+      EXPECT_TRUE(mha::testing::bitwise_equal(got.output, want.output));
+    }
+  }
 }
 
 // The module's output and weights are allocated without a fill (every kernel writes all of them):

@@ -6,9 +6,11 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <new>
 #include <span>
 #include <stdexcept>
@@ -23,11 +25,38 @@ namespace mha {
 
 using Shape = std::vector<int64_t>;
 
+/// Tensors of at least 4 MiB take their storage from a process-wide cache of freed blocks, so
+/// that a call repeated with the same shapes (a module's output, its attention weights: 128 MiB
+/// per head set at T = 2048, h = 8) reuses memory whose pages are already mapped instead of
+/// having the kernel map and zero fresh pages on first touch (a fifth of such a call's time on a
+/// virtual machine). A block is reused for a request of exactly its size; the cache keeps the most
+/// recently freed blocks up to a limit in bytes and frees the oldest beyond it. The limit is
+/// 256 MiB, or MHA_TENSOR_CACHE_MIB mebibytes when that is set when the cache is first used
+/// (0 turns the cache off); builds under AddressSanitizer start with it off, so that a read after
+/// free is still caught. Thread-safe.
+/// Bytes held in freed blocks now.
+size_t cached_tensor_bytes() noexcept;
+/// Frees every cached block; returns the bytes freed.
+size_t release_cached_tensors() noexcept;
+/// The cache's limit in bytes (0: off).
+size_t tensor_cache_limit() noexcept;
+/// Sets the limit, freeing the oldest cached blocks beyond it.
+void set_tensor_cache_limit(size_t bytes) noexcept;
+
 namespace detail {
+/// Storage of at least this many bytes goes through the cache of freed blocks (tensor_cache_limit).
+inline constexpr size_t kCachedBlockBytes = size_t{4} << 20;
+/// A block of `bytes` (≥ kCachedBlockBytes): a cached one of that size, else a new one aligned to
+/// 2 MiB (whole huge pages). Throws std::bad_alloc.
+void* allocate_block(size_t bytes);
+/// Gives back a block from allocate_block of that size: cached, or freed.
+void free_block(void* p, size_t bytes) noexcept;
+
 /// std::allocator, except that elements a vector adds without a value (resize(n)) are left
 /// default-initialised, which for float, bf16 and uint8 means not written: a tensor whose every
 /// element a kernel writes first (Tensor::uninitialized) then skips a pass that zero-fills it.
-/// Elements given a value (assign(n, v), copies) are constructed as with std::allocator.
+/// Elements given a value (assign(n, v), copies) are constructed as with std::allocator. Storage
+/// of kCachedBlockBytes and more comes from the cache of freed blocks (allocate_block).
 template <class T>
 struct NoFillAllocator : std::allocator<T> {
   using value_type = T;
@@ -38,6 +67,17 @@ struct NoFillAllocator : std::allocator<T> {
   NoFillAllocator() noexcept = default;
   template <class U>
   NoFillAllocator(const NoFillAllocator<U>&) noexcept {}
+  T* allocate(size_t n) {
+    if (n > SIZE_MAX / sizeof(T)) throw std::bad_array_new_length();
+    if (n * sizeof(T) >= kCachedBlockBytes) return static_cast<T*>(allocate_block(n * sizeof(T)));
+    return std::allocator<T>::allocate(n);
+  }
+  void deallocate(T* p, size_t n) noexcept {
+    if (n * sizeof(T) >= kCachedBlockBytes)
+      free_block(p, n * sizeof(T));
+    else
+      std::allocator<T>::deallocate(p, n);
+  }
   template <class U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
     ::new (static_cast<void*>(p)) U;
