@@ -1039,12 +1039,42 @@ inline void add_sink(float z, float& m, float& l, float& rescale) {
 // final probabilities: written to the per-head weights and/or added to the head-sum of the
 // averaged weights (divided by h when the item ends).
 /// Elements [j0, j1) of row (b, h, i) of a weights view set to `value`.
+// The weights outputs are written once and not read again by the kernel: B·h·T_q·T_k floats,
+// 128 MiB per-head at T = 2048, h = 8. Ordinary stores first read every line they write (and at
+// that size from memory); non-temporal stores write whole lines without the read. Per-head
+// weights in one pass, T = 2048, 1 / 2 threads (Intel Xeon, AVX-512): 97 / 46 → 83 / 42 ms. Their
+// lines go to memory rather than cache, where most of such an output would not fit anyway.
+
+/// n floats from src (or n copies of `value` where src is null) into dst, the vector-aligned
+/// middle with non-temporal stores. The item's end orders them (drain_streams).
+inline void stream_row(float* dst, const float* src, float value, int64_t n) {
+  const DF df;
+  const int64_t N = lanes();
+  int64_t j = 0;
+  const auto lead =
+      static_cast<int64_t>((reinterpret_cast<uintptr_t>(dst) / sizeof(float)) % static_cast<uintptr_t>(N));
+  for (const int64_t head = std::min(n, lead == 0 ? 0 : N - lead); j < head; ++j) dst[j] = src ? src[j] : value;
+  if (src)
+    for (; j + N <= n; j += N) hn::Stream(hn::LoadU(df, src + j), df, dst + j);
+  else
+    for (const VF v = hn::Set(df, value); j + N <= n; j += N) hn::Stream(v, df, dst + j);
+  for (; j < n; ++j) dst[j] = src ? src[j] : value;
+}
+
+/// Makes the thread's non-temporal stores (stream_row) visible before anything that follows,
+/// such as the end of the call: they are weakly ordered.
+inline void drain_streams() {
+#if HWY_ARCH_X86
+  __builtin_ia32_sfence();  // _mm_sfence, without its header on every target
+#endif
+}
+
 inline void fill_row(const View4<float>& w, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, float value) {
   if (j1 <= j0) return;
   float* row = &w(b, h, i, 0);
   const int64_t ws = w.stride[3];
   if (ws == 1)
-    std::fill(row + j0, row + j1, value);
+    stream_row(row + j0, nullptr, value, j1 - j0);
   else
     for (int64_t j = j0; j < j1; ++j) row[j * ws] = value;
 }
@@ -1064,7 +1094,7 @@ void write_weights(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
       float* w = &p.weights(b, h, i0 + r, j0);
       const int64_t ws = p.weights.stride[3];
       if (ws == 1)
-        std::memcpy(w, row, sizeof(float) * static_cast<size_t>(nk));
+        stream_row(w, row, 0.0f, nk);
       else
         for (int64_t jj = 0; jj < nk; ++jj) w[jj * ws] = row[jj];
     }
@@ -1145,14 +1175,34 @@ inline void scale_in_place(float* x, int64_t n, float f) {
   for (; j < n; ++j) x[j] *= f;
 }
 
-/// One head's share of n elements of an averaged weights row (`as` apart): w scaled by f in place
-/// (that head's weights, as per-head weights hold them; w is not read when `zero`: the head's
-/// weights there are zeros), a = (first ? 0 : a) + w, then a / heads when `last`: the operations of
-/// zeroing the row, adding every head's weights and dividing at the end, in one pass per head
-/// instead of four. (The product is stored, so the compiler cannot contract the sum into an FMA
-/// that would round differently from the per-head weights.)
+/// v as it is, opaque to the optimiser: a product passed through it is rounded on its own and
+/// never fused with the add that follows into an FMA (which rounds once, differently). On the
+/// x86 SIMD targets, whose vectors live in registers; elsewhere average_in stores the product,
+/// which does the same (a product with a second use is not contracted).
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128
+constexpr bool kRoundingBarrier = true;
+template <class V>
+HWY_INLINE V as_rounded(V v) {
+  asm("" : "+v"(v.raw));
+  return v;
+}
+#else
+constexpr bool kRoundingBarrier = false;
+template <class V>
+HWY_INLINE V as_rounded(V v) {
+  return v;
+}
+#endif
+
+/// One head's share of n elements of an averaged weights row (`as` apart): w scaled by f (stored
+/// back in place when `keep_scaled`: that head's weights, as per-head weights hold them; w is not
+/// read when `zero`: the head's weights there are zeros), a = (first ? 0 : a) + w, then a / heads
+/// when `last`: the operations of zeroing the row, adding every head's weights and dividing at the
+/// end, in one pass per head instead of four. The product is rounded before the sum (as_rounded)
+/// so that the average adds exactly the per-head weights. Without `keep_scaled` (averaged weights
+/// alone) the scaled row is not stored: ~3% of an averaged-weights core call at T = 2048.
 inline void average_in(float* a, int64_t as, float* w, int64_t n, float f, bool zero, bool first, bool last,
-                       float heads) {
+                       float heads, bool keep_scaled) {
   if (zero && !first && !last) return;
   int64_t j = 0;
   if (as == 1) {
@@ -1161,13 +1211,25 @@ inline void average_in(float* a, int64_t as, float* w, int64_t n, float f, bool 
     const VF vf = hn::Set(df, f), vh = hn::Set(df, heads), v0 = hn::Zero(df);
     for (; j + N <= n; j += N) {
       VF add = v0;
-      if (!zero) hn::StoreU(add = hn::Mul(hn::LoadU(df, w + j), vf), df, w + j);
+      if (!zero) {
+        add = as_rounded(hn::Mul(hn::LoadU(df, w + j), vf));
+        if (keep_scaled || !kRoundingBarrier) hn::StoreU(add, df, w + j);
+      }
       const VF sum = first ? add : hn::Add(hn::LoadU(df, a + j), add);
       hn::StoreU(last ? hn::Div(sum, vh) : sum, df, a + j);
     }
   }
   for (; j < n; ++j) {
-    const float add = zero ? 0.0f : (w[j] *= f);
+    float add = 0.0f;
+    if (!zero) {
+      add = w[j] * f;
+#if HWY_ARCH_X86
+      asm("" : "+x"(add));  // (as as_rounded: no FMA with the sum below)
+      if (keep_scaled) w[j] = add;
+#else
+      w[j] = add;  // (the store keeps it from an FMA with the sum below)
+#endif
+    }
     const float sum = first ? add : a[j * as] + add;
     a[j * as] = last ? sum / heads : sum;
   }
@@ -1230,7 +1292,7 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
         // Scaled where it lies (for the per-head copy below) as it is added to the average.
         if (zero && per_head) std::fill(w + j0, w + j0 + nk, 0.0f);
         if (averaged)
-          average_in(a + j0 * as, as, w + j0, nk, block_scale, zero, first, last, heads);
+          average_in(a + j0 * as, as, w + j0, nk, block_scale, zero, first, last, heads, per_head);
         else if (!zero)
           scale_in_place(w + j0, nk, block_scale);
       }
@@ -1238,7 +1300,7 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
         float* dst = &p.weights(b, h, i0 + r, 0);
         const int64_t ds = p.weights.stride[3];
         if (ds == 1)
-          std::copy(w + keys.lo, w + keys.hi, dst + keys.lo);
+          stream_row(dst + keys.lo, w + keys.lo, 0.0f, keys.hi - keys.lo);
         else
           for (int64_t j = keys.lo; j < keys.hi; ++j) dst[j * ds] = w[j];
       }
@@ -1732,6 +1794,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     }
   }
   if (cx.weights_one_pass) finish_weights_one_pass(cx, ws, b, g, i0, nq, keys);
+  if (cx.weights_one_pass || cx.weights_two_pass) drain_streams();
 }
 
 // ---- one work item ---------------------------------------------------------------------------
@@ -1751,8 +1814,10 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws, int64_t next_item = -1)
   const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, cx.t_q - i0), Tk = cx.t_k;
   const View4<float>& avg = p.weights_avg;
   // One-pass weights: the groups' fix-ups write, add and divide the rows themselves (average_in).
+  // (Ordinary stores: the heads' sums read these lines next, which fill_row's would send to memory.)
   if (!cx.weights_one_pass)
-    for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f);
+    for (int64_t r = 0; r < nq; ++r)
+      for (int64_t j = 0; j < Tk; ++j) avg(b, 0, i0 + r, j) = 0.0f;
   for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
   if (cx.weights_one_pass) return;
   const float heads = static_cast<float>(p.heads());
