@@ -14,7 +14,8 @@ The module (torch.nn.MultiheadAttention's constructor, forward, state_dict names
 With PyTorch installed, ``mha.torch`` holds a torch.nn.Module drop-in with autograd.
 Bad input raises ValueError (shapes, values) or TypeError (types, dtypes) with the library's message.
 """
-from ._core import num_threads, set_num_threads
+from ._core import (cached_tensor_bytes, num_threads, release_cached_tensors, set_num_threads, set_tensor_cache_limit,
+                    tensor_cache_limit)
 from ._functional import Additive, Allowed, Causal, alibi_slopes, sdpa, sdpa_backward, sdpa_varlen
 from ._module import (KvCache, MultiheadAttention, PagedKvCache, Rope, analyze, attend_paged_cache, head_importance,
                       load_safetensors, prune_heads)
@@ -23,4 +24,5 @@ from ._version import __version__  # written by CMake: the project version
 
 __all__ = ["sdpa", "sdpa_backward", "sdpa_varlen", "alibi_slopes", "Causal", "Allowed", "Additive", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_paged_cache", "Rope",
            "analyze", "prune_heads", "head_importance", "load_safetensors", "set_num_threads", "num_threads",
+           "cached_tensor_bytes", "release_cached_tensors", "tensor_cache_limit", "set_tensor_cache_limit",
            "__version__"]

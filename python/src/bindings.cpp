@@ -466,6 +466,12 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("set_num_threads", &mha::set_num_threads);
   m.def("num_threads", &mha::num_threads);
+  m.def("cached_tensor_bytes", &mha::cached_tensor_bytes,
+        "Bytes held in freed tensor blocks of 4 MiB and more, kept for reuse by calls of the same shapes.");
+  m.def("release_cached_tensors", &mha::release_cached_tensors, "Frees every cached tensor block; returns the bytes.");
+  m.def("tensor_cache_limit", &mha::tensor_cache_limit, "The cache's limit in bytes (0: off).");
+  m.def("set_tensor_cache_limit", &mha::set_tensor_cache_limit, py::arg("bytes"),
+        "Sets the cache's limit in bytes, freeing the oldest blocks beyond it (0 turns it off).");
 
   py::class_<ForwardArgs>(m, "ForwardArgs")
       .def(py::init<>())

@@ -198,3 +198,26 @@ def test_threads_setting():
     assert mha.num_threads() == 1
     mha.set_num_threads(0)
     assert mha.num_threads() >= 1 and n >= 1
+
+
+def test_tensor_cache_keeps_and_releases_large_blocks():
+    before = mha.tensor_cache_limit()
+    try:
+        mha.release_cached_tensors()
+        mha.set_tensor_cache_limit(64 << 20)
+        assert mha.tensor_cache_limit() == 64 << 20
+        m = mha.MultiheadAttention(8, 2, batch_first=True).eval()
+        x = np.random.default_rng(0).standard_normal((1, 1024, 8), dtype=np.float32)
+        y0, w = m(x, x, x, need_weights=True, average_attn_weights=False)  # 8 MiB of weights
+        w0 = w.copy()
+        del w  # the array owned the library's block: freed into the cache
+        assert mha.cached_tensor_bytes() >= 8 << 20
+        y1, w1 = m(x, x, x, need_weights=True, average_attn_weights=False)  # written over that block
+        np.testing.assert_array_equal(w1, w0)
+        np.testing.assert_array_equal(y1, y0)
+        del w1
+        assert mha.release_cached_tensors() >= 8 << 20
+        assert mha.cached_tensor_bytes() == 0
+    finally:
+        mha.release_cached_tensors()
+        mha.set_tensor_cache_limit(before)
