@@ -1038,11 +1038,11 @@ inline void add_sink(float z, float& m, float& l, float& rescale) {
 // s holds exp(score − m) after dropout for rows < nq; scaled by keep_scale / l it is the row of
 // final probabilities: written to the per-head weights and/or added to the head-sum of the
 // averaged weights (divided by h when the item ends).
-/// Elements [j0, j1) of row (b, h, i) of a weights view set to `value`.
+//
 // The weights outputs are written once and not read again by the kernel: B·h·T_q·T_k floats,
 // 128 MiB per-head at T = 2048, h = 8. Ordinary stores first read every line they write (and at
 // that size from memory); non-temporal stores write whole lines without the read. Per-head
-// weights in one pass, T = 2048, 1 / 2 threads (Intel Xeon, AVX-512): 97 / 46 → 83 / 42 ms. Their
+// weights in one pass, T = 2048, 1 / 2 threads (Intel Xeon, AVX-512): 95 / 48 → 82 / 42 ms. Their
 // lines go to memory rather than cache, where most of such an output would not fit anyway.
 
 /// n floats from src (or n copies of `value` where src is null) into dst, the vector-aligned
@@ -1069,6 +1069,7 @@ inline void drain_streams() {
 #endif
 }
 
+/// Elements [j0, j1) of row (b, h, i) of a weights view set to `value`.
 inline void fill_row(const View4<float>& w, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, float value) {
   if (j1 <= j0) return;
   float* row = &w(b, h, i, 0);
