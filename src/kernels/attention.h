@@ -65,6 +65,9 @@ struct SdpaParams {
   // The fused kernel's bound on its one-pass weights scratch in bytes (0: its own,
   // fused::kOnePassWeightsMaxBytes); tests lower it to reach the two-pass path on small shapes.
   int64_t weights_one_pass_max_bytes = 0;
+  // The weights outputs' size in bytes from which the fused kernel writes them with non-temporal
+  // stores (0: its own, fused::kStreamWeightsBytes); tests set 1 to reach them on small shapes.
+  int64_t weights_stream_min_bytes = 0;
 
   int64_t batch() const { return q.shape[0]; }
   int64_t heads() const { return q.shape[1]; }

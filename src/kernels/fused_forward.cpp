@@ -295,6 +295,7 @@ struct Ctx {
   float keep_scale = 1.0f;
   bool weights_two_pass = false;  // weights (per head and/or averaged) from two passes per item
   bool weights_one_pass = false;  // or from one pass and a fix-up (weights_one_pass(p))
+  bool stream_weights = false;    // weights rows written with non-temporal stores (kStreamWeightsBytes)
   bool edit_scores = false;       // softcap or ALiBi: the scores take the edited path
   bool amx = false;               // bf16 products on AMX tiles (kernels/amx.h), rows in whole tiles of 16
   int64_t alibi_offset = 0;       // q_pos = row + this (kernels/attention.h, alibi_offset)
@@ -1043,11 +1044,28 @@ inline void add_sink(float z, float& m, float& l, float& rescale) {
 // 128 MiB per-head at T = 2048, h = 8. Ordinary stores first read every line they write (and at
 // that size from memory); non-temporal stores write whole lines without the read. Per-head
 // weights in one pass, T = 2048, 1 / 2 threads (Intel Xeon, AVX-512): 95 / 48 → 82 / 42 ms. Their
-// lines go to memory rather than cache, where most of such an output would not fit anyway.
+// lines go to memory rather than cache, where most of such an output would not fit anyway; a
+// smaller output is written with ordinary stores and stays in cache for whoever reads it next.
+constexpr int64_t kStreamWeightsBytes = int64_t{16} << 20;
 
-/// n floats from src (or n copies of `value` where src is null) into dst, the vector-aligned
-/// middle with non-temporal stores. The item's end orders them (drain_streams).
-inline void stream_row(float* dst, const float* src, float value, int64_t n) {
+/// Bytes of the call's weights outputs (per-head and averaged).
+inline int64_t weights_bytes(const SdpaParams& p) {
+  int64_t n = 0;
+  for (const View4<float>* w : {&p.weights, &p.weights_avg})
+    if (w->defined()) n += w->shape[0] * w->shape[1] * w->shape[2] * w->shape[3];
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+/// n floats from src (or n copies of `value` where src is null) into dst; with `stream`, the
+/// vector-aligned middle with non-temporal stores, which the item's end orders (drain_streams).
+inline void write_row(float* dst, const float* src, float value, int64_t n, bool stream) {
+  if (!stream) {
+    if (src)
+      std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(n));
+    else
+      std::fill(dst, dst + n, value);
+    return;
+  }
   const DF df;
   const int64_t N = lanes();
   int64_t j = 0;
@@ -1061,7 +1079,7 @@ inline void stream_row(float* dst, const float* src, float value, int64_t n) {
   for (; j < n; ++j) dst[j] = src ? src[j] : value;
 }
 
-/// Makes the thread's non-temporal stores (stream_row) visible before anything that follows,
+/// Makes the thread's non-temporal stores (write_row) visible before anything that follows,
 /// such as the end of the call: they are weakly ordered.
 inline void drain_streams() {
 #if HWY_ARCH_X86
@@ -1070,12 +1088,13 @@ inline void drain_streams() {
 }
 
 /// Elements [j0, j1) of row (b, h, i) of a weights view set to `value`.
-inline void fill_row(const View4<float>& w, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, float value) {
+inline void fill_row(const View4<float>& w, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, float value,
+                     bool stream) {
   if (j1 <= j0) return;
   float* row = &w(b, h, i, 0);
   const int64_t ws = w.stride[3];
   if (ws == 1)
-    stream_row(row + j0, nullptr, value, j1 - j0);
+    write_row(row + j0, nullptr, value, j1 - j0, stream);
   else
     for (int64_t j = j0; j < j1; ++j) row[j * ws] = value;
 }
@@ -1095,7 +1114,7 @@ void write_weights(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
       float* w = &p.weights(b, h, i0 + r, j0);
       const int64_t ws = p.weights.stride[3];
       if (ws == 1)
-        stream_row(w, row, 0.0f, nk);
+        write_row(w, row, 0.0f, nk, cx.stream_weights);
       else
         for (int64_t jj = 0; jj < nk; ++jj) w[jj * ws] = row[jj];
     }
@@ -1114,13 +1133,13 @@ void finish_weights_row(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i, KeyRa
   const SdpaParams& p = *cx.p;
   const int64_t Tk = cx.t_k;
   if (std::isnan(l)) {
-    if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN);
-    if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN);
+    if (p.weights.defined()) fill_row(p.weights, b, h, i, 0, Tk, kNaN, cx.stream_weights);
+    if (p.weights_avg.defined()) fill_row(p.weights_avg, b, 0, i, 0, Tk, kNaN, cx.stream_weights);
     return;
   }
   if (p.weights.defined()) {
-    fill_row(p.weights, b, h, i, 0, keys.lo, 0.0f);
-    fill_row(p.weights, b, h, i, keys.hi, Tk, 0.0f);
+    fill_row(p.weights, b, h, i, 0, keys.lo, 0.0f, cx.stream_weights);
+    fill_row(p.weights, b, h, i, keys.hi, Tk, 0.0f, cx.stream_weights);
   }
 }
 
@@ -1279,8 +1298,8 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
       float* const a = averaged ? &p.weights_avg(b, 0, i0 + r, 0) : nullptr;
       const int64_t as = averaged ? p.weights_avg.stride[3] : 0;
       if (first && averaged) {  // zeros outside the visited keys: the first head writes them
-        fill_row(p.weights_avg, b, 0, i0 + r, 0, keys.lo, 0.0f);
-        fill_row(p.weights_avg, b, 0, i0 + r, keys.hi, Tk, 0.0f);
+        fill_row(p.weights_avg, b, 0, i0 + r, 0, keys.lo, 0.0f, cx.stream_weights);
+        fill_row(p.weights_avg, b, 0, i0 + r, keys.hi, Tk, 0.0f, cx.stream_weights);
       }
       const float f = lr == 0.0f ? 0.0f : cx.keep_scale / lr;
       float* w = one_pass_row(cx, ws, hh, r);
@@ -1301,7 +1320,7 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
         float* dst = &p.weights(b, h, i0 + r, 0);
         const int64_t ds = p.weights.stride[3];
         if (ds == 1)
-          stream_row(dst + keys.lo, w + keys.lo, 0.0f, keys.hi - keys.lo);
+          write_row(dst + keys.lo, w + keys.lo, 0.0f, keys.hi - keys.lo, cx.stream_weights);
         else
           for (int64_t j = keys.lo; j < keys.hi; ++j) dst[j * ds] = w[j];
       }
@@ -1795,7 +1814,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     }
   }
   if (cx.weights_one_pass) finish_weights_one_pass(cx, ws, b, g, i0, nq, keys);
-  if (cx.weights_one_pass || cx.weights_two_pass) drain_streams();
+  if (cx.stream_weights) drain_streams();
 }
 
 // ---- one work item ---------------------------------------------------------------------------
@@ -1938,6 +1957,8 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   cx.keep_scale = p.dropout.active() ? 1.0f / (1.0f - p.dropout.p) : 1.0f;
   cx.weights_one_pass = weights_one_pass(p);
   cx.weights_two_pass = !cx.weights_one_pass && (p.weights.defined() || p.weights_avg.defined());
+  cx.stream_weights =
+      weights_bytes(p) >= (p.weights_stream_min_bytes > 0 ? p.weights_stream_min_bytes : kStreamWeightsBytes);
   cx.edit_scores = p.edits.capped() || p.edits.alibi();
   cx.alibi_offset = alibi_offset(p);
   constexpr bool kMayDot = kHaveDot && std::is_same_v<T, bf16>;
