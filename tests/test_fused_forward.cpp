@@ -884,7 +884,8 @@ TEST(FusedWeights, ContiguousRowsAtAnyAlignmentGiveTheSameBits) {
   // Large weights rows are written with non-temporal stores between scalar head and tail pieces
   // (write_row; reached here by lowering SdpaParams::weights_stream_min_bytes), small ones with
   // ordinary stores: rows starting at every offset from a vector boundary, short and odd lengths,
-  // zeros written outside a causal row's keys, on both weights paths, give the same bits.
+  // zeros written outside a causal row's keys, on both weights paths, per-head weights alone (each
+  // block scaled on its way out) or with the averaged ones, give the same bits.
   for (const int64_t tk : {int64_t{1}, int64_t{15}, int64_t{17}, int64_t{70}}) {
     Case c;
     c.B = 2, c.H = 2, c.KV = 1, c.Tq = 37, c.Tk = tk, c.D = 16, c.Dv = 16;
@@ -892,31 +893,34 @@ TEST(FusedWeights, ContiguousRowsAtAnyAlignmentGiveTheSameBits) {
     c.make_inputs(53);
     for_each_fused_target([&] {
       const WeightsResult want = run_weights(c, Backend::Fused);
-      for (const int64_t max_bytes : {int64_t{0}, int64_t{1}})              // one pass; two (a 1-byte bound)
-        for (const int64_t stream_from : {int64_t{1}, int64_t{1} << 40}) {  // streamed; ordinary stores
-          // Strided(.., 1): contiguous rows 3 floats longer than T_k, from one float past the start.
-          Strided w(Shape{c.B, c.H, c.Tq, c.Tk}, 1), avg(Shape{c.B, 1, c.Tq, c.Tk}, 1);
-          Tensor out({c.B, c.H, c.Tq, c.Dv});
-          SdpaOptions opt = c.opt;
-          opt.backend = Backend::Fused;
-          const SdpaOutputs outs{out.view4(), w.view, {}, avg.view};
-          kernels::SdpaParams p = detail::prepare_sdpa("sdpa", c.q.view4(), c.k.view4(), c.v.view4(), opt, outs);
-          p.weights_one_pass_max_bytes = max_bytes;
-          p.weights_stream_min_bytes = stream_from;
-          EXPECT_EQ(kernels::fused_weights_one_pass(p), max_bytes == 0);
-          std::vector<float> workspace(kernels::fused_workspace_floats(p));
-          kernels::sdpa_fused(p, workspace.data());
-          EXPECT_TRUE(bitwise_equal(w.gather(), want.w))
-              << "T_k " << tk << ", bound " << max_bytes << ", stream from " << stream_from;
-          EXPECT_TRUE(bitwise_equal(avg.gather(), want.avg))
-              << "T_k " << tk << ", bound " << max_bytes << ", stream from " << stream_from;
-          EXPECT_TRUE(all_close(out, want.out, c.out_tol(), 0))
-              << "T_k " << tk << ", bound " << max_bytes << ", stream from " << stream_from;
-          // The 3 floats after each row and the one before the first stay untouched.
-          EXPECT_EQ(w.buf.front(), -7.0f);
-          for (int64_t r = 0; r < c.B * c.H * c.Tq; ++r)
-            for (int64_t e = 0; e < 3; ++e) EXPECT_EQ(w.buf[static_cast<size_t>(1 + r * (tk + 3) + tk + e)], -7.0f);
-        }
+      for (const int64_t max_bytes : {int64_t{0}, int64_t{1}})            // one pass; two (a 1-byte bound)
+        for (const int64_t stream_from : {int64_t{1}, int64_t{1} << 40})  // streamed; ordinary stores
+          for (const bool with_avg : {true, false}) {
+            // Strided(.., 1): contiguous rows 3 floats longer than T_k, from one float past the start.
+            Strided w(Shape{c.B, c.H, c.Tq, c.Tk}, 1), avg(Shape{c.B, 1, c.Tq, c.Tk}, 1);
+            Tensor out({c.B, c.H, c.Tq, c.Dv});
+            SdpaOptions opt = c.opt;
+            opt.backend = Backend::Fused;
+            const SdpaOutputs outs{out.view4(), w.view, {}, with_avg ? avg.view : View4<float>{}};
+            kernels::SdpaParams p = detail::prepare_sdpa("sdpa", c.q.view4(), c.k.view4(), c.v.view4(), opt, outs);
+            p.weights_one_pass_max_bytes = max_bytes;
+            p.weights_stream_min_bytes = stream_from;
+            EXPECT_EQ(kernels::fused_weights_one_pass(p), max_bytes == 0);
+            std::vector<float> workspace(kernels::fused_workspace_floats(p));
+            kernels::sdpa_fused(p, workspace.data());
+            EXPECT_TRUE(bitwise_equal(w.gather(), want.w))
+                << "T_k " << tk << ", bound " << max_bytes << ", stream from " << stream_from;
+            if (with_avg) {
+              EXPECT_TRUE(bitwise_equal(avg.gather(), want.avg))
+                  << "T_k " << tk << ", bound " << max_bytes << ", stream from " << stream_from;
+            }
+            EXPECT_TRUE(all_close(out, want.out, c.out_tol(), 0))
+                << "T_k " << tk << ", bound " << max_bytes << ", stream from " << stream_from;
+            // The 3 floats after each row and the one before the first stay untouched.
+            EXPECT_EQ(w.buf.front(), -7.0f);
+            for (int64_t r = 0; r < c.B * c.H * c.Tq; ++r)
+              for (int64_t e = 0; e < 3; ++e) EXPECT_EQ(w.buf[static_cast<size_t>(1 + r * (tk + 3) + tk + e)], -7.0f);
+          }
     });
   }
 }

@@ -1079,6 +1079,23 @@ inline void write_row(float* dst, const float* src, float value, int64_t n, bool
   for (; j < n; ++j) dst[j] = src ? src[j] : value;
 }
 
+/// n floats src·f into dst (each product rounded once, as scale_in_place's), streamed as write_row.
+inline void write_scaled_row(float* dst, const float* src, float f, int64_t n, bool stream) {
+  const DF df;
+  const int64_t N = lanes();
+  const VF vf = hn::Set(df, f);
+  int64_t j = 0;
+  if (stream) {
+    const auto lead =
+        static_cast<int64_t>((reinterpret_cast<uintptr_t>(dst) / sizeof(float)) % static_cast<uintptr_t>(N));
+    for (const int64_t head = std::min(n, lead == 0 ? 0 : N - lead); j < head; ++j) dst[j] = src[j] * f;
+    for (; j + N <= n; j += N) hn::Stream(hn::Mul(hn::LoadU(df, src + j), vf), df, dst + j);
+  } else {
+    for (; j + N <= n; j += N) hn::StoreU(hn::Mul(hn::LoadU(df, src + j), vf), df, dst + j);
+  }
+  for (; j < n; ++j) dst[j] = src[j] * f;
+}
+
 /// Makes the thread's non-temporal stores (write_row) visible before anything that follows,
 /// such as the end of the call: they are weakly ordered.
 inline void drain_streams() {
@@ -1305,10 +1322,21 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
       float* w = one_pass_row(cx, ws, hh, r);
       const float* const wm_row = wm + r * cx.L.wblocks;
       block_scales(wm_row, (keys.hi - keys.lo + kBk - 1) / kBk, mr, f, scales);
+      float* const dst = per_head ? &p.weights(b, h, i0 + r, 0) : nullptr;
+      const int64_t ds = per_head ? p.weights.stride[3] : 0;
+      // Per-head weights alone, contiguous: each block scaled on its way out, in one pass.
+      const bool direct = per_head && !averaged && ds == 1;
       for (int64_t j0 = keys.lo, k = 0; j0 < keys.hi; j0 += kBk, ++k) {
         const int64_t nk = std::min(kBk, keys.hi - j0);
         const bool zero = f == 0.0f || wm_row[k] == kNegInf;
         const float block_scale = scales[k];
+        if (direct) {
+          if (zero)
+            write_row(dst + j0, nullptr, 0.0f, nk, cx.stream_weights);
+          else
+            write_scaled_row(dst + j0, w + j0, block_scale, nk, cx.stream_weights);
+          continue;
+        }
         // Scaled where it lies (for the per-head copy below) as it is added to the average.
         if (zero && per_head) std::fill(w + j0, w + j0 + nk, 0.0f);
         if (averaged)
@@ -1316,9 +1344,7 @@ void finish_weights_one_pass(const Ctx<T>& cx, float* ws, int64_t b, int64_t g, 
         else if (!zero)
           scale_in_place(w + j0, nk, block_scale);
       }
-      if (per_head) {
-        float* dst = &p.weights(b, h, i0 + r, 0);
-        const int64_t ds = p.weights.stride[3];
+      if (per_head && !direct) {
         if (ds == 1)
           write_row(dst + keys.lo, w + keys.lo, 0.0f, keys.hi - keys.lo, cx.stream_weights);
         else
