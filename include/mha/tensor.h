@@ -44,9 +44,12 @@ size_t tensor_cache_limit() noexcept;
 void set_tensor_cache_limit(size_t bytes) noexcept;
 
 namespace detail {
-/// Storage of at least this many bytes goes through the cache of freed blocks (tensor_cache_limit).
-inline constexpr size_t kCachedBlockBytes = size_t{4} << 20;
-/// A block of `bytes` (≥ kCachedBlockBytes): a cached one of that size, else a new one aligned to
+/// Large buffers are worth backing with transparent huge pages: on Linux with THP in "madvise"
+/// mode, a fresh 128 MiB buffer otherwise takes 32768 page faults on first touch (about a second
+/// on a loaded virtual machine, against tens of milliseconds with 2 MiB pages). Tensor storage of
+/// this size and more also goes through the cache of freed blocks (tensor_cache_limit).
+inline constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
+/// A block of `bytes` (≥ kHugePageAdviceBytes): a cached one of that size, else a new one aligned to
 /// 2 MiB (whole huge pages). Throws std::bad_alloc.
 void* allocate_block(size_t bytes);
 /// Gives back a block from allocate_block of that size: cached, or freed.
@@ -56,7 +59,7 @@ void free_block(void* p, size_t bytes) noexcept;
 /// default-initialised, which for float, bf16 and uint8 means not written: a tensor whose every
 /// element a kernel writes first (Tensor::uninitialized) then skips a pass that zero-fills it.
 /// Elements given a value (assign(n, v), copies) are constructed as with std::allocator. Storage
-/// of kCachedBlockBytes and more comes from the cache of freed blocks (allocate_block).
+/// of kHugePageAdviceBytes and more comes from the cache of freed blocks (allocate_block).
 template <class T>
 struct NoFillAllocator : std::allocator<T> {
   using value_type = T;
@@ -69,11 +72,11 @@ struct NoFillAllocator : std::allocator<T> {
   NoFillAllocator(const NoFillAllocator<U>&) noexcept {}
   T* allocate(size_t n) {
     if (n > SIZE_MAX / sizeof(T)) throw std::bad_array_new_length();
-    if (n * sizeof(T) >= kCachedBlockBytes) return static_cast<T*>(allocate_block(n * sizeof(T)));
+    if (n * sizeof(T) >= kHugePageAdviceBytes) return static_cast<T*>(allocate_block(n * sizeof(T)));
     return std::allocator<T>::allocate(n);
   }
   void deallocate(T* p, size_t n) noexcept {
-    if (n * sizeof(T) >= kCachedBlockBytes)
+    if (n * sizeof(T) >= kHugePageAdviceBytes)
       free_block(p, n * sizeof(T));
     else
       std::allocator<T>::deallocate(p, n);
@@ -94,10 +97,6 @@ template <class T>
 using TensorStorage = std::vector<T, detail::NoFillAllocator<T>>;
 
 namespace detail {
-/// Large buffers are worth backing with transparent huge pages: on Linux with THP in "madvise"
-/// mode, a fresh 128 MiB buffer otherwise takes 32768 page faults on first touch (about a second
-/// on a loaded virtual machine, against tens of milliseconds with 2 MiB pages).
-inline constexpr size_t kHugePageAdviceBytes = size_t{4} << 20;
 /// Asks the kernel for huge pages over the 2 MiB-aligned interior of [p, p + bytes) before it is
 /// first touched (madvise MADV_HUGEPAGE). Advice only: does nothing where unsupported or refused.
 void advise_huge_pages(const void* p, size_t bytes) noexcept;

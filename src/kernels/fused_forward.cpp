@@ -1056,47 +1056,46 @@ inline int64_t weights_bytes(const SdpaParams& p) {
   return n * static_cast<int64_t>(sizeof(float));
 }
 
-/// n floats from src (or n copies of `value` where src is null) into dst; with `stream`, the
-/// vector-aligned middle with non-temporal stores, which the item's end orders (drain_streams).
-inline void write_row(float* dst, const float* src, float value, int64_t n, bool stream) {
-  if (!stream) {
-    if (src)
-      std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(n));
-    else
-      std::fill(dst, dst + n, value);
-    return;
-  }
+/// dst[j] for j < n from vec(j) (a vector of lanes() values from j) and scalar(j); with `stream`,
+/// the vector-aligned middle with non-temporal stores, which the item's end orders
+/// (drain_streams), and the pieces before and after it one value at a time.
+template <class VecAt, class ScalarAt>
+inline void write_row_of(float* dst, int64_t n, bool stream, const VecAt& vec, const ScalarAt& scalar) {
   const DF df;
   const int64_t N = lanes();
-  int64_t j = 0;
-  const auto lead =
-      static_cast<int64_t>((reinterpret_cast<uintptr_t>(dst) / sizeof(float)) % static_cast<uintptr_t>(N));
-  for (const int64_t head = std::min(n, lead == 0 ? 0 : N - lead); j < head; ++j) dst[j] = src ? src[j] : value;
-  if (src)
-    for (; j + N <= n; j += N) hn::Stream(hn::LoadU(df, src + j), df, dst + j);
-  else
-    for (const VF v = hn::Set(df, value); j + N <= n; j += N) hn::Stream(v, df, dst + j);
-  for (; j < n; ++j) dst[j] = src ? src[j] : value;
-}
-
-/// n floats src·f into dst (each product rounded once, as scale_in_place's), streamed as write_row.
-inline void write_scaled_row(float* dst, const float* src, float f, int64_t n, bool stream) {
-  const DF df;
-  const int64_t N = lanes();
-  const VF vf = hn::Set(df, f);
   int64_t j = 0;
   if (stream) {
     const auto lead =
         static_cast<int64_t>((reinterpret_cast<uintptr_t>(dst) / sizeof(float)) % static_cast<uintptr_t>(N));
-    for (const int64_t head = std::min(n, lead == 0 ? 0 : N - lead); j < head; ++j) dst[j] = src[j] * f;
-    for (; j + N <= n; j += N) hn::Stream(hn::Mul(hn::LoadU(df, src + j), vf), df, dst + j);
+    for (const int64_t head = std::min(n, lead == 0 ? 0 : N - lead); j < head; ++j) dst[j] = scalar(j);
+    for (; j + N <= n; j += N) hn::Stream(vec(j), df, dst + j);
   } else {
-    for (; j + N <= n; j += N) hn::StoreU(hn::Mul(hn::LoadU(df, src + j), vf), df, dst + j);
+    for (; j + N <= n; j += N) hn::StoreU(vec(j), df, dst + j);
   }
-  for (; j < n; ++j) dst[j] = src[j] * f;
+  for (; j < n; ++j) dst[j] = scalar(j);
 }
 
-/// Makes the thread's non-temporal stores (write_row) visible before anything that follows,
+/// n floats from src (or n copies of `value` where src is null) into dst (write_row_of).
+inline void write_row(float* dst, const float* src, float value, int64_t n, bool stream) {
+  const DF df;
+  if (src)
+    write_row_of(
+        dst, n, stream, [&](int64_t j) { return hn::LoadU(df, src + j); }, [&](int64_t j) { return src[j]; });
+  else
+    write_row_of(
+        dst, n, stream, [&](int64_t) { return hn::Set(df, value); }, [&](int64_t) { return value; });
+}
+
+/// n floats src·f into dst (each product rounded once, as scale_in_place's; write_row_of).
+inline void write_scaled_row(float* dst, const float* src, float f, int64_t n, bool stream) {
+  const DF df;
+  const VF vf = hn::Set(df, f);
+  write_row_of(
+      dst, n, stream, [&](int64_t j) { return hn::Mul(hn::LoadU(df, src + j), vf); },
+      [&](int64_t j) { return src[j] * f; });
+}
+
+/// Makes the thread's non-temporal stores (write_row_of) visible before anything that follows,
 /// such as the end of the call: they are weakly ordered.
 inline void drain_streams() {
 #if HWY_ARCH_X86
@@ -1860,10 +1859,9 @@ void run_item(const Ctx<T>& cx, int64_t item, float* ws, int64_t next_item = -1)
   const int64_t b = item / cx.q_blocks, i0 = qb * kBq, nq = std::min(kBq, cx.t_q - i0), Tk = cx.t_k;
   const View4<float>& avg = p.weights_avg;
   // One-pass weights: the groups' fix-ups write, add and divide the rows themselves (average_in).
-  // (Ordinary stores: the heads' sums read these lines next, which fill_row's would send to memory.)
+  // (Ordinary stores: the heads' sums read these lines next; streamed, they would go to memory.)
   if (!cx.weights_one_pass)
-    for (int64_t r = 0; r < nq; ++r)
-      for (int64_t j = 0; j < Tk; ++j) avg(b, 0, i0 + r, j) = 0.0f;
+    for (int64_t r = 0; r < nq; ++r) fill_row(avg, b, 0, i0 + r, 0, Tk, 0.0f, /*stream=*/false);
   for (int64_t g = 0; g < KV; ++g) run_group<T, kDot>(cx, b, g, qb, ws);
   if (cx.weights_one_pass) return;
   const float heads = static_cast<float>(p.heads());
