@@ -549,6 +549,51 @@ TEST(SdpaBackwardFused, InterleavedHeadRowsGiveTheBitsOfContiguousOnes) {
     }
 }
 
+TEST(BackwardFused, WorkspacesComeBackToTheTensorCache) {
+  // At T = 1024, h = 8, d = 64 the forward's prepacked K/V and, with Q and dO rows apart as in a
+  // module's projection buffers, the backward's dense copies of them are 4 MiB and more: each
+  // call's workspace goes back to the cache of freed blocks, and the next call of that shape takes
+  // it again (holding what the last call left there), with the same bits.
+  const size_t limit_before = tensor_cache_limit();
+  release_cached_tensors();
+  set_tensor_cache_limit(size_t{256} << 20);
+  const Tensor q = random_tensor({1, 8, 1024, 64}, 11), k = random_tensor({1, 8, 1024, 64}, 12),
+               v = random_tensor({1, 8, 1024, 64}, 13), d_out = random_tensor({1, 8, 1024, 64}, 14);
+  SdpaOptions opt;
+  opt.backend = Backend::Fused;
+  opt.masks.causal = Causal::top_left();
+  const SdpaResult first = sdpa(q, k, v, opt, Want::Lse);
+  const size_t after_forward = cached_tensor_bytes();
+  EXPECT_GE(after_forward, size_t{4} << 20);
+  const SdpaResult again = sdpa(q, k, v, opt, Want::Lse);
+  EXPECT_EQ(cached_tensor_bytes(), after_forward);
+  EXPECT_TRUE(bitwise_equal(again.out, first.out));
+  EXPECT_TRUE(bitwise_equal(again.lse, first.lse));
+
+  std::vector<float> qs, ks, vs, os, dos, dq, dk, dv;
+  const View4<float> qv = interleaved_heads(q, qs), kv = interleaved_heads(k, ks), vv = interleaved_heads(v, vs);
+  const View4<float> ov = interleaved_heads(first.out, os), dov = interleaved_heads(d_out, dos);
+  const View4<const float> lse{first.lse.data(), {1, 8, 1024, 1}, {8 * 1024, 1024, 1, 1}};
+  const SdpaGradTensors want = sdpa_backward(q, k, v, first.out, d_out, first.lse, opt);
+  const SdpaGrads grads{
+      interleaved_heads(want.dq, dq), interleaved_heads(want.dk, dk), interleaved_heads(want.dv, dv), {}};
+  size_t after_backward = 0;
+  for (int round = 0; round < 2; ++round) {
+    sdpa_backward(View4<const float>(qv), View4<const float>(kv), View4<const float>(vv), View4<const float>(ov),
+                  View4<const float>(dov), lse, opt, grads);
+    if (round == 0) {
+      after_backward = cached_tensor_bytes();
+      EXPECT_GE(after_backward, after_forward + (size_t{4} << 20));
+    }
+    EXPECT_EQ(cached_tensor_bytes(), after_backward);
+    EXPECT_TRUE(same_bits(grads.dq, want.dq)) << "dq";
+    EXPECT_TRUE(same_bits(grads.dk, want.dk)) << "dk";
+    EXPECT_TRUE(same_bits(grads.dv, want.dv)) << "dv";
+  }
+  release_cached_tensors();
+  set_tensor_cache_limit(limit_before);
+}
+
 // ---- PyTorch autograd goldens ----------------------------------------------------------------------
 
 std::vector<std::string> golden_files(const std::string& prefix) {

@@ -23,7 +23,7 @@ bool use_fused(const kernels::SdpaParams& p, Backend backend, std::string* why) 
 /// The reference oracle writes per-head weights only: averaged weights are formed here from a
 /// per-head intermediate, summed over heads in double (as nn.MultiheadAttention's average).
 void run_reference(kernels::SdpaParams p) {
-  std::unique_ptr<float[]> workspace = detail::kernel_scratch(kernels::reference_workspace_floats(p));
+  detail::KernelScratch workspace = detail::kernel_scratch(kernels::reference_workspace_floats(p));
   if (!p.weights_avg.defined()) return kernels::sdpa_reference(p, workspace.get());
   const View4<float> avg = p.weights_avg;
   const int64_t B = p.batch(), H = p.heads(), Tq = p.t_q(), Tk = p.t_k();
@@ -51,7 +51,7 @@ void run(kernels::SdpaParams p, Backend backend, SdpaThreadStats* stats) {
   }
   if (shape_numel(p.out.shape_vec()) == 0 && !p.weights.defined() && !p.weights_avg.defined()) return;
   if (use_fused(p, backend, nullptr)) {
-    std::unique_ptr<float[]> workspace = detail::kernel_scratch(kernels::fused_workspace_floats(p));
+    detail::KernelScratch workspace = detail::kernel_scratch(kernels::fused_workspace_floats(p));
     kernels::sdpa_fused(p, workspace.get());
   } else {
     run_reference(p);

@@ -65,7 +65,7 @@ std::span<float> sink_grads(const SdpaOptions& opt, SdpaGradTensors& g) {
 
 void run(const kernels::SdpaBackwardParams& p, Backend backend) {
   if (use_fused(p, backend, nullptr)) {
-    const std::unique_ptr<float[]> workspace = detail::kernel_scratch(kernels::fused_backward_workspace_floats(p));
+    const detail::KernelScratch workspace = detail::kernel_scratch(kernels::fused_backward_workspace_floats(p));
     kernels::sdpa_backward_fused(p, workspace.get());
   } else {
     std::vector<double> workspace(kernels::reference_backward_workspace_doubles(p));

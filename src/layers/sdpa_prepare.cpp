@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <new>
 
 #include "mha/tensor.h"
 
@@ -150,9 +151,23 @@ bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::s
   return fused_ok;
 }
 
-std::unique_ptr<float[]> kernel_scratch(size_t floats) {
-  auto buf = std::make_unique_for_overwrite<float[]>(floats);
-  if (floats * sizeof(float) >= kHugePageAdviceBytes) advise_huge_pages(buf.get(), floats * sizeof(float));
+void KernelScratchDeleter::operator()(float* p) const noexcept {
+  if (bytes >= kHugePageAdviceBytes)
+    free_block(p, bytes);
+  else
+    delete[] p;
+}
+
+KernelScratch kernel_scratch(size_t floats) {
+  if (floats > SIZE_MAX / sizeof(float)) throw std::bad_array_new_length();
+  const size_t bytes = floats * sizeof(float);
+  KernelScratch buf;
+  if (bytes >= kHugePageAdviceBytes) {
+    buf = KernelScratch(static_cast<float*>(allocate_block(bytes)), KernelScratchDeleter{bytes});
+    advise_huge_pages(buf.get(), bytes);
+  } else {
+    buf = KernelScratch(new float[floats], KernelScratchDeleter{bytes});
+  }
   if (g_scratch_fill) std::fill_n(buf.get(), floats, *g_scratch_fill);
   return buf;
 }

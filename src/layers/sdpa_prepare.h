@@ -43,11 +43,20 @@ kernels::ScoreEdits check_score_edits(const char* fn, int64_t heads, const Alibi
 /// an unsupported request throws. *why (if given) gets "fused: supported" or "reference: …".
 bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::string& reason, std::string* why);
 
+/// Gives a kernel_scratch buffer back: a large one to the cache of freed blocks, else delete[].
+struct KernelScratchDeleter {
+  size_t bytes = 0;
+  void operator()(float* p) const noexcept;
+};
+using KernelScratch = std::unique_ptr<float[], KernelScratchDeleter>;
+
 /// Scratch that a kernel fully overwrites before it reads it (the forward's and the backward's
-/// workspaces): allocated without zero-filling, and a large one (the forward's prepacked K/V, the
-/// backward's dense copies of Q and dO) on huge pages where the OS allows, since faulting it in
-/// 4 KiB at a time costs more than filling it.
-std::unique_ptr<float[]> kernel_scratch(size_t floats);
+/// workspaces): allocated without zero-filling. A large one (the forward's prepacked K/V, the
+/// backward's dense copies of Q and dO: 16 MiB each at T = 4096, E = 512) comes from the cache of
+/// freed tensor blocks (mha::tensor_cache_limit), on huge pages where the OS allows: a fresh one
+/// was mapped anew by every call, and zeroing its pages in the kernel cost ~4% of a T = 4096
+/// forward.
+KernelScratch kernel_scratch(size_t floats);
 
 /// For tests: every kernel_scratch() buffer from now on filled with `value` (NaN shows that the
 /// kernels read no scratch they did not write first), or left as allocated (nullopt, the
