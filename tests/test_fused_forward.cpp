@@ -457,6 +457,64 @@ TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
   }
 }
 
+// From 2 to 7 query blocks each thread keeps the K/V blocks it packed for its last (batch,
+// kv-head) and the next item of that pair reads them; a call of one query block packs per item.
+// Both must give the same bits: several pairs (a thread's kept blocks belong to one at a time),
+// any thread count, K/V packed or V read in place, a causal diagonal or a window's lower edge
+// cutting blocks short (the window's blocks start off the block grid), padded keys and a key bias.
+TEST(FusedForward, KeptKeyBlocksGiveTheSameBitsAsPerItemPacking) {
+  struct Variant {
+    int64_t Tk, D, Dv;
+    bool key_masks;
+    Causal causal;
+  };
+  const int64_t Tq = 3 * kQBlock + 5;
+  const std::vector<Variant> variants = {
+      {Tq + 70, 12, 20, true, Causal::bottom_right()},
+      {Tq + 70, 16, 16, false, Causal::none()},  // V read in place
+      {2 * kKBlock + 3, 16, 16, false, Causal::top_left()},
+      {Tq, 16, 32, true, Causal::top_left().with_window(150)},
+      {Tq, 16, 16, false, Causal::bottom_right().with_window(70)},
+  };
+  for (const Variant& var : variants) {
+    Case c;
+    c.B = 3, c.H = 4, c.KV = 2, c.Tq = Tq, c.Tk = var.Tk, c.D = var.D, c.Dv = var.Dv;
+    c.make_inputs(static_cast<uint64_t>(41 + var.Tk + var.Dv));
+    if (var.key_masks) {
+      set_key_padding(c);  // NaN in the padded K/V rows: a kept block must not read them either
+      set_key_bias(c);
+    }
+    c.opt.masks.causal = var.causal;
+    const int64_t offset = var.causal.enabled() ? var.causal.offset_for(c.Tq, c.Tk) : 0;
+    SCOPED_TRACE(::testing::Message() << "Tk " << var.Tk << " D " << var.D << " Dv " << var.Dv << " window "
+                                      << var.causal.window);
+    for_each_fused_target([&] {
+      std::vector<Result> parts;
+      for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
+        Causal shifted = Causal::with_offset(offset + i0).with_window(var.causal.window);
+        parts.push_back(
+            rows_alone(c, i0, std::min(kQBlock, c.Tq - i0), var.causal.enabled() ? shifted : Causal::none()));
+      }
+      for (int threads : {1, 2, 3}) {
+        const Result whole = run(c, Backend::Fused, threads);
+        for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
+          const Result& part = parts[static_cast<size_t>(i0 / kQBlock)];
+          for (int64_t b = 0; b < c.B; ++b)
+            for (int64_t h = 0; h < c.H; ++h)
+              for (int64_t i = 0; i < part.out.size(2); ++i) {
+                for (int64_t x = 0; x < c.Dv; ++x)
+                  ASSERT_EQ(std::bit_cast<uint32_t>(part.out.view4()(b, h, i, x)),
+                            std::bit_cast<uint32_t>(whole.out.view4()(b, h, i0 + i, x)))
+                      << threads << " threads, b " << b << " h " << h << " row " << i0 + i;
+                ASSERT_EQ(std::bit_cast<uint32_t>(part.lse.view4()(b, h, i, 0)),
+                          std::bit_cast<uint32_t>(whole.lse.view4()(b, h, i0 + i, 0)));
+              }
+        }
+      }
+    });
+  }
+}
+
 // ---- bfloat16 ------------------------------------------------------------------------------
 
 /// bf16 inputs against the reference on the same values widened to float. The inputs are exact,
@@ -493,11 +551,13 @@ TEST(FusedForward, Bf16MatchesTheReference) {
 }
 
 TEST(FusedForward, Bf16Lengths) {
-  for (int64_t tq : {0, 1, 65})
+  // 3·kQBlock + 5 queries: 4 items per (batch, kv-head), which keep their packed blocks (bf16
+  // pairs; an odd last block short of its width is packed per item).
+  for (int64_t tq : {int64_t{0}, int64_t{1}, int64_t{65}, 3 * kQBlock + 5})
     for (int64_t tk : {0, 1, 2, 63, 197}) {
       SCOPED_TRACE(::testing::Message() << "T_q " << tq << " T_k " << tk);
       Case c;
-      c.H = 4, c.KV = 1, c.Tq = tq, c.Tk = tk, c.D = 32, c.Dv = 48;
+      c.B = 2, c.H = 4, c.KV = 1, c.Tq = tq, c.Tk = tk, c.D = 32, c.Dv = 48;
       c.opt.masks.causal = Causal::bottom_right();
       c.make_inputs(17);
       check_bf16(c);

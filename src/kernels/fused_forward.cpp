@@ -79,7 +79,12 @@ constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512)
 constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any target
 constexpr int64_t kRowsPad = kBq + kMaxMR;
 constexpr int64_t kPrepackMinQueries = 8 * kBq;  // pack K/V once per call from 1024 queries on
-constexpr int64_t kMaxPrefetchBytes = 32 * 64;   // per K/V row: a wider (strided) row is not worth it
+// Below that, from 2 query blocks on, each thread keeps the K/V blocks it packed for its last
+// (batch, kv-head), at most this many bytes (T_k ≤ 1984 at d = 64), for the next item of the same
+// pair (keeps_packed_blocks).
+constexpr int64_t kKeptBlocksMaxBytes = int64_t{1} << 20;
+constexpr int64_t kKeptBlocksMax = 64;          // one bit each in the thread's tag
+constexpr int64_t kMaxPrefetchBytes = 32 * 64;  // per K/V row: a wider (strided) row is not worth it
 // Float32 query rows between two prefetch steps (PrefetchDrip): one AVX-512 register tile. At
 // B = 64, T = 128 a step every 6 rows took 14% off the core where one every 12 took 2%.
 constexpr int64_t kDripRows = 6;
@@ -145,6 +150,34 @@ inline int64_t row_runs(const CausalRule& causal, int64_t i0, int64_t nq, int64_
 }
 
 /// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
+/// One packed K/V block (offsets in floats): K transposed (ldq × kBk), V (kBk rows of ldv) and
+/// the key-only masks (kBk), as one thread's scratch holds them when an item packs for itself.
+struct PackedBlockLayout {
+  int64_t kt = 0, v = 0, kb = 0, stride = 0;
+};
+inline PackedBlockLayout packed_block_layout(int64_t ldq, int64_t ldv) {
+  PackedBlockLayout B;
+  ScratchCarver c;
+  B.kt = c.take(ldq * kBk);
+  B.v = c.take(kBk * ldv);
+  B.kb = c.take(kBk);
+  B.stride = c.total();
+  return B;
+}
+
+/// Whether each thread keeps the K/V blocks it packed for its last (batch, kv-head): a call of 2
+/// to 7 query blocks per pair (from 8 on, prepack_plan packs once per call) whose key blocks fit
+/// kKeptBlocksMaxBytes. Items of a pair come one after another (item_at), so a thread's next item
+/// is often of the same pair and reads the blocks it packed: at B = 64, T = 512 each block was
+/// packed by each of its 4 items. Not for a packed batch (its blocks start at each sequence's
+/// offset) nor for averaged weights (an item walks every kv-head in turn).
+inline bool keeps_packed_blocks(const SdpaParams& p, int64_t block_floats) {
+  if (p.varlen.defined() || p.weights_avg.defined()) return false;
+  const int64_t q_blocks = (p.t_q() + kBq - 1) / kBq, blocks = (p.t_k() + kBk - 1) / kBk;
+  return q_blocks >= 2 && p.t_q() < kPrepackMinQueries && blocks > 0 && blocks <= kKeptBlocksMax &&
+         blocks * block_floats * static_cast<int64_t>(sizeof(float)) <= kKeptBlocksMaxBytes;
+}
+
 struct ScratchPlan {
   int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, rmax = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, l2 = 0, total = 0;
   int64_t ldq = 0;    // floats between Q rows (d rounded to even)
@@ -154,6 +187,10 @@ struct ScratchPlan {
   // kRowsPad rows of wblocks); wp, the unnormalised weights (group × kBq rows, ldw apart); wscale,
   // one row's block scales at the fix-up.
   int64_t wm = 0, wp = 0, wblocks = 0, ldw = 0, wscale = 0;
+  // keeps_packed_blocks: kept_blocks blocks of kept_layout from `kept` on, and at kept_tag two
+  // int64: the (batch · kv + kv-head) they belong to (−1: none yet) and a bit per block packed.
+  PackedBlockLayout kept_layout;
+  int64_t kept = 0, kept_tag = 0, kept_blocks = 0;
 };
 
 inline ScratchPlan scratch_plan(const SdpaParams& p) {
@@ -182,6 +219,12 @@ inline ScratchPlan scratch_plan(const SdpaParams& p) {
     L.wscale = c.take(round_up(L.wblocks, kMaxLanes));
   } else if (p.weights.defined() || p.weights_avg.defined()) {
     L.l2 = c.take(kRowsPad);  // the weights' second pass
+  }
+  L.kept_layout = packed_block_layout(L.ldq, L.ldv);
+  if (keeps_packed_blocks(p, L.kept_layout.stride)) {
+    L.kept_blocks = (p.t_k() + kBk - 1) / kBk;
+    L.kept_tag = c.take(kAlignFloats);
+    L.kept = c.take(L.kept_blocks * L.kept_layout.stride);
   }
   L.total = c.total();
   return L;
@@ -233,12 +276,11 @@ inline PrepackPlan prepack_plan(const SdpaParams& p) {
   P.used = !p.varlen.defined() && p.t_q() >= kPrepackMinQueries && p.t_k() > 0;
   if (!P.used) return P;
   const ScratchPlan L = scratch_plan(p);
-  ScratchCarver c;
   P.blocks = (p.t_k() + kBk - 1) / kBk;
-  P.kt = c.take(L.ldq * kBk);
-  P.v = c.take(kBk * L.ldv);
-  P.kb = c.take(kBk);
-  P.stride = c.total();
+  P.kt = L.kept_layout.kt;
+  P.v = L.kept_layout.v;
+  P.kb = L.kept_layout.kb;
+  P.stride = L.kept_layout.stride;
   return P;
 }
 
@@ -1653,7 +1695,45 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     const int64_t width = std::min(kBk, Tk - j0);
     // bf16 pairs: an odd nk short of the packed width would pair the last key with one no row may
     // see (its V row would enter a product), so that block is packed here.
-    if (cx.prepacked && j0 % kBk == 0 && (!kDot || nk == width || nk % 2 == 0)) {
+    const bool whole_block = j0 % kBk == 0 && (!kDot || nk == width || nk % 2 == 0);
+    if (L.kept_blocks > 0 && whole_block) {
+      // This thread's kept blocks (keeps_packed_blocks): packed by the first item of the pair
+      // that needs them, whole (as prepacked ones), V only where it is not read in place.
+      auto* const tag = reinterpret_cast<int64_t*>(ws + L.kept_tag);
+      const int64_t pair = b * p.kv_heads() + g, slot = j0 / kBk;
+      if (tag[0] != pair) tag[0] = pair, tag[1] = 0;
+      const auto have = [&](int64_t at) { return (static_cast<uint64_t>(tag[1]) >> at) & 1u; };
+      const PackedBlockLayout& K = L.kept_layout;
+      float* const block = ws + L.kept + slot * K.stride;
+      if (!have(slot)) {
+        pack_kv_block<T, kDot>(cx, b, g, j0, width, !v_in_place, block + K.kt, block + K.v, block + K.kb);
+        tag[1] = static_cast<int64_t>(static_cast<uint64_t>(tag[1]) | (uint64_t{1} << slot));
+      }
+      kt_use = block + K.kt;
+      vp_use = block + K.v;
+      kb_use = block + K.kb;
+      if constexpr (kF32) {
+        if (v_in_place) vp_use = cx.v.row(b, g, j0), ldvp = cx.v.stride[2];
+      }
+      if (nk < width) {
+        std::copy(kb_use, kb_use + nk, kb);
+        std::fill(kb + nk, kb + kBk, kNegInf);
+        kb_use = kb;
+      }
+      // The next block's rows: K (and V) to pack unless kept already; V read in place always.
+      next_block.finish();
+      if (j0 + kBk < j_end) {
+        constexpr int64_t kT = sizeof(T);
+        const int64_t n_next = std::min(kBk, j_end - j0 - kBk);
+        const bool next_kept = slot + 1 < L.kept_blocks && have(slot + 1);
+        if (!next_kept) next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
+        if (with_v && (!next_kept || v_in_place))
+          next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
+      }
+      block_step = (next_block.lines() + block_steps - 1) / block_steps;
+      return;
+    }
+    if (cx.prepacked && whole_block) {
       const float* block = cx.prepacked + ((b * p.kv_heads() + g) * cx.prepack.blocks + j0 / kBk) * cx.prepack.stride;
       kt_use = block + cx.prepack.kt;
       vp_use = block + cx.prepack.v;
@@ -2004,11 +2084,15 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   // items, longest first within each (batch, kv-head) and taken by whichever thread is free
   // (item_at). Every output row belongs to exactly one item, whose arithmetic does not depend
   // on the thread or the order, so the thread count cannot change any result.
+  // A unit per (batch, kv-head) where blocks are kept and the pairs are enough to balance the
+  // threads (at most one unit apart at the end: a few percent of the call from 4 per thread).
+  const int64_t unit = cx.L.kept_blocks > 0 && items / cx.q_blocks >= 4 * threads ? cx.q_blocks : 1;
   std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(threads)
   {
     BusyClock busy(p.thread_busy_ms);
     float* ws = plan.thread_part(workspace, omp_get_thread_num());
+    if (cx.L.kept_blocks > 0) reinterpret_cast<int64_t*>(ws + cx.L.kept_tag)[0] = -1;  // none kept yet
     if (packs > 0) {
 #pragma omp for schedule(static) nowait
       for (int64_t at = 0; at < packs; ++at) {
@@ -2023,10 +2107,16 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
 #pragma omp barrier
       busy.resume();
     }
-    claim_one_ahead(next_item, items, [&](int64_t it, int64_t ahead) {
-      with_dot<T>(dot, [&](auto kDot) {
-        run_item<T, decltype(kDot)::value>(cx, item_at(cx, it), ws, ahead < items ? item_at(cx, ahead) : -1);
-      });
+    // Claimed in units of `unit` consecutive items: with kept blocks, every query block of a
+    // (batch, kv-head) at once, so that one thread packs each of its K/V blocks once (claimed one
+    // by one, two threads took turns on a pair's items and each packed every block).
+    claim_one_ahead(next_item, items / unit, [&](int64_t u, int64_t u_ahead) {
+      for (int64_t at = 0; at < unit; ++at) {
+        const int64_t it = u * unit + at, ahead = at + 1 < unit ? it + 1 : u_ahead * unit;
+        with_dot<T>(dot, [&](auto kDot) {
+          run_item<T, decltype(kDot)::value>(cx, item_at(cx, it), ws, ahead < items ? item_at(cx, ahead) : -1);
+        });
+      }
     });
   }
 }
