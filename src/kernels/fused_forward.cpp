@@ -1666,11 +1666,16 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   // packed them (a block this item uses in full, else one whose tail lanes the item must not see:
   // its masks are copied with those lanes −inf), else packed into this thread's scratch.
   const float *kt_use = kt, *vp_use = vp, *kb_use = kb;
-  // float32 V is read where it lies (rows ldvp apart) when its rows are contiguous, whole vectors
-  // wide, and no key is hidden by padding or key_bias (those rows must read as zeros, and could
-  // hold anything); else packed with K (ldv apart, zero where hidden).
-  const bool v_in_place =
-      kF32 && vs == 1 && Dv % N == 0 && !p.masks.key_padding.view.defined() && !p.masks.key_bias.view.defined();
+  // float32 V is read where it lies when its rows are contiguous, whole vectors wide and back to
+  // back (a (B, kv, T, d_v) tensor), and no key is hidden by padding or key_bias (those rows must
+  // read as zeros, and could hold anything); else packed with K (ldv apart, zero where hidden).
+  // Rows further apart, as in a module's (N, 3·E) projection buffer (6 KiB at E = 512), fall into
+  // a few sets of L1 and are fetched again for every tile: where a thread keeps its packed blocks
+  // for several items (keeps_packed_blocks) they are packed too (module B=16, T=512: 181 / 93 ms
+  // in place, 166 / 86 packed, 1 / 2 threads). An item that packs for itself alone reads them in
+  // place (module B=64, T=128: 2-5% slower on 2 threads with each item copying its V).
+  const bool v_in_place = kF32 && vs == 1 && Dv % N == 0 && (L.kept_blocks == 0 || cx.v.stride[2] == Dv) &&
+                          !p.masks.key_padding.view.defined() && !p.masks.key_bias.view.defined();
   int64_t ldvp = ldv;
   // Lines for later, asked for a few at a time between the tiles of the products (PrefetchDrip):
   // the next key block's K and V rows, and the next item's rows. The float32 products run in
