@@ -426,35 +426,38 @@ Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {
 }
 
 // From 8 query blocks (1024 queries) on the kernel packs each K/V block once per call
-// (prepacked) and every item reads it; a single block packs per item. Both must give the same
-// bits, including a causal diagonal cutting a key block short, odd T_k, key padding and a key bias.
+// (prepacked) and every item reads it, unless a thread's kept blocks hold them (up to 1 MiB: here
+// d = 12 and 1099 keys); a single block packs per item. Each must give the same bits, including a
+// causal diagonal cutting a key block short, odd T_k, key padding and a key bias.
 TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
-  for (bool causal : {false, true}) {
-    Case c;
-    c.B = 1, c.H = 2, c.KV = 1, c.Tq = 8 * kQBlock + 5, c.Tk = 8 * kQBlock + 5 + 70, c.D = 12, c.Dv = 20;
-    c.make_inputs(causal ? 31 : 37);
-    set_key_padding(c);  // NaN in the padded K/V rows: a prepacked block must not read them either
-    set_key_bias(c);
-    const int64_t offset = c.Tk - c.Tq;  // bottom-right alignment
-    c.opt.masks.causal = causal ? Causal::bottom_right() : Causal::none();
-    for_each_fused_target([&] {
-      const Result whole = run(c, Backend::Fused);
-      for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
-        const int64_t n = std::min(kQBlock, c.Tq - i0);
-        const Result part = rows_alone(c, i0, n, causal ? Causal::with_offset(offset + i0) : Causal::none());
-        for (int64_t b = 0; b < c.B; ++b)
-          for (int64_t h = 0; h < c.H; ++h)
-            for (int64_t i = 0; i < n; ++i) {
-              for (int64_t x = 0; x < c.Dv; ++x)
-                ASSERT_EQ(std::bit_cast<uint32_t>(part.out.view4()(b, h, i, x)),
-                          std::bit_cast<uint32_t>(whole.out.view4()(b, h, i0 + i, x)))
-                    << "causal " << causal << " b " << b << " h " << h << " row " << i0 + i;
-              ASSERT_EQ(std::bit_cast<uint32_t>(part.lse.view4()(b, h, i, 0)),
-                        std::bit_cast<uint32_t>(whole.lse.view4()(b, h, i0 + i, 0)));
-            }
-      }
-    });
-  }
+  for (bool causal : {false, true})
+    for (int64_t d : {12, 64}) {
+      Case c;
+      const int64_t tk = d == 64 ? 16 * kQBlock + 70 : 8 * kQBlock + 5 + 70;  // at d = 64 over 1 MiB: prepacked
+      c.B = 1, c.H = 2, c.KV = 1, c.Tq = 8 * kQBlock + 5, c.Tk = tk, c.D = d, c.Dv = d == 64 ? 64 : 20;
+      c.make_inputs(causal ? 31 : 37);
+      set_key_padding(c);  // NaN in the padded K/V rows: a prepacked block must not read them either
+      set_key_bias(c);
+      const int64_t offset = c.Tk - c.Tq;  // bottom-right alignment
+      c.opt.masks.causal = causal ? Causal::bottom_right() : Causal::none();
+      for_each_fused_target([&] {
+        const Result whole = run(c, Backend::Fused);
+        for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
+          const int64_t n = std::min(kQBlock, c.Tq - i0);
+          const Result part = rows_alone(c, i0, n, causal ? Causal::with_offset(offset + i0) : Causal::none());
+          for (int64_t b = 0; b < c.B; ++b)
+            for (int64_t h = 0; h < c.H; ++h)
+              for (int64_t i = 0; i < n; ++i) {
+                for (int64_t x = 0; x < c.Dv; ++x)
+                  ASSERT_EQ(std::bit_cast<uint32_t>(part.out.view4()(b, h, i, x)),
+                            std::bit_cast<uint32_t>(whole.out.view4()(b, h, i0 + i, x)))
+                      << "causal " << causal << " d " << d << " b " << b << " h " << h << " row " << i0 + i;
+                ASSERT_EQ(std::bit_cast<uint32_t>(part.lse.view4()(b, h, i, 0)),
+                          std::bit_cast<uint32_t>(whole.lse.view4()(b, h, i0 + i, 0)));
+              }
+        }
+      });
+    }
 }
 
 // From 2 to 7 query blocks each thread keeps the K/V blocks it packed for its last (batch,

@@ -79,9 +79,9 @@ constexpr int64_t kMaxLanes = 16;  // widest vector of float (AVX-512)
 constexpr int64_t kMaxMR = 8;      // most rows in a register tile, on any target
 constexpr int64_t kRowsPad = kBq + kMaxMR;
 constexpr int64_t kPrepackMinQueries = 8 * kBq;  // pack K/V once per call from 1024 queries on
-// Below that, from 2 query blocks on, each thread keeps the K/V blocks it packed for its last
-// (batch, kv-head), at most this many bytes (T_k ≤ 1984 at d = 64), for the next item of the same
-// pair (keeps_packed_blocks).
+// From 2 query blocks on, each thread keeps the K/V blocks it packed for its last (batch, kv-head)
+// for the next item of the same pair, when they fit this many bytes (T_k ≤ 1984 at d = 64;
+// keeps_packed_blocks); packing once per call is left for longer keys.
 constexpr int64_t kKeptBlocksMaxBytes = int64_t{1} << 20;
 constexpr int64_t kKeptBlocksMax = 64;          // one bit each in the thread's tag
 constexpr int64_t kMaxPrefetchBytes = 32 * 64;  // per K/V row: a wider (strided) row is not worth it
@@ -166,15 +166,19 @@ inline PackedBlockLayout packed_block_layout(int64_t ldq, int64_t ldv) {
 }
 
 /// Whether each thread keeps the K/V blocks it packed for its last (batch, kv-head): a call of 2
-/// to 7 query blocks per pair (from 8 on, prepack_plan packs once per call) whose key blocks fit
-/// kKeptBlocksMaxBytes. Items of a pair come one after another (item_at), so a thread's next item
-/// is often of the same pair and reads the blocks it packed: at B = 64, T = 512 each block was
-/// packed by each of its 4 items. Not for a packed batch (its blocks start at each sequence's
-/// offset) nor for averaged weights (an item walks every kv-head in turn).
+/// query blocks per pair or more whose key blocks fit kKeptBlocksMaxBytes. Items of a pair come
+/// one after another (item_at), claimed together where the pairs are enough, so a thread's next
+/// item is mostly of the same pair and reads the blocks it packed: at B = 64, T = 512 each block
+/// had been packed by each of its 4 items. From 8 query blocks on it replaces packing once per
+/// call (prepack_plan) where both apply: the same packing without writing the whole call's K and
+/// V to memory and reading them back (core B = 8, T = 1024: 117 / 59 → 107 / 54 ms, causal 69 /
+/// 34 → 56 / 30, 1 / 2 threads; B = 1, T = 1024 and the module level). Not for a packed batch
+/// (its blocks start at each sequence's offset) nor for averaged weights (an item walks every
+/// kv-head in turn).
 inline bool keeps_packed_blocks(const SdpaParams& p, int64_t block_floats) {
   if (p.varlen.defined() || p.weights_avg.defined()) return false;
   const int64_t q_blocks = (p.t_q() + kBq - 1) / kBq, blocks = (p.t_k() + kBk - 1) / kBk;
-  return q_blocks >= 2 && p.t_q() < kPrepackMinQueries && blocks > 0 && blocks <= kKeptBlocksMax &&
+  return q_blocks >= 2 && blocks > 0 && blocks <= kKeptBlocksMax &&
          blocks * block_floats * static_cast<int64_t>(sizeof(float)) <= kKeptBlocksMaxBytes;
 }
 
@@ -272,10 +276,11 @@ inline PrepackPlan prepack_plan(const SdpaParams& p) {
   // 275, B=8 T=2048 530 / 283 → 492 / 251; the module, whose K and V rows lie 3E apart in its
   // projection buffer, B=1 T=2048 127 / 64 → 95 / 50, B=8 T=1024 318 → 274 (1 thread). From 512
   // queries (4 items) it was 10% slower on causal B=64, T=512 and level elsewhere, so it stays off
-  // there.
-  P.used = !p.varlen.defined() && p.t_q() >= kPrepackMinQueries && p.t_k() > 0;
-  if (!P.used) return P;
+  // there. Since 2026-12-05 a thread's kept blocks (keeps_packed_blocks) take its place where
+  // they fit: what remains is T_k beyond them, e.g. B = 1, T = 2048 or 4096 at d = 64.
   const ScratchPlan L = scratch_plan(p);
+  P.used = !p.varlen.defined() && p.t_q() >= kPrepackMinQueries && p.t_k() > 0 && L.kept_blocks == 0;
+  if (!P.used) return P;
   P.blocks = (p.t_k() + kBk - 1) / kBk;
   P.kt = L.kept_layout.kt;
   P.v = L.kept_layout.v;
@@ -1680,9 +1685,18 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   // Lines for later, asked for a few at a time between the tiles of the products (PrefetchDrip):
   // the next key block's K and V rows, and the next item's rows. The float32 products run in
   // chunks of kDripRows query rows, a step after each; the bf16 ones a step after each product.
-  // Under a call's prepacked K/V, only the next item's Q and output rows remain, a trickle per
-  // key block: each product runs whole (its chunks' calls cost ~5% at T = 4096).
-  const int64_t chunk_rows = kF32 && !cx.prepacked ? kDripRows : kRowsPad;
+  // Under a call's prepacked K/V, or when this thread has kept every one of at least 16 blocks
+  // the item reads, only the next item's Q and output rows remain, a trickle per key block: each
+  // product runs whole (its chunks' calls cost ~5% at T = 4096; over fewer blocks the trickle
+  // would come in bursts: 3–5% slower at B = 64, T = 256).
+  bool all_kept = L.kept_blocks > 0 && j_begin % kBk == 0 && j_end - j_begin >= 16 * kBk;
+  if (all_kept) {
+    const auto* const tag = reinterpret_cast<const int64_t*>(ws + L.kept_tag);
+    const int64_t first = j_begin / kBk, last = (j_end - 1) / kBk;
+    const uint64_t span = (last - first == 63 ? ~uint64_t{0} : (uint64_t{1} << (last - first + 1)) - 1) << first;
+    all_kept = tag[0] == b * p.kv_heads() + g && (static_cast<uint64_t>(tag[1]) & span) == span;
+  }
+  const int64_t chunk_rows = kF32 && !cx.prepacked && !all_kept ? kDripRows : kRowsPad;
   const int64_t chunks = (nq + chunk_rows - 1) / chunk_rows;
   const int64_t block_steps = group * 2 * chunks;
   PrefetchDrip<3> next_block;
@@ -1725,15 +1739,16 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         std::fill(kb + nk, kb + kBk, kNegInf);
         kb_use = kb;
       }
-      // The next block's rows: K (and V) to pack unless kept already; V read in place always.
+      // The next block's rows, K and V, when it is still to be packed. (V read in place lies in
+      // back-to-back rows here, which the hardware streams by itself.)
       next_block.finish();
       if (j0 + kBk < j_end) {
         constexpr int64_t kT = sizeof(T);
         const int64_t n_next = std::min(kBk, j_end - j0 - kBk);
-        const bool next_kept = slot + 1 < L.kept_blocks && have(slot + 1);
-        if (!next_kept) next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
-        if (with_v && (!next_kept || v_in_place))
-          next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
+        if (!(slot + 1 < L.kept_blocks && have(slot + 1))) {
+          next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
+          if (with_v) next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
+        }
       }
       block_step = (next_block.lines() + block_steps - 1) / block_steps;
       return;
