@@ -33,7 +33,8 @@ using Shape = std::vector<int64_t>;
 /// recently freed blocks up to a limit in bytes and frees the oldest beyond it. The limit is
 /// 256 MiB, or MHA_TENSOR_CACHE_MIB mebibytes when that is set when the cache is first used
 /// (0 turns the cache off); builds under AddressSanitizer start with it off, so that a read after
-/// free is still caught. Thread-safe.
+/// free is still caught. The attention kernels' workspaces of that size (sdpa's packed K/V, the
+/// backward's dense copies of Q and dO) come from the same cache. Thread-safe.
 /// Bytes held in freed blocks now.
 size_t cached_tensor_bytes() noexcept;
 /// Frees every cached block; returns the bytes freed.
