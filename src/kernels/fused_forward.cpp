@@ -434,7 +434,8 @@ using kernels::HWY_NAMESPACE::exp_nonpositive;
 // in registers.
 template <int MR, int NV, bool kScaled>
 HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT kt, int64_t d,
-                           float* HWY_RESTRICT s, float scale, const float* kb, float* rmax, bool first = true) {
+                           float* HWY_RESTRICT s, int64_t lds, float scale, const float* kb, float* rmax,
+                           bool first = true) {
   const DF df;
   const int64_t N = lanes();
   VF acc[MR][NV];
@@ -459,27 +460,29 @@ HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float
       for (int v = 0; v < NV; ++v) {
         const VF x = hn::IfThenElse(hn::Eq(kbv[v], vneg_inf), kbv[v], hn::MulAdd(acc[r][v], vscale, kbv[v]));
         vmax = hn::Max(vmax, x);
-        hn::StoreU(x, df, s + r * kBk + v * N);
+        hn::StoreU(x, df, s + r * lds + v * N);
       }
       hn::StoreU(vmax, df, rmax + r * kMaxLanes);
     }
   } else {
     for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, s + r * kBk + v * N);
+      for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, s + r * lds + v * N);
   }
 }
 
 // MR rows of S: tiles of kNV vectors, then the last `nvec % kNV` vectors.
 template <int MR, bool kScaled>
-HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* kt, int64_t nvec, float* s, float scale,
-                           const float* kb, float* rmax) {
+HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* kt, int64_t nvec, float* s, int64_t lds,
+                           float scale, const float* kb, float* rmax) {
   const int64_t N = lanes();
   int64_t v0 = 0;
   // (kb is null unless kScaled: no offset is formed from it then.)
   for (; v0 + kNV <= nvec; v0 += kNV)
-    score_tile<MR, kNV, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kScaled ? kb + v0 * N : kb, rmax, v0 == 0);
+    score_tile<MR, kNV, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, lds, scale, kScaled ? kb + v0 * N : kb, rmax,
+                                 v0 == 0);
   with_count<kNV - 1>(nvec - v0, [&](auto nv) {
-    score_tile<MR, nv, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, scale, kScaled ? kb + v0 * N : kb, rmax, v0 == 0);
+    score_tile<MR, nv, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, lds, scale, kScaled ? kb + v0 * N : kb, rmax,
+                                v0 == 0);
   });
 }
 
@@ -488,30 +491,35 @@ HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* 
 // where kNV vectors span a block), scaled and with the rows' max vectors, as score_tile says.
 template <bool kScaled>
 void score_block_t(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
-                   float scale, const float* kb, float* rmax) {
+                   int64_t lds, float scale, const float* kb, float* rmax) {
   // Row r0's max vectors; null without kScaled (no offset is formed from a null pointer).
   const auto row_max = [&](int64_t r) { return kScaled ? rmax + r * kMaxLanes : rmax; };
   int64_t r0 = 0;
   for (; r0 + kMR <= rows; r0 += kMR)
-    score_rows<kMR, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, row_max(r0));
+    score_rows<kMR, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * lds, lds, scale, kb, row_max(r0));
   with_count<kMR - 1>(rows - r0, [&](auto mr) {
-    score_rows<mr, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * kBk, scale, kb, row_max(r0));
+    score_rows<mr, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * lds, lds, scale, kb, row_max(r0));
   });
 }
 
+/// S rows lds floats apart: kBk in the thread's scratch, or the one-pass weights' rows (run_group).
 void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
-                 float scale = 0.0f, const float* kb = nullptr, float* rmax = nullptr) {
+                 float scale = 0.0f, const float* kb = nullptr, float* rmax = nullptr, int64_t lds = kBk) {
   if constexpr (kFusedSoftmax) {
-    if (rmax) return score_block_t<true>(q, ldq, rows, d, kt, nvec, s, scale, kb, rmax);
+    if (rmax) return score_block_t<true>(q, ldq, rows, d, kt, nvec, s, lds, scale, kb, rmax);
   }
-  score_block_t<false>(q, ldq, rows, d, kt, nvec, s, scale, kb, rmax);
+  score_block_t<false>(q, ldq, rows, d, kt, nvec, s, lds, scale, kb, rmax);
 }
 
 // ---- O = alpha·O + P·V (float32) -----------------------------------------------------------
-// p: MR rows of kBk probabilities; vp: nk rows of ldv; o: MR rows of ldv.
-template <int MR, int NV>
-HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT alpha, const float* HWY_RESTRICT vp,
-                         int64_t ldvp, int64_t ldv, int64_t nk, float* HWY_RESTRICT o) {
+// p: MR rows of probabilities, kLdp apart (0: ldp apart); vp: nk rows of ldv; o: MR rows of ldv.
+// (The scratch's stride kBk is a constant: the MR rows' broadcasts then address P from one
+// register, where a run-time stride takes a register per row in the inner loop: 2% at B = 64,
+// T = 128 on one thread.)
+template <int MR, int NV, int64_t kLdp>
+HWY_INLINE void out_tile(const float* HWY_RESTRICT p, int64_t ldp_run, const float* HWY_RESTRICT alpha,
+                         const float* HWY_RESTRICT vp, int64_t ldvp, int64_t ldv, int64_t nk, float* HWY_RESTRICT o) {
+  const int64_t ldp = kLdp != 0 ? kLdp : ldp_run;
   const DF df;
   const int64_t N = lanes();
   VF acc[MR][NV];
@@ -526,7 +534,7 @@ HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT 
     VF vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = hn::LoadU(df, vp + j * ldvp + v * N);
     for (int r = 0; r < MR; ++r) {
-      const VF pv = hn::Set(df, p[r * kBk + j]);
+      const VF pv = hn::Set(df, p[r * ldp + j]);
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(pv, vv[v], acc[r][v]);
     }
   } while (++j < nk);
@@ -534,24 +542,35 @@ HWY_INLINE void out_tile(const float* HWY_RESTRICT p, const float* HWY_RESTRICT 
     for (int v = 0; v < NV; ++v) hn::StoreU(acc[r][v], df, o + r * ldv + v * N);
 }
 
-template <int MR>
-HWY_INLINE void out_rows(const float* p, const float* alpha, const float* vp, int64_t ldvp, int64_t ldv, int64_t nk,
-                         int64_t nvec_o, float* o) {
+template <int MR, int64_t kLdp>
+HWY_INLINE void out_rows(const float* p, int64_t ldp, const float* alpha, const float* vp, int64_t ldvp, int64_t ldv,
+                         int64_t nk, int64_t nvec_o, float* o) {
   const int64_t N = lanes();
   int64_t v0 = 0;
-  for (; v0 + kNV <= nvec_o; v0 += kNV) out_tile<MR, kNV>(p, alpha, vp + v0 * N, ldvp, ldv, nk, o + v0 * N);
+  for (; v0 + kNV <= nvec_o; v0 += kNV) out_tile<MR, kNV, kLdp>(p, ldp, alpha, vp + v0 * N, ldvp, ldv, nk, o + v0 * N);
   with_count<kNV - 1>(nvec_o - v0,
-                      [&](auto nv) { out_tile<MR, nv>(p, alpha, vp + v0 * N, ldvp, ldv, nk, o + v0 * N); });
+                      [&](auto nv) { out_tile<MR, nv, kLdp>(p, ldp, alpha, vp + v0 * N, ldvp, ldv, nk, o + v0 * N); });
+}
+
+template <int64_t kLdp>
+HWY_INLINE void out_block_ld(const float* p, int64_t ldp, const float* alpha, int64_t rows, const float* vp,
+                             int64_t ldvp, int64_t ldv, int64_t nk, int64_t nvec_o, float* o) {
+  int64_t r0 = 0;
+  for (; r0 + kMR <= rows; r0 += kMR)
+    out_rows<kMR, kLdp>(p + r0 * ldp, ldp, alpha + r0, vp, ldvp, ldv, nk, nvec_o, o + r0 * ldv);
+  with_count<kMR - 1>(rows - r0, [&](auto mr) {
+    out_rows<mr, kLdp>(p + r0 * ldp, ldp, alpha + r0, vp, ldvp, ldv, nk, nvec_o, o + r0 * ldv);
+  });
 }
 
 /// V rows ldvp floats apart: the packed block's ldv, or the caller's V itself (run_group's
-/// v_in_place); O rows ldv apart.
+/// v_in_place); O rows ldv apart; P rows ldp apart (as score_block's lds).
 void out_block(const float* p, const float* alpha, int64_t rows, const float* vp, int64_t ldvp, int64_t ldv, int64_t nk,
-               int64_t nvec_o, float* o) {
-  int64_t r0 = 0;
-  for (; r0 + kMR <= rows; r0 += kMR) out_rows<kMR>(p + r0 * kBk, alpha + r0, vp, ldvp, ldv, nk, nvec_o, o + r0 * ldv);
-  with_count<kMR - 1>(
-      rows - r0, [&](auto mr) { out_rows<mr>(p + r0 * kBk, alpha + r0, vp, ldvp, ldv, nk, nvec_o, o + r0 * ldv); });
+               int64_t nvec_o, float* o, int64_t ldp = kBk) {
+  if (ldp == kBk)
+    out_block_ld<kBk>(p, kBk, alpha, rows, vp, ldvp, ldv, nk, nvec_o, o);
+  else
+    out_block_ld<0>(p, ldp, alpha, rows, vp, ldvp, ldv, nk, nvec_o, o);
 }
 
 // ---- the bf16 dot-product path (AVX3_DL with AVX512_BF16 only) ------------------------------
@@ -791,7 +810,7 @@ MHA_ROWS16 inline __m512 reduce_rows16(const __m512* v, Op op) {
 /// probabilities: kPairs, as bf16 pairs into p2 (rows ≥ nq zero); else as float32 over s.
 template <bool kPairs>
 MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m,
-                                            float* l, float* alpha, uint32_t* p2) {
+                                            float* l, float* alpha, uint32_t* p2, int64_t lds) {
   const DF df;
   const int64_t nvec = (nk + 15) / 16;
   const auto vmax_op = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
@@ -808,7 +827,7 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
     __mmask16 any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
     for (int64_t r = n; r < 16; ++r) red[r] = _mm512_setzero_ps();  // (not all 16 first: a memset)
     for (int64_t r = 0; r < n; ++r) {
-      float* row = s + (r0 + r) * kBk;
+      float* row = s + (r0 + r) * lds;
       const VF vm = hn::Set(df, m_use[r]);
       __mmask16 nan = 0;
       __m512 vsum = _mm512_setzero_ps();
@@ -843,13 +862,14 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
     if constexpr (kPairs)
       std::memset(p2 + r * (kBk / 2), 0, sizeof(uint32_t) * static_cast<size_t>(kBk / 2));
     else
-      std::memset(s + r * kBk, 0, sizeof(float) * static_cast<size_t>(kBk));
+      std::memset(s + r * lds, 0, sizeof(float) * static_cast<size_t>(kBk));
     alpha[r] = 0.0f;
   }
 }
 #else
 template <bool kPairs>  // never called: the 16-row softmax is chosen on the AVX-512 targets only
-inline void softmax_rows16(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*) {}
+inline void softmax_rows16(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*,
+                           int64_t) {}
 #endif
 
 // ---- the common online softmax, 8 rows at a time (AVX2) ------------------------------------
@@ -879,7 +899,7 @@ inline __m256 reduce_rows8(const __m256* v, Op op) {
 /// probabilities over s.
 template <bool kPairs>
 HWY_NOINLINE void softmax_rows8(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m, float* l,
-                                float* alpha, uint32_t*) {
+                                float* alpha, uint32_t*, int64_t lds) {
   static_assert(!kPairs, "no bf16 dot products on AVX2");
   const DF df;
   const int64_t nvec = (nk + 7) / 8;
@@ -896,7 +916,7 @@ HWY_NOINLINE void softmax_rows8(int64_t nq, int64_t rows, int64_t nk, float* s, 
     unsigned any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
     for (int64_t r = n; r < 8; ++r) red[r] = _mm256_setzero_ps();
     for (int64_t r = 0; r < n; ++r) {
-      float* row = s + (r0 + r) * kBk;
+      float* row = s + (r0 + r) * lds;
       const VF vm = hn::Set(df, m_use[r]);
       __m256 nan = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
       for (int64_t v = 0; v < nvec; ++v) {
@@ -920,24 +940,25 @@ HWY_NOINLINE void softmax_rows8(int64_t nq, int64_t rows, int64_t nk, float* s, 
   }
   // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
   for (int64_t r = nq; r < rows; ++r) {
-    std::memset(s + r * kBk, 0, sizeof(float) * static_cast<size_t>(kBk));
+    std::memset(s + r * lds, 0, sizeof(float) * static_cast<size_t>(kBk));
     alpha[r] = 0.0f;
   }
 }
 #else
 template <bool kPairs>  // never called: the 8-row softmax is chosen on the AVX2 target only
-inline void softmax_rows8(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*) {}
+inline void softmax_rows8(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*, int64_t) {
+}
 #endif
 
 /// The common online softmax on the target's rows (kFusedSoftmax): 16 at a time on AVX-512, 8 on
 /// AVX2.
 template <bool kPairs>
 inline void softmax_rows(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m, float* l,
-                         float* alpha, uint32_t* p2) {
+                         float* alpha, uint32_t* p2, int64_t lds = kBk) {
   if constexpr (kHaveRows16)
-    softmax_rows16<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2);
+    softmax_rows16<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2, lds);
   else if constexpr (kHaveRows8 && !kPairs)
-    softmax_rows8<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2);
+    softmax_rows8<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2, lds);
 }
 
 /// Row i's scores (nk keys from j0, scaled) with the keys the causal rule hides from it set to
@@ -963,10 +984,10 @@ HWY_INLINE VF cut_causal_row(const CausalRule& causal, int64_t i, int64_t j0, in
 /// and their max vectors (rmax, kMaxLanes floats a row) taken again: softmax_block's causal
 /// pass, so softmax_rows16 then gives that path's bits.
 inline void cut_causal_rows(const CausalRule& causal, int64_t i0, int64_t nq, int64_t j0, int64_t nk, float* s,
-                            float* rmax) {
+                            float* rmax, int64_t lds = kBk) {
   const DF df;
   for (int64_t r = 0; r < nq; ++r)
-    hn::StoreU(cut_causal_row(causal, i0 + r, j0, nk, s + r * kBk), df, rmax + r * kMaxLanes);
+    hn::StoreU(cut_causal_row(causal, i0 + r, j0, nk, s + r * lds), df, rmax + r * kMaxLanes);
 }
 
 // ---- online softmax over one block of scores ------------------------------------------------
@@ -1230,7 +1251,7 @@ void start_weights_one_pass(const Ctx<T>& cx, float* ws) {
 
 /// After block `block_at` ([j0, j0 + nk)) of head hh for the item's rows [r0, r0 + nq), which saw
 /// its first nk_seen keys (a run of RowRun; the rest hidden from them: zeros): s and m are those
-/// rows' P and running max.
+/// rows' P and running max; s null where P was formed in the kept rows already (run_group).
 template <class T>
 void keep_weights_block(const Ctx<T>& cx, float* ws, int64_t hh, int64_t r0, int64_t nq, int64_t j0, int64_t nk_seen,
                         int64_t nk, int64_t block_at, const float* s, const float* m) {
@@ -1240,10 +1261,12 @@ void keep_weights_block(const Ctx<T>& cx, float* ws, int64_t hh, int64_t r0, int
   for (int64_t r = 0; r < nq; ++r) {
     wm[r * cx.L.wblocks] = m[r];
     float* w = one_pass_row(cx, ws, hh, r0 + r) + j0;
-    const float* sr = s + r * kBk;
-    int64_t j = 0;  // at most kBk floats: inline vectors, not a call per row
-    for (; j + N <= nk_seen; j += N) hn::StoreU(hn::LoadU(df, sr + j), df, w + j);
-    for (; j < nk_seen; ++j) w[j] = sr[j];
+    int64_t j = s ? 0 : nk_seen;  // at most kBk floats: inline vectors, not a call per row
+    if (s) {
+      const float* sr = s + r * kBk;
+      for (; j + N <= nk_seen; j += N) hn::StoreU(hn::LoadU(df, sr + j), df, w + j);
+      for (; j < nk_seen; ++j) w[j] = sr[j];
+    }
     for (; j < nk; ++j) w[j] = 0.0f;
   }
 }
@@ -1848,7 +1871,6 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         float* const m = ws + L.m + hh * kRowsPad + r0;
         float* const l = ws + L.l + hh * kRowsPad + r0;
         float* const alpha = ws + L.alpha + r0;
-        float* const sr = s + r0 * kBk;
         uint32_t* const p2r = p2 + r0 * (kBk / 2);
         const uint32_t* const q2r = q2 + (hh * kRowsPad + r0) * ldq2;
         // The common case on AVX-512 scales, masks and takes the rows' maxima as it scores, and
@@ -1858,6 +1880,13 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         const bool rows16 =
             kFusedSoftmax && !cx.weights_two_pass && !cx.edit_scores && !per_element_masks && !p.dropout.active();
         float* const rmax = rows16 ? ws + L.rmax + r0 * kMaxLanes : nullptr;
+        // One-pass weights on that path (float32): the scores go straight into the rows the
+        // weights are kept in (ldw apart), and P stays there for the products, instead of being
+        // copied there after the softmax (keep_weights_block). Only where the block's whole
+        // vectors end within the row.
+        const bool p_in_weights = kF32 && rows16 && cx.weights_one_pass && j0 + round_up(nk, kMaxLanes) <= L.ldw;
+        const int64_t lds = p_in_weights ? L.ldw : kBk;
+        float* const sr = p_in_weights ? one_pass_row(cx, ws, hh, r0) + j0 : s + r0 * kBk;
         if constexpr (kDot) {
           (cx.amx ? score_block_amx : score_block_dp)(
               q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use, rmax);
@@ -1865,11 +1894,11 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         } else {
           for (int64_t c0 = 0; c0 < rows_run; c0 += chunk_rows) {
             score_block(q_head(hh) + (r0 + c0) * ldq_use, ldq_use, std::min(chunk_rows, rows_run - c0), D, kt_use, nvec,
-                        sr + c0 * kBk, p.scale, kb_use, rmax ? rmax + c0 * kMaxLanes : nullptr);
+                        sr + c0 * lds, p.scale, kb_use, rmax ? rmax + c0 * kMaxLanes : nullptr, lds);
             drip();
           }
         }
-        if (rows16 && partial) cut_causal_rows(cx.causal, i0 + r0, nq_run, j0, nk_run, sr, rmax);
+        if (rows16 && partial) cut_causal_rows(cx.causal, i0 + r0, nq_run, j0, nk_run, sr, rmax, lds);
         if (cx.weights_two_pass) {
           // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
           std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
@@ -1877,7 +1906,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
           write_weights(cx, b, h, i0, nq, j0, nk, l, s);
           if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
         } else if (rows16 && !(kDot && cx.weights_one_pass)) {
-          softmax_rows<kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+          softmax_rows<kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r, lds);
         } else if (rows16) {
           // One-pass weights keep P as float32; its bf16 pairs are then the words that
           // softmax_rows16<true> writes.
@@ -1888,7 +1917,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
                         alpha);
           if constexpr (kDot) to_bf16_pairs(sr, rows_run, nk_run, p2r);
         }
-        if (cx.weights_one_pass) keep_weights_block(cx, ws, hh, r0, nq_run, j0, nk_run, nk, block_at, sr, m);
+        if (cx.weights_one_pass)
+          keep_weights_block(cx, ws, hh, r0, nq_run, j0, nk_run, nk, block_at, p_in_weights ? nullptr : sr, m);
         if constexpr (kDot) {
           if (cx.amx)
             out_block_amx(p2r, alpha, rows_run, reinterpret_cast<const uint32_t*>(vp_use), ldv, nk_run, nvec_o, oh,
@@ -1898,8 +1928,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
           drip();
         } else
           for (int64_t c0 = 0; c0 < rows_run; c0 += chunk_rows) {
-            out_block(sr + c0 * kBk, alpha + c0, std::min(chunk_rows, rows_run - c0), vp_use, ldvp, ldv, nk_run, nvec_o,
-                      oh + c0 * ldv);
+            out_block(sr + c0 * lds, alpha + c0, std::min(chunk_rows, rows_run - c0), vp_use, ldvp, ldv, nk_run, nvec_o,
+                      oh + c0 * ldv, lds);
             drip();
           }
       }
