@@ -11,10 +11,13 @@
 // of its group, and per head a running max m, running sum l and an output accumulator O
 // (kBq × d_v, float32) in the thread's scratch. It walks the keys in blocks of kBk = 64. Each
 // K/V block is packed — K transposed (d × kBk) so that S = Q·Kᵀ loads contiguous key vectors,
-// V as contiguous rows (kBk × d_v) — and then used by all `group` query heads. From 1024
-// queries on (PrepackPlan) the whole call's K/V is packed once, before the items, into the shared
-// workspace (the size of K and V: memory stays linear in T) and every item reads it; with fewer
-// (and for packed batches) each item packs the blocks it uses into its own scratch.
+// V as contiguous rows (kBk × d_v) — and then used by all `group` query heads. With 2 query
+// blocks or more, each thread keeps the blocks it packed for its last (batch, kv-head), up to
+// 1 MiB, and its next items of that pair read them (keeps_packed_blocks; a pair's items are
+// claimed together). Beyond that, from 1024 queries on (PrepackPlan) the whole call's K/V is
+// packed once, before the items, into the shared workspace (the size of K and V: memory stays
+// linear in T) and every item reads it; otherwise (and for packed batches) each item packs the
+// blocks it uses into its own scratch.
 // For each head: S (kBq × kBk, 32 KiB, stays in L1/L2) = scale·Q·Kᵀ + masks; online softmax
 // (m' = max(m, rowmax S), P = exp(S − m'), l = l·e^{m−m'} + ΣP); O = e^{m−m'}·O + P·V. Both
 // products are register-blocked micro-GEMMs (kMR rows × kNV vectors of accumulators). So K and V
@@ -32,7 +35,8 @@
 // nothing when off: softcap and ALiBi take a second vector loop over S (a vector tanh; ALiBi's distances from an iota),
 // and a sink enters only the final normalisation of each row (m, l and O rescaled once). Attention weights come from
 // the same single pass over the keys: each block's probabilities are kept with the running max they were taken against
-// and normalised once when the item ends (finish_weights_one_pass). Only where the thread's scratch for that would
+// (on the common path formed right in the rows that keep them) and normalised once when the item ends
+// (finish_weights_one_pass). Only where the thread's scratch for that would
 // exceed kOnePassWeightsMaxBytes (T_k·group > 32768) do weights take the older two passes, the scores computed twice.
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
