@@ -425,6 +425,22 @@ Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {
   return run(part, Backend::Fused);
 }
 
+/// Whether `part` (rows_alone from row i0) has the bits of those rows of `whole`, out and lse.
+::testing::AssertionResult same_bits_as_rows_alone(const Case& c, const Result& whole, int64_t i0, const Result& part) {
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < part.out.size(2); ++i) {
+        for (int64_t x = 0; x < c.Dv; ++x)
+          if (std::bit_cast<uint32_t>(part.out.view4()(b, h, i, x)) !=
+              std::bit_cast<uint32_t>(whole.out.view4()(b, h, i0 + i, x)))
+            return ::testing::AssertionFailure() << "out: b " << b << " h " << h << " row " << i0 + i << " x " << x;
+        if (std::bit_cast<uint32_t>(part.lse.view4()(b, h, i, 0)) !=
+            std::bit_cast<uint32_t>(whole.lse.view4()(b, h, i0 + i, 0)))
+          return ::testing::AssertionFailure() << "lse: b " << b << " h " << h << " row " << i0 + i;
+      }
+  return ::testing::AssertionSuccess();
+}
+
 // From 8 query blocks (1024 queries) on the kernel packs each K/V block once per call
 // (prepacked) and every item reads it, unless a thread's kept blocks hold them (up to 1 MiB: here
 // d = 12 and 1099 keys); a single block packs per item. Each must give the same bits, including a
@@ -445,16 +461,7 @@ TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
         for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
           const int64_t n = std::min(kQBlock, c.Tq - i0);
           const Result part = rows_alone(c, i0, n, causal ? Causal::with_offset(offset + i0) : Causal::none());
-          for (int64_t b = 0; b < c.B; ++b)
-            for (int64_t h = 0; h < c.H; ++h)
-              for (int64_t i = 0; i < n; ++i) {
-                for (int64_t x = 0; x < c.Dv; ++x)
-                  ASSERT_EQ(std::bit_cast<uint32_t>(part.out.view4()(b, h, i, x)),
-                            std::bit_cast<uint32_t>(whole.out.view4()(b, h, i0 + i, x)))
-                      << "causal " << causal << " d " << d << " b " << b << " h " << h << " row " << i0 + i;
-                ASSERT_EQ(std::bit_cast<uint32_t>(part.lse.view4()(b, h, i, 0)),
-                          std::bit_cast<uint32_t>(whole.lse.view4()(b, h, i0 + i, 0)));
-              }
+          ASSERT_TRUE(same_bits_as_rows_alone(c, whole, i0, part)) << "causal " << causal << " d " << d;
         }
       });
     }
@@ -500,19 +507,9 @@ TEST(FusedForward, KeptKeyBlocksGiveTheSameBitsAsPerItemPacking) {
       }
       for (int threads : {1, 2, 3}) {
         const Result whole = run(c, Backend::Fused, threads);
-        for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
-          const Result& part = parts[static_cast<size_t>(i0 / kQBlock)];
-          for (int64_t b = 0; b < c.B; ++b)
-            for (int64_t h = 0; h < c.H; ++h)
-              for (int64_t i = 0; i < part.out.size(2); ++i) {
-                for (int64_t x = 0; x < c.Dv; ++x)
-                  ASSERT_EQ(std::bit_cast<uint32_t>(part.out.view4()(b, h, i, x)),
-                            std::bit_cast<uint32_t>(whole.out.view4()(b, h, i0 + i, x)))
-                      << threads << " threads, b " << b << " h " << h << " row " << i0 + i;
-                ASSERT_EQ(std::bit_cast<uint32_t>(part.lse.view4()(b, h, i, 0)),
-                          std::bit_cast<uint32_t>(whole.lse.view4()(b, h, i0 + i, 0)));
-              }
-        }
+        for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock)
+          ASSERT_TRUE(same_bits_as_rows_alone(c, whole, i0, parts[static_cast<size_t>(i0 / kQBlock)]))
+              << threads << " threads";
       }
     });
   }

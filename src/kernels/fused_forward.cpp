@@ -153,7 +153,6 @@ inline int64_t row_runs(const CausalRule& causal, int64_t i0, int64_t nq, int64_
   return n;
 }
 
-/// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
 /// One packed K/V block (offsets in floats): K transposed (ldq × kBk), V (kBk rows of ldv) and
 /// the key-only masks (kBk), as one thread's scratch holds them when an item packs for itself.
 struct PackedBlockLayout {
@@ -186,6 +185,7 @@ inline bool keeps_packed_blocks(const SdpaParams& p, int64_t block_floats) {
          blocks * block_floats * static_cast<int64_t>(sizeof(float)) <= kKeptBlocksMaxBytes;
 }
 
+/// Where one thread's scratch regions lie (offsets in floats, each region 64-byte aligned).
 struct ScratchPlan {
   int64_t q = 0, kt = 0, v = 0, s = 0, p2 = 0, rmax = 0, o = 0, m = 0, l = 0, alpha = 0, kb = 0, l2 = 0, total = 0;
   int64_t ldq = 0;    // floats between Q rows (d rounded to even)
@@ -261,10 +261,10 @@ inline int64_t varlen_items(const SdpaParams& p) {
 /// packing (its key blocks start at each sequence's own offset).
 struct PrepackPlan {
   bool used = false;
-  int64_t blocks = 0;                         // key blocks per (batch, kv-head)
-  int64_t kt = 0, v = 0, kb = 0, stride = 0;  // offsets within one block, floats per block
+  int64_t blocks = 0;        // key blocks per (batch, kv-head)
+  PackedBlockLayout layout;  // one block's, as a thread's kept blocks have it
 
-  int64_t total(const SdpaParams& p) const { return used ? p.batch() * p.kv_heads() * blocks * stride : 0; }
+  int64_t total(const SdpaParams& p) const { return used ? p.batch() * p.kv_heads() * blocks * layout.stride : 0; }
 };
 
 inline PrepackPlan prepack_plan(const SdpaParams& p) {
@@ -286,10 +286,7 @@ inline PrepackPlan prepack_plan(const SdpaParams& p) {
   P.used = !p.varlen.defined() && p.t_q() >= kPrepackMinQueries && p.t_k() > 0 && L.kept_blocks == 0;
   if (!P.used) return P;
   P.blocks = (p.t_k() + kBk - 1) / kBk;
-  P.kt = L.kept_layout.kt;
-  P.v = L.kept_layout.v;
-  P.kb = L.kept_layout.kb;
-  P.stride = L.kept_layout.stride;
+  P.layout = L.kept_layout;
   return P;
 }
 
@@ -1736,6 +1733,40 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     next_block.step(block_step);
     next_item.step(item_step);
   };
+  // A packed block of layout K in use: its K, V and masks; a block whose first nk keys alone this
+  // item may see gets its masks copied with the other lanes −inf.
+  const auto use_packed = [&](const float* block, const PackedBlockLayout& K, int64_t nk, int64_t width) {
+    kt_use = block + K.kt;
+    vp_use = block + K.v;
+    kb_use = block + K.kb;
+    if (nk < width) {
+      std::copy(kb_use, kb_use + nk, kb);
+      std::fill(kb + nk, kb + kBk, kNegInf);
+      kb_use = kb;
+    }
+  };
+  const auto use_v_in_place = [&](int64_t j0) {
+    if constexpr (kF32) {
+      if (v_in_place) vp_use = cx.v.row(b, g, j0), ldvp = cx.v.stride[2];
+    }
+  };
+  // Asks for the next K/V block (unless `needed` is false: kept already), a few lines between the
+  // tiles of this block's products: packing reads it from L3 or memory. (A prefetch reads no
+  // value; padded rows stay unread. V read in place next to kept blocks lies in back-to-back rows,
+  // which the hardware streams by itself.)
+  const auto ask_next_block = [&](int64_t j0, bool with_v, bool needed) {
+    next_block.finish();  // what the last block's tiles left (a run that skipped tiles)
+    if (needed && j0 + kBk < j_end) {
+      constexpr int64_t kT = sizeof(T);
+      const int64_t n_next = std::min(kBk, j_end - j0 - kBk);
+      next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
+      if (with_v)
+        next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
+      else
+        next_block.finish();  // the first of two weights passes: no tiles to spread them over
+    }
+    block_step = (next_block.lines() + block_steps - 1) / block_steps;
+  };
   const auto pack_block = [&](int64_t j0, int64_t nk, bool with_v) {
     ldvp = ldv;
     const int64_t width = std::min(kBk, Tk - j0);
@@ -1748,70 +1779,29 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       auto* const tag = reinterpret_cast<int64_t*>(ws + L.kept_tag);
       const int64_t pair = b * p.kv_heads() + g, slot = j0 / kBk;
       if (tag[0] != pair) tag[0] = pair, tag[1] = 0;
-      const auto have = [&](int64_t at) { return (static_cast<uint64_t>(tag[1]) >> at) & 1u; };
+      const auto have = [&](int64_t at) { return at < L.kept_blocks && ((static_cast<uint64_t>(tag[1]) >> at) & 1u); };
       const PackedBlockLayout& K = L.kept_layout;
       float* const block = ws + L.kept + slot * K.stride;
       if (!have(slot)) {
         pack_kv_block<T, kDot>(cx, b, g, j0, width, !v_in_place, block + K.kt, block + K.v, block + K.kb);
         tag[1] = static_cast<int64_t>(static_cast<uint64_t>(tag[1]) | (uint64_t{1} << slot));
       }
-      kt_use = block + K.kt;
-      vp_use = block + K.v;
-      kb_use = block + K.kb;
-      if constexpr (kF32) {
-        if (v_in_place) vp_use = cx.v.row(b, g, j0), ldvp = cx.v.stride[2];
-      }
-      if (nk < width) {
-        std::copy(kb_use, kb_use + nk, kb);
-        std::fill(kb + nk, kb + kBk, kNegInf);
-        kb_use = kb;
-      }
-      // The next block's rows, K and V, when it is still to be packed. (V read in place lies in
-      // back-to-back rows here, which the hardware streams by itself.)
-      next_block.finish();
-      if (j0 + kBk < j_end) {
-        constexpr int64_t kT = sizeof(T);
-        const int64_t n_next = std::min(kBk, j_end - j0 - kBk);
-        if (!(slot + 1 < L.kept_blocks && have(slot + 1))) {
-          next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
-          if (with_v) next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
-        }
-      }
-      block_step = (next_block.lines() + block_steps - 1) / block_steps;
+      use_packed(block, K, nk, width);
+      use_v_in_place(j0);
+      ask_next_block(j0, with_v, !have(slot + 1));
       return;
     }
     if (cx.prepacked && whole_block) {
-      const float* block = cx.prepacked + ((b * p.kv_heads() + g) * cx.prepack.blocks + j0 / kBk) * cx.prepack.stride;
-      kt_use = block + cx.prepack.kt;
-      vp_use = block + cx.prepack.v;
-      kb_use = block + cx.prepack.kb;
-      if (nk < width) {
-        std::copy(kb_use, kb_use + nk, kb);
-        std::fill(kb + nk, kb + kBk, kNegInf);
-        kb_use = kb;
-      }
+      const PackedBlockLayout& K = cx.prepack.layout;
+      use_packed(cx.prepacked + ((b * p.kv_heads() + g) * cx.prepack.blocks + j0 / kBk) * K.stride, K, nk, width);
       return;
     }
     pack_kv_block<T, kDot>(cx, b, g, j0, nk, with_v && !v_in_place, kt, vp, kb);
     kt_use = kt;
     vp_use = vp;
     kb_use = kb;
-    if constexpr (kF32) {
-      if (v_in_place) vp_use = cx.v.row(b, g, j0), ldvp = cx.v.stride[2];
-    }
-    // Ask for the next K/V block now, a few lines between the tiles of this block's products:
-    // packing reads it from L3 or memory. (A prefetch reads no value; padded rows stay unread.)
-    next_block.finish();  // what the last block's tiles left (a run that skipped tiles)
-    if (j0 + kBk < j_end) {
-      constexpr int64_t kT = sizeof(T);
-      const int64_t n_next = std::min(kBk, j_end - j0 - kBk);
-      next_block.add(cx.k.row(b, g, j0 + kBk), cx.k.stride[2] * kT, n_next, 0, 1, D * ks * kT);
-      if (with_v)
-        next_block.add(cx.v.row(b, g, j0 + kBk), cx.v.stride[2] * kT, n_next, 0, 1, Dv * vs * kT);
-      else
-        next_block.finish();  // the first of two weights passes: no tiles to spread them over
-    }
-    block_step = (next_block.lines() + block_steps - 1) / block_steps;
+    use_v_in_place(j0);
+    ask_next_block(j0, with_v, true);
   };
 
   if (cx.amx) amx::configure();  // this thread's tiles, for the products of this item
@@ -2151,10 +2141,11 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
 #pragma omp for schedule(static) nowait
       for (int64_t at = 0; at < packs; ++at) {
         const int64_t j0 = (at % blocks) * kBk, b = at / (KV * blocks), g = (at / blocks) % KV;
-        float* block = packed + at * cx.prepack.stride;
+        const PackedBlockLayout& K = cx.prepack.layout;
+        float* block = packed + at * K.stride;
         with_dot<T>(dot, [&](auto kDot) {
-          pack_kv_block<T, decltype(kDot)::value>(cx, b, g, j0, std::min(kBk, Tk - j0), true, block + cx.prepack.kt,
-                                                  block + cx.prepack.v, block + cx.prepack.kb);
+          pack_kv_block<T, decltype(kDot)::value>(cx, b, g, j0, std::min(kBk, Tk - j0), true, block + K.kt, block + K.v,
+                                                  block + K.kb);
         });
       }
       busy.pause();
