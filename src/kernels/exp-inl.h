@@ -19,6 +19,18 @@ namespace hn = hwy::HWY_NAMESPACE;
 /// 1.5·2²³: added to a float t with |t| < 2²², the sum is the nearest integer to t plus this.
 constexpr float kRoundMagic = 12582912.0f;
 
+/// 2^f for |f| ≤ ½: the degree-6 Taylor polynomial of e^(f·ln 2), Horner's rule.
+template <class DF, class VF = hn::Vec<DF>>
+HWY_INLINE VF poly_exp2(DF df, VF f) {
+  VF p = hn::Set(df, 1.5403530393381606e-4f);
+  p = hn::MulAdd(p, f, hn::Set(df, 1.3333558146428443e-3f));
+  p = hn::MulAdd(p, f, hn::Set(df, 9.6181291076284772e-3f));
+  p = hn::MulAdd(p, f, hn::Set(df, 5.5504108664821580e-2f));
+  p = hn::MulAdd(p, f, hn::Set(df, 0.24022650695910071f));
+  p = hn::MulAdd(p, f, hn::Set(df, 0.69314718055994531f));
+  return hn::MulAdd(p, f, hn::Set(df, 1.0f));
+}
+
 /// exp(x) for the arguments a softmax forms, x = s − max ≤ 0 (or s − lse, which rounding can
 /// push a few ulp above 0; anything up to 88 is fine). Exactly 0 below −87 and for −inf (masked
 /// scores), so no caller needs a mask of its own. 2^t = 2^n · 2^f with t = x·log2(e), n = round(t),
@@ -33,6 +45,16 @@ HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   // vscalefps below takes any n, and every x < −87 (t < −125.5, −inf and NaN too) is zeroed at
   // the end: the clamp that keeps 2ⁿ's exponent bits in range elsewhere changes no result here.
   const VF t = hn::MaxLanes(df) == 16 ? t0 : hn::Max(t0, hn::Set(df, -126.0f));
+  if constexpr (hn::MaxLanes(DF()) == 16) {
+    // vreduceps gives f = t − round(t) exactly in one instruction (vrndscaleps is two on Intel
+    // cores), and t − f is round(t) exactly: the n and f of the general path below. vscalefps then
+    // forms p·2ⁿ in one instruction instead of building 2ⁿ's bits (convert, add, shift, multiply):
+    // n is an integer ≥ −126, so both round the same exact product once. The same bits. (±inf
+    // gives f = 0, NaN gives NaN: such lanes are < −87 or NaN, zeroed at the end.)
+    const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+    const VF n = hn::Sub(t, f);
+    return hn::IfThenElseZero(hn::Ge(x, hn::Set(df, -87.0f)), VF{_mm512_scalef_ps(poly_exp2(df, f).raw, n.raw)});
+  }
   const VF n = hn::Round(t);
 #else
   const VF t = hn::Max(t0, hn::Set(df, -126.0f));
@@ -45,19 +67,8 @@ HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   const VF n = hn::Sub(n_magic, hn::Set(df, kRoundMagic));
 #endif
   const VF f = hn::Sub(t, n);
-  VF p = hn::Set(df, 1.5403530393381606e-4f);
-  p = hn::MulAdd(p, f, hn::Set(df, 1.3333558146428443e-3f));
-  p = hn::MulAdd(p, f, hn::Set(df, 9.6181291076284772e-3f));
-  p = hn::MulAdd(p, f, hn::Set(df, 5.5504108664821580e-2f));
-  p = hn::MulAdd(p, f, hn::Set(df, 0.24022650695910071f));
-  p = hn::MulAdd(p, f, hn::Set(df, 0.69314718055994531f));
-  p = hn::MulAdd(p, f, hn::Set(df, 1.0f));
+  const VF p = poly_exp2(df, f);
   const auto visible = hn::Ge(x, hn::Set(df, -87.0f));
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  // vscalefps forms p·2ⁿ in one instruction instead of building 2ⁿ's bits (convert, add, shift,
-  // multiply): n is an integer ≥ −126, so both round the same exact product once: the same bits.
-  if constexpr (hn::MaxLanes(DF()) == 16) return hn::IfThenElseZero(visible, VF{_mm512_scalef_ps(p.raw, n.raw)});
-#endif
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   const auto scale_bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
 #else
