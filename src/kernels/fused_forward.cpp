@@ -433,7 +433,7 @@ using kernels::HWY_NAMESPACE::exp_nonpositive;
 // `first` false, folded into the max of the row's earlier tiles there): softmax_block's first
 // pass, the same operations (so the same bits: a max is exact, whatever its order), while S is
 // in registers.
-template <int MR, int NV, bool kScaled>
+template <int MR, int NV, bool kScaled, bool kHidden = true>
 HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT kt, int64_t d,
                            float* HWY_RESTRICT s, int64_t lds, float scale, const float* kb, float* rmax,
                            bool first = true) {
@@ -459,7 +459,8 @@ HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float
       VF vmax = first ? vneg_inf : hn::LoadU(df, rmax + r * kMaxLanes);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        const VF x = hn::IfThenElse(hn::Eq(kbv[v], vneg_inf), kbv[v], hn::MulAdd(acc[r][v], vscale, kbv[v]));
+        const VF scaled = hn::MulAdd(acc[r][v], vscale, kbv[v]);
+        const VF x = kHidden ? hn::IfThenElse(hn::Eq(kbv[v], vneg_inf), kbv[v], scaled) : scaled;
         vmax = hn::Max(vmax, x);
         hn::StoreU(x, df, s + r * lds + v * N);
       }
@@ -472,42 +473,54 @@ HWY_INLINE void score_tile(const float* HWY_RESTRICT q, int64_t ldq, const float
 }
 
 // MR rows of S: tiles of kNV vectors, then the last `nvec % kNV` vectors.
-template <int MR, bool kScaled>
+template <int MR, bool kScaled, bool kHidden>
 HWY_INLINE void score_rows(const float* q, int64_t ldq, int64_t d, const float* kt, int64_t nvec, float* s, int64_t lds,
                            float scale, const float* kb, float* rmax) {
   const int64_t N = lanes();
   int64_t v0 = 0;
   // (kb is null unless kScaled: no offset is formed from it then.)
   for (; v0 + kNV <= nvec; v0 += kNV)
-    score_tile<MR, kNV, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, lds, scale, kScaled ? kb + v0 * N : kb, rmax,
-                                 v0 == 0);
+    score_tile<MR, kNV, kScaled, kHidden>(q, ldq, kt + v0 * N, d, s + v0 * N, lds, scale, kScaled ? kb + v0 * N : kb,
+                                          rmax, v0 == 0);
   with_count<kNV - 1>(nvec - v0, [&](auto nv) {
-    score_tile<MR, nv, kScaled>(q, ldq, kt + v0 * N, d, s + v0 * N, lds, scale, kScaled ? kb + v0 * N : kb, rmax,
-                                v0 == 0);
+    score_tile<MR, nv, kScaled, kHidden>(q, ldq, kt + v0 * N, d, s + v0 * N, lds, scale, kScaled ? kb + v0 * N : kb,
+                                         rmax, v0 == 0);
   });
 }
 
 // Rows are not padded to a multiple of kMR: the last rows % kMR form a smaller tile (at kBq = 128
 // and kMR = 6, padding would compute 132 rows, 3% of the products for nothing). With rmax (only
 // where kNV vectors span a block), scaled and with the rows' max vectors, as score_tile says.
-template <bool kScaled>
+template <bool kScaled, bool kHidden = true>
 void score_block_t(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
                    int64_t lds, float scale, const float* kb, float* rmax) {
   // Row r0's max vectors; null without kScaled (no offset is formed from a null pointer).
   const auto row_max = [&](int64_t r) { return kScaled ? rmax + r * kMaxLanes : rmax; };
   int64_t r0 = 0;
   for (; r0 + kMR <= rows; r0 += kMR)
-    score_rows<kMR, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * lds, lds, scale, kb, row_max(r0));
+    score_rows<kMR, kScaled, kHidden>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * lds, lds, scale, kb, row_max(r0));
   with_count<kMR - 1>(rows - r0, [&](auto mr) {
-    score_rows<mr, kScaled>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * lds, lds, scale, kb, row_max(r0));
+    score_rows<mr, kScaled, kHidden>(q + r0 * ldq, ldq, d, kt, nvec, s + r0 * lds, lds, scale, kb, row_max(r0));
   });
 }
 
+/// Whether a block's key terms kb (n floats) mark a key as never read (−inf). Scalar, as
+/// softmax_block's own test (a Highway mask there miscompiled under GCC 12).
+inline bool has_hidden_keys(const float* kb, int64_t n) {
+  bool any = false;
+  for (int64_t j = 0; j < n; ++j) any |= kb[j] == kNegInf;
+  return any;
+}
+
 /// S rows lds floats apart: kBk in the thread's scratch, or the one-pass weights' rows (run_group).
+/// kb_hidden: whether kb holds a −inf in its nvec vectors (has_hidden_keys); without one, the
+/// tiles skip the select that keeps such scores −inf (the same values: 3% of a B=64, T=256 call).
 void score_block(const float* q, int64_t ldq, int64_t rows, int64_t d, const float* kt, int64_t nvec, float* s,
-                 float scale = 0.0f, const float* kb = nullptr, float* rmax = nullptr, int64_t lds = kBk) {
+                 float scale = 0.0f, const float* kb = nullptr, float* rmax = nullptr, int64_t lds = kBk,
+                 bool kb_hidden = true) {
   if constexpr (kFusedSoftmax) {
-    if (rmax) return score_block_t<true>(q, ldq, rows, d, kt, nvec, s, lds, scale, kb, rmax);
+    if (rmax && kb_hidden) return score_block_t<true>(q, ldq, rows, d, kt, nvec, s, lds, scale, kb, rmax);
+    if (rmax) return score_block_t<true, false>(q, ldq, rows, d, kt, nvec, s, lds, scale, kb, rmax);
   }
   score_block_t<false>(q, ldq, rows, d, kt, nvec, s, lds, scale, kb, rmax);
 }
@@ -846,11 +859,13 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
     for (int64_t r = 0; r < n; ++r) {
       float* row = s + (r0 + r) * lds;
       const VF vm = hn::Set(df, m_use[r]);
-      __mmask16 nan = 0;
+      // Lanes whose scores were all ordered so far: one masked compare a vector (a compare, a
+      // move to a general register and an or per vector were 1.5% of a B=64, T=256 call).
+      __mmask16 ordered = 0xFFFF;
       __m512 vsum = _mm512_setzero_ps();
       const auto prob = [&](int64_t v) {
         const __m512 x = _mm512_loadu_ps(row + v * 16);
-        nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q));
+        ordered = _mm512_mask_cmp_ps_mask(ordered, x, x, _CMP_ORD_Q);
         const __m512 e = exp_nonpositive(df, hn::Sub(VF{x}, vm)).raw;
         vsum = _mm512_add_ps(vsum, e);
         return e;
@@ -866,7 +881,7 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
         for (int64_t v = 0; v < nvec; ++v) _mm512_storeu_ps(row + v * 16, prob(v));
       }
       red[r] = vsum;
-      if (nan) any_nan = static_cast<__mmask16>(any_nan | (1u << r));
+      if (ordered != 0xFFFF) any_nan = static_cast<__mmask16>(any_nan | (1u << r));
     }
     // l·alpha rounded before the sum is added, as softmax_block's scalar l·alpha + sum (no FMA).
     const __m512 la = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(live, l + r0), _mm512_maskz_loadu_ps(live, alpha + r0),
@@ -1902,9 +1917,10 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
               q2r, ldq2, rows_run, d2, reinterpret_cast<const uint32_t*>(kt_use), nvec, sr, p.scale, kb_use, rmax);
           drip();
         } else {
+          const bool kb_hidden = !rmax || has_hidden_keys(kb_use, nvec * N);
           for (int64_t c0 = 0; c0 < rows_run; c0 += chunk_rows) {
             score_block(q_head(hh) + (r0 + c0) * ldq_use, ldq_use, std::min(chunk_rows, rows_run - c0), D, kt_use, nvec,
-                        sr + c0 * lds, p.scale, kb_use, rmax ? rmax + c0 * kMaxLanes : nullptr, lds);
+                        sr + c0 * lds, p.scale, kb_use, rmax ? rmax + c0 * kMaxLanes : nullptr, lds, kb_hidden);
             drip();
           }
         }
