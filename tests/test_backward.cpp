@@ -512,9 +512,10 @@ bool same_bits(View4<float> got, const Tensor& want) {
 }
 
 // The fused backward copies Q, dO and K rows that are not dense (a few KiB apart, they thrash a
-// handful of cache sets) before its products, Q and dO once per call: the gradients must keep the
-// contiguous call's bits, for whole-vector and padded head dims, causal and masked blocks, with
-// the outputs strided too, in the three work schemes (at B=2, h=4, kv=2: 1 thread an item per
+// handful of cache sets) before its products, Q and dO once per call, and accumulates a strided
+// dQ in dense rows that it copies out at the end: the gradients must keep the contiguous call's
+// bits, for whole-vector and padded head dims, causal and masked blocks, with the outputs strided
+// too, in the three work schemes (at B=2, h=4, kv=2: 1 thread an item per
 // (batch, kv-head), 3 threads per (batch, query head), 5 threads per key block and then dQ per
 // query block).
 TEST(SdpaBackwardFused, InterleavedHeadRowsGiveTheBitsOfContiguousOnes) {
@@ -539,6 +540,8 @@ TEST(SdpaBackwardFused, InterleavedHeadRowsGiveTheBitsOfContiguousOnes) {
       for (int threads : {1, 3, 5}) {
         SCOPED_TRACE(::testing::Message() << threads << " threads");
         opt.threads = threads;
+        for (std::vector<float>* g : {&dq, &dk, &dv})
+          std::fill(g->begin(), g->end(), std::numeric_limits<float>::quiet_NaN());  // every row written
         sdpa_backward(View4<const float>(qv), View4<const float>(kv), View4<const float>(vv), View4<const float>(ov),
                       View4<const float>(dov),
                       View4<const float>{fwd.lse.data(), {c.B, c.H, c.Tq, 1}, {c.H * c.Tq, c.Tq, 1, 1}}, opt, grads);

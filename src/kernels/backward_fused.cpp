@@ -113,6 +113,21 @@ inline bool dense_rows(const SdpaBackwardParams& p) {
   return p.fwd.q.stride[2] != p.fwd.q.shape[3] || p.dout.stride[2] != p.dout.shape[3];
 }
 
+/// Whether dQ is accumulated in dense rows of the workspace (Shared) and copied out at the end:
+/// when its rows lie further apart than their length (a module's (N, E) head gradients). A key
+/// block's item walks every query block of the head, whose dQ rows (1 MiB at T = 4096, d = 64)
+/// do not stay in L2; rows 2 KiB apart defeat the hardware's prefetcher, and asking for them
+/// ahead (a query block's 256 lines in five bursts) stalled the core on full line-fill buffers.
+/// Dense rows stream by themselves: a module's training step at T = 4096 (Intel Xeon, 1 / 2
+/// threads) 933 / 497 → 875 / 458 ms, for an 8 MiB zero-fill and copy.
+inline bool dense_dq(const SdpaBackwardParams& p) { return p.dq.stride[2] != p.dq.shape[3]; }
+
+/// Which of the call's rows the workspace holds dense copies of.
+struct DenseCopies {
+  bool q_dout = false, dq = false;
+};
+inline DenseCopies dense_copies(const SdpaBackwardParams& p) { return {dense_rows(p), dense_dq(p)}; }
+
 /// How the work is split between threads (every scheme gives the same bits: see the top of the file).
 /// - PerKvHead: an item per (batch, kv-head) walks its key blocks in order, dQ added directly
 ///   (5 products per block); when B·kv offers enough items.
@@ -133,21 +148,23 @@ inline Scheme scheme_for(const SdpaParams& f) {
 /// Where the shared part of the workspace lies (offsets in floats): D = rowsum(dO ∘ O) for every
 /// (batch, head, query); with dense_rows, Q and dO of every (batch, head, query) in rows of
 /// ldk / ldv floats, zero past d / d_v (the layout whole_vectors gives a block's rows); with
-/// Scheme::PerHead, each (batch, query head)'s share of dK and dV, (B, h, T_k) rows of ldk / ldv.
+/// Scheme::PerHead, each (batch, query head)'s share of dK and dV, (B, h, T_k) rows of ldk / ldv;
+/// with dense_dq, dQ of every (batch, head, query) in rows of ldk floats.
 struct Shared {
-  int64_t rowdot = 0, q = 0, dout = 0, dk_heads = 0, dv_heads = 0, total = 0;
+  int64_t rowdot = 0, q = 0, dout = 0, dk_heads = 0, dv_heads = 0, dq = 0, total = 0;
 };
-inline Shared shared_for(const SdpaParams& f, bool dense) {
+inline Shared shared_for(const SdpaParams& f, DenseCopies dense) {
   Shared S;
   ScratchCarver c;
   const int64_t rows = f.batch() * f.heads() * f.t_q(), ldk = round_up(f.d(), kMaxLanes),
                 ldv = round_up(f.d_v(), kMaxLanes);
   const int64_t key_rows = scheme_for(f) == Scheme::PerHead ? f.batch() * f.heads() * f.t_k() : 0;
   S.rowdot = c.take(rows);
-  S.q = c.take(dense ? rows * ldk : 0);
-  S.dout = c.take(dense ? rows * ldv : 0);
+  S.q = c.take(dense.q_dout ? rows * ldk : 0);
+  S.dout = c.take(dense.q_dout ? rows * ldv : 0);
   S.dk_heads = c.take(key_rows * ldk);
   S.dv_heads = c.take(key_rows * ldv);
+  S.dq = c.take(dense.dq ? rows * ldk : 0);
   S.total = c.total();
   return S;
 }
@@ -158,7 +175,7 @@ inline int64_t head_row(const SdpaParams& f, int64_t b, int64_t h, int64_t rows,
 }
 
 /// The whole workspace: the Shared part, then one Scratch per thread.
-inline WorkspacePlan workspace_plan(const SdpaParams& f, bool dense) {
+inline WorkspacePlan workspace_plan(const SdpaParams& f, DenseCopies dense) {
   return {shared_for(f, dense).total, scratch_for(f).total, std::max(1, f.threads)};
 }
 
@@ -176,6 +193,8 @@ struct Ctx {
   // With dense_rows: Q and dO as (B, h, T_q) rows of L.ldk / L.ldv floats; else null.
   const float* dense_q = nullptr;
   const float* dense_dout = nullptr;
+  // With dense_dq: dQ accumulated as (B, h, T_q) rows of L.ldk floats, copied out at the end; else null.
+  float* dense_dq = nullptr;
   // Scheme::PerHead: each (batch, query head)'s share of dK and dV, (B, h, T_k) rows of L.ldk / L.ldv.
   float* dk_heads = nullptr;
   float* dv_heads = nullptr;
@@ -454,14 +473,8 @@ struct BlockJob {
   int64_t ldkb;
 };
 
-/// The query block whose dQ rows run_block asks for while it works (h < 0: none).
-struct NextRows {
-  int64_t b = 0, h = -1, i0 = 0;
-};
-HWY_INLINE void prefetch_query_block(const Ctx& cx, int64_t b, int64_t h, int64_t i0, int64_t r_begin, int64_t r_end);
-
 HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, float* ws, float* dk_acc, float* dv_acc,
-                            bool want_dq, const NextRows& next = {}) {
+                            bool want_dq) {
   const SdpaBackwardParams& p = *cx.p;
   const SdpaParams& f = p.fwd;
   const int64_t nr = job.i1 - job.i0, nc = job.j1 - job.j0, D = f.d(), Dv = f.d_v();
@@ -479,6 +492,9 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   const float* dout = cx.dense_dout ? cx.dense_dout + row0 * lddo
                                     : whole_vectors(p.dout.row(job.b, job.h, job.i0), p.dout.stride[2], nr, Dv,
                                                     ws + cx.L.dop, cx.L.ldv, &lddo);
+  // dQ rows of the block: the call's dense rows (dense_dq) or the output's.
+  const int64_t lddq = cx.dense_dq ? cx.L.ldk : p.dq.stride[2];
+  float* const dq = cx.dense_dq ? cx.dense_dq + row0 * lddq : p.dq.row(job.b, job.h, job.i0);
   float lse[64];
   for (int64_t r = 0; r < nr; ++r) lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
   // A block that straddles the causal diagonal is computed in groups of kCutRows: each group of
@@ -488,11 +504,6 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   // only the sign of an all-zero sum could differ. A diagonal block thus costs about 5/8 of a
   // whole one (4 groups of 64: 1, 2, 3, 4 quarters of the keys).
   const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
-  // The next block's rows in five parts, one before each product (see prefetch_query_block).
-  const auto ahead = [&](int64_t part) {
-    if (want_dq && next.h >= 0)
-      prefetch_query_block(cx, next.b, next.h, next.i0, cx.br * part / 5, cx.br * (part + 1) / 5);
-  };
   const bool cut = vis == TileVis::Partial && cx.causal.on;
   const int64_t group = cut ? kCutRows : std::max<int64_t>(nr, nc);
   const auto keys_seen = [&](int64_t r0, int64_t r1) {  // keys [0, n) of the block hold all that rows [r0, r1) see
@@ -504,8 +515,6 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
 
   // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd). And
   // forward "out = P̃ V": dP̃ = dO Vᵀ (into pt); its columns left out are 0.
-  ahead(0);
-  ahead(1);
   for (int64_t r0 = 0; r0 < nr; r0 += group) {
     const int64_t r1 = std::min(nr, r0 + group), n = std::min(cols, round_up(keys_seen(r0, r1), N));
     block_gemm({q + r0 * ldq, ldq, 1, job.kt, kBc, s + r0 * kBc, kBc}, r1 - r0, n, D, f.scale, false);
@@ -572,7 +581,6 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     p_used = s;
   }
   // dV_j += P̃ᵀ dO_i.
-  ahead(2);
   if (dv_acc) {
     for (int64_t c0 = 0; c0 < nc; c0 += group) {
       const int64_t r_lo = first_row(c0);
@@ -588,7 +596,6 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < nc; ++c) s[r * kBc + c] *= cap[r * kBc + c];
   // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
-  ahead(3);
   if (dk_acc) {
     for (int64_t c0 = 0; c0 < nc; c0 += group) {
       const int64_t r_lo = first_row(c0);
@@ -597,13 +604,11 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
                    std::min(nc - c0, group), D, nr - r_lo, f.scale, true);
     }
   }
-  ahead(4);
   if (want_dq)
     for (int64_t r0 = 0; r0 < nr; r0 += group) {
       const int64_t r1 = std::min(nr, r0 + group), k = keys_seen(r0, r1);
       if (k > 0)
-        block_gemm({s + r0 * kBc, kBc, 1, job.kb, job.ldkb, p.dq.row(job.b, job.h, job.i0 + r0), p.dq.stride[2]},
-                   r1 - r0, D, k, f.scale, true);
+        block_gemm({s + r0 * kBc, kBc, 1, job.kb, job.ldkb, dq + r0 * lddq, lddq}, r1 - r0, D, k, f.scale, true);
     }
 }
 
@@ -648,40 +653,17 @@ HWY_INLINE BlockJob key_block(const Ctx& cx, int64_t b, int64_t g, int64_t j0, i
   return job;
 }
 
-/// Asks for dQ rows [r_begin, r_end) of the query block that starts at row i0 of head h, when dQ's
-/// rows lie further apart than their length (a module's (N, E) gradient rows): a key block's item
-/// walks every query block of the head, whose rows (1 MiB of dQ at T=4096, d=64) do not stay in
-/// L2, and rows a few KiB apart defeat the hardware prefetcher. Q and dO need no asking: their rows
-/// are contiguous (as given, or copied so by dense_rows), which the hardware streams by itself.
-/// Issued into L2 in five parts, one before each of the current block's products: asking for the
-/// whole next block (Q, dO and dQ rows, 768 lines at d=64) at once filled the line-fill buffers and
-/// stalled the core on the prefetch instructions, ~8% of the core backward's samples on an Intel
-/// Xeon (T=4096 1 / 2 threads: 633 / 321 ms that way, 606 / 299 ms this way).
-HWY_INLINE void prefetch_query_block(const Ctx& cx, int64_t b, int64_t h, int64_t i0, int64_t r_begin, int64_t r_end) {
-  const SdpaBackwardParams& p = *cx.p;
-  const SdpaParams& f = p.fwd;
-  if (p.dq.stride[2] == f.d()) return;
-  const int64_t rows = std::min(cx.br, f.t_q() - i0), bytes = f.d() * static_cast<int64_t>(sizeof(float));
-  for (int64_t r = r_begin; r < std::min(rows, r_end); ++r) prefetch_bytes<2>(p.dq.row(b, h, i0 + r), 0, bytes);
-}
-
 /// Head h against the key block of `job` (ready: key_block) over every query block in order: its
 /// dK/dV contributions added into dk/dv (kBc rows of ldk / ldv floats), with want_dq also its dQ.
-/// After the last query block, query block 0 of head `next_h` (if ≥ 0) is asked for.
-HWY_INLINE void head_against_block(const Ctx& cx, BlockJob& job, int64_t h, int64_t next_h, float* ws, float* dk,
-                                   float* dv, bool want_dq) {
+HWY_INLINE void head_against_block(const Ctx& cx, BlockJob& job, int64_t h, float* ws, float* dk, float* dv,
+                                   bool want_dq) {
   const int64_t Tq = cx.p->fwd.t_q();
   for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
     const int64_t i1 = std::min(Tq, i0 + cx.br);
     const TileVis vis = cx.causal.tile(i0, i1, job.j0, job.j1);
     if (vis == TileVis::None) continue;
     job.h = h, job.i0 = i0, job.i1 = i1;
-    NextRows next;
-    if (i1 < Tq)
-      next = {job.b, h, i1};
-    else if (next_h >= 0)
-      next = {job.b, next_h, 0};
-    run_block(cx, job, vis, ws, dk, dv, want_dq, next);
+    run_block(cx, job, vis, ws, dk, dv, want_dq);
   }
 }
 
@@ -731,7 +713,7 @@ HWY_NOINLINE void key_block_item(const Ctx& cx, int64_t b, int64_t g, int64_t kb
       std::fill(dk_head, dk_head + nk, 0.0f);
       std::fill(dv_head, dv_head + nv, 0.0f);
     }
-    head_against_block(cx, job, h, h + 1 < (g + 1) * group ? h + 1 : -1, ws, dk_head, dv_head, want_dq);
+    head_against_block(cx, job, h, ws, dk_head, dv_head, want_dq);
     if (group > 1) {
       add_share(dk_sum, dk_head, nk);
       add_share(dv_sum, dv_head, nv);
@@ -752,7 +734,7 @@ HWY_NOINLINE void head_item(const Ctx& cx, int64_t b, int64_t h, float* ws) {
     std::fill(dk, dk + (j1 - j0) * ldk, 0.0f);
     std::fill(dv, dv + (j1 - j0) * ldv, 0.0f);
     BlockJob job = key_block(cx, b, g, j0, j1, ws);
-    head_against_block(cx, job, h, kb + 1 < cx.n_kblocks ? h : -1, ws, dk, dv, true);
+    head_against_block(cx, job, h, ws, dk, dv, true);
   }
 }
 
@@ -791,7 +773,7 @@ HWY_NOINLINE void query_block_item(const Ctx& cx, int64_t b, int64_t h, int64_t 
 void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   const SdpaParams& f = p.fwd;
   const int64_t B = f.batch(), H = f.heads(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d();
-  const bool dense = dense_rows(p);
+  const DenseCopies dense = dense_copies(p);
   const WorkspacePlan plan = workspace_plan(f, dense);
   const int threads = plan.threads;
   Ctx cx;
@@ -809,7 +791,7 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   float* rowdot = plan.shared_part(workspace) + shared.rowdot;
   cx.rowdot = rowdot;
   row_dots(p, rowdot, threads);
-  if (dense) {
+  if (dense.q_dout) {
     float* q = plan.shared_part(workspace) + shared.q;
     float* dout = plan.shared_part(workspace) + shared.dout;
     copy_dense_rows(p, cx.L.ldk, cx.L.ldv, q, dout, threads);
@@ -829,10 +811,17 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
       p.dsinks[h] = static_cast<float>(acc);
     }
 
-    // dQ accumulates over key blocks: start from 0 (fully masked rows stay 0).
+  // dQ accumulates over key blocks: start from 0 (fully masked rows stay 0).
+  if (dense.dq) {
+    cx.dense_dq = plan.shared_part(workspace) + shared.dq;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    for (int64_t i = 0; i < Tq; ++i) std::fill(p.dq.row(bh / H, bh % H, i), p.dq.row(bh / H, bh % H, i) + D, 0.0f);
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      std::fill(cx.dense_dq + bh * Tq * cx.L.ldk, cx.dense_dq + (bh + 1) * Tq * cx.L.ldk, 0.0f);
+  } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      for (int64_t i = 0; i < Tq; ++i) std::fill(p.dq.row(bh / H, bh % H, i), p.dq.row(bh / H, bh % H, i) + D, 0.0f);
+  }
 
   const Scheme scheme = scheme_for(f);
   if (scheme == Scheme::PerKvHead) {
@@ -868,6 +857,14 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
       const int64_t bh = item / cx.n_qblocks;
       query_block_item(cx, bh / H, bh % H, item % cx.n_qblocks, ws);
     }
+  }
+  if (dense.dq) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      for (int64_t i = 0; i < Tq; ++i) {
+        const float* row = cx.dense_dq + (bh * Tq + i) * cx.L.ldk;
+        std::copy(row, row + D, p.dq.row(bh / H, bh % H, i));
+      }
   }
 }
 
@@ -905,7 +902,7 @@ bool fused_backward_supports(const SdpaBackwardParams& p, std::string* why) {
 }
 
 size_t fused_backward_workspace_floats(const SdpaBackwardParams& p) {
-  return bwd::workspace_plan(p.fwd, bwd::dense_rows(p)).floats();
+  return bwd::workspace_plan(p.fwd, bwd::dense_copies(p)).floats();
 }
 
 void sdpa_backward_fused(const SdpaBackwardParams& p, float* workspace) {
