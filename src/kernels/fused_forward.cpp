@@ -537,9 +537,16 @@ HWY_INLINE void out_tile(const float* HWY_RESTRICT p, int64_t ldp_run, const flo
   const DF df;
   const int64_t N = lanes();
   VF acc[MR][NV];
+  // Rows whose max did not move have alpha = 1 (most blocks of a long row): o·1 = o, so a tile of
+  // such rows loads o as it is (x·1 is x, bit for bit, −0 and NaN included).
+  bool rescale = false;
+  for (int r = 0; r < MR; ++r) rescale |= alpha[r] != 1.0f;
   for (int r = 0; r < MR; ++r) {
     const VF a = hn::Set(df, alpha[r]);
-    for (int v = 0; v < NV; ++v) acc[r][v] = hn::Mul(hn::LoadU(df, o + r * ldv + v * N), a);
+    for (int v = 0; v < NV; ++v) {
+      const VF x = hn::LoadU(df, o + r * ldv + v * N);
+      acc[r][v] = rescale ? hn::Mul(x, a) : x;
+    }
   }
   // nk ≥ 1 (a block has a key): a loop without a zero-trip path keeps acc in registers (with the
   // guard GCC 12 passes the accumulators through the stack where the two paths join).
