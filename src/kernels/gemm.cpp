@@ -127,13 +127,19 @@ void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t 
     // Column sums in double, rows in order: a chunk of columns at a time with the rows outermost,
     // so each row's chunk is read contiguously (a column at a time strode across every row's
     // cache line: ~3% of a training step at T=4096). Each column adds the same terms in the same
-    // order as a column-by-column loop, so the bits are the same.
+    // order as a column-by-column loop, so the bits are the same, whichever thread sums the chunk
+    // and however many columns one instruction adds. (One thread, one column at a time, took
+    // 4–5 ms of a module's training step at T=4096, E=512: 0.5–1%.)
     constexpr int64_t kChunk = 64;
-    for (int64_t c0 = 0; c0 < out; c0 += kChunk) {
-      const int64_t nc = std::min(kChunk, out - c0);
+    const int64_t chunks = (out + kChunk - 1) / kChunk;
+    const int threads = static_cast<int>(std::min<int64_t>(omp_in_parallel() ? 1 : resolve_threads(0), chunks));
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t c0 = chunk * kChunk, nc = std::min(kChunk, out - c0);
       double sum[kChunk] = {};
       for (int64_t r = 0; r < rows; ++r) {
         const float* row = dy + r * lddy + c0;
+#pragma omp simd
         for (int64_t c = 0; c < nc; ++c) sum[c] += row[c];
       }
       for (int64_t c = 0; c < nc; ++c) db[c0 + c] = static_cast<float>(sum[c]);
