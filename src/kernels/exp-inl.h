@@ -41,20 +41,20 @@ template <class DF, class VF = hn::Vec<DF>>
 HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   const hn::RebindToSigned<DF> di;
   const VF t0 = hn::Mul(x, hn::Set(df, 1.44269504088896341f));
+  const auto visible = hn::Ge(x, hn::Set(df, -87.0f));
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  // vscalefps below takes any n, and every x < −87 (t < −125.5, −inf and NaN too) is zeroed at
-  // the end: the clamp that keeps 2ⁿ's exponent bits in range elsewhere changes no result here.
-  const VF t = hn::MaxLanes(df) == 16 ? t0 : hn::Max(t0, hn::Set(df, -126.0f));
   if constexpr (hn::MaxLanes(DF()) == 16) {
     // vreduceps gives f = t − round(t) exactly in one instruction (vrndscaleps is two on Intel
     // cores), and t − f is round(t) exactly: the n and f of the general path below. vscalefps then
     // forms p·2ⁿ in one instruction instead of building 2ⁿ's bits (convert, add, shift, multiply):
-    // n is an integer ≥ −126, so both round the same exact product once. The same bits. (±inf
-    // gives f = 0, NaN gives NaN: such lanes are < −87 or NaN, zeroed at the end.)
-    const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
-    const VF n = hn::Sub(t, f);
-    return hn::IfThenElseZero(hn::Ge(x, hn::Set(df, -87.0f)), VF{_mm512_scalef_ps(poly_exp2(df, f).raw, n.raw)});
+    // n is an integer, so both round the same exact product once. The same bits. vscalefps takes
+    // any n, and every x < −87 (t < −125.5, −inf and NaN too) is zeroed at the end, so t needs
+    // no clamp here. (±inf gives f = 0, NaN gives NaN: both zeroed.)
+    const VF f{_mm512_reduce_ps(t0.raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+    const VF n = hn::Sub(t0, f);
+    return hn::IfThenElseZero(visible, VF{_mm512_scalef_ps(poly_exp2(df, f).raw, n.raw)});
   }
+  const VF t = hn::Max(t0, hn::Set(df, -126.0f));
   const VF n = hn::Round(t);
 #else
   const VF t = hn::Max(t0, hn::Set(df, -126.0f));
@@ -68,7 +68,6 @@ HWY_INLINE VF exp_nonpositive(DF df, VF x) {
 #endif
   const VF f = hn::Sub(t, n);
   const VF p = poly_exp2(df, f);
-  const auto visible = hn::Ge(x, hn::Set(df, -87.0f));
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   const auto scale_bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
 #else

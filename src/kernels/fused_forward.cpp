@@ -504,8 +504,9 @@ void score_block_t(const float* q, int64_t ldq, int64_t rows, int64_t d, const f
   });
 }
 
-/// Whether a block's key terms kb (n floats) mark a key as never read (−inf). Scalar, as
-/// softmax_block's own test (a Highway mask there miscompiled under GCC 12).
+/// Whether a block's key terms kb (n floats) mark a key as never read (−inf). Scalar on purpose:
+/// the same test as a Highway mask (Or of Eq, then AllFalse) made GCC 12's AVX3_DL build of
+/// softmax_block give wrong softcap results, which ScoreEditsGolden caught; not understood yet.
 inline bool has_hidden_keys(const float* kb, int64_t n) {
   bool any = false;
   for (int64_t j = 0; j < n; ++j) any |= kb[j] == kNegInf;
@@ -1042,11 +1043,8 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
   const VF vscale = hn::Set(df, p.scale);
   const VF vneg_inf = hn::Set(df, kNegInf);
   // Whether the block has a key that is never read (kb = −inf); most blocks have none, and their
-  // rows skip the select below. (Scalar on purpose: the same test as a Highway mask (Or of Eq,
-  // then AllFalse) made GCC 12's AVX3_DL build of this function give wrong softcap results, which
-  // ScoreEditsGolden caught; not understood yet, so not used.)
-  bool any_hidden = false;
-  for (int64_t jj = 0; jj < nvec * N; ++jj) any_hidden |= kb[jj] == kNegInf;
+  // rows skip the select below.
+  const bool any_hidden = has_hidden_keys(kb, nvec * N);
   const bool per_element = p.masks.allowed.view.defined() || p.masks.bias.view.defined();
   for (int64_t r = 0; r < nq; ++r) {
     float* row = s + r * kBk;
