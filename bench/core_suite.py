@@ -13,7 +13,7 @@ Every mha run measures the FMA peak of the dispatched target before and after th
 rounds whose peak fell below --min-peak-ratio of that are dropped (a neighbour took the machine).
 Medians over the kept rounds; ratios are anchor time / mha time (above 1: mha is faster).
 
-usage: /usr/bin/python3 bench/core_suite.py [--rounds 3] [--base OLD_MHA] [--rows d64,short]
+usage: /usr/bin/python3 bench/core_suite.py [--rounds 3] [--base OLD_MHA] [--rows d64,short] [--no-torch-rows bf16]
        [--out bench/results/core_suite.json]
 """
 import argparse
@@ -63,6 +63,9 @@ def main():
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     p.add_argument("--rows", type=lambda s: s.split(","), help="only rows whose label contains one of these")
+    p.add_argument("--no-torch-rows", type=lambda s: s.split(","), default=[],
+                   help="no PyTorch run for rows whose label contains one of these (e.g. bf16 on a CPU without "
+                   "AMX, where PyTorch's bf16 SDPA takes seconds a run)")
     p.add_argument("--min-peak-ratio", type=float, default=0.85)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "core_suite.json"))
     a = p.parse_args()
@@ -76,7 +79,7 @@ def main():
                 for who, binary in bins:
                     r = run_json([binary, "bench"] + margs + ["--threads", str(th), "-r", str(a.repeat), "--json"])
                     runs.append(dict(r, who=who, row=label, threads=th, round=rnd))
-                if targs and torch_ok:
+                if targs and torch_ok and not any(k in label for k in a.no_torch_rows):
                     r = run_json([a.torch2, os.path.relpath(os.path.join(HERE, "pytorch_mha.py"), ROOT)] + targs +
                                  ["--core-impl", "sdpa", "--threads", str(th), "--repeat", str(a.repeat), "--json"])
                     runs.append(dict(r, who="torch2", row=label, threads=th, round=rnd))

@@ -4,6 +4,7 @@
 # so that a loaded machine hits both alike. One JSON line per run (the bench's own keys, with
 # `bin`, `round`, `args`) on stdout; summarise fraction_of_peak and median_ms per args and bin.
 # usage: bench/short_seqs.sh BEFORE_MHA AFTER_MHA [ROUNDS=2] > runs.jsonl
+#        /usr/bin/python3 bench/summarize_runs.py runs.jsonl   (the table: medians, ratios)
 set -euo pipefail
 before=$1 after=$2 rounds=${3:-2}
 configs=()
