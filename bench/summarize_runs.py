@@ -20,7 +20,11 @@ def main():
     a = p.parse_args()
     groups = {}  # (args, bin) -> runs, in first-seen order
     bad = 0
-    with open(a.runs) as f:
+    try:
+        f = open(a.runs)
+    except OSError as e:
+        sys.exit(f"summarize_runs: cannot read {a.runs}: {e.strerror}")
+    with f:
         for line in f:
             line = line.strip()
             if not line:
