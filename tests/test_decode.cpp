@@ -413,8 +413,10 @@ TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
 
 TEST(DecodeKernel, Int8CacheMatchesReferenceOnTheDequantisedCacheOnEveryTarget) {
   // The kernel applies each row's scale outside its loops over d (score = s_k · (q · k_int8), and
-  // p · s_v before P·V); the oracle reads the dequantised values (k_int8 · s_k): the same math up
-  // to float rounding. Lengths 700 and 333 end inside kernel blocks of 128.
+  // p · s_v before P·V) and takes both products in integers, q and p rounded to 16 bits; the
+  // oracle reads the dequantised values (k_int8 · s_k) in float. The 16-bit rounding moves these
+  // outputs by less than float32's tolerance here (errors ≤ 2⁻¹⁶ of a row's largest q and of a
+  // block's largest p). Lengths 700 and 333 end inside kernel blocks of 128.
   for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     SCOPED_TRACE(hwy::TargetName(target));
@@ -427,6 +429,39 @@ TEST(DecodeKernel, Int8CacheMatchesReferenceOnTheDequantisedCacheOnEveryTarget) 
     for (int64_t d : {19, 64, 72, 96}) {
       const CacheCase c = cache_case(CacheDtype::I8, 2, d);
       EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST(DecodeKernel, Int8IntegerProductsHoldAtTheirRangeLimitsOnEveryTarget) {
+  // The int8 path's int32 sums at their largest: every key and value element at ±127 steps, every
+  // query element at its largest step count, keys of a row all of one sign (a score's sum is
+  // ±steps · 127 · d), at d = 512 (the widest d with 32767 query steps) and d = 600 (fewer steps,
+  // so the sums still fit). An overflow would flip the winning keys. Also a query row of zeros
+  // (uniform attention over its keys) and one holding a NaN (its output NaN, the others not).
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (int64_t d : {512, 600}) {
+      SCOPED_TRACE(::testing::Message() << "d " << d);
+      KvCacheConfig config{.batch = 2, .kv_heads = 2, .head_dim = d, .capacity = 300, .dtype = CacheDtype::I8};
+      CacheCase c{KvCache(config), Tensor({2, 6, 1, d}, 1.0f)};
+      Tensor k({2, 2, 300, d}), v({2, 2, 300, d});
+      for (int64_t i = 0; i < k.numel(); ++i) {
+        const int64_t pos = i / d % 300, x = i % d;
+        k.data()[i] = pos % 3 == 0 ? 1.0f : -1.0f;
+        v.data()[i] = (pos + x) % 2 == 0 ? 1.0f : -1.0f;
+      }
+      c.cache.append(k.view4(), v.view4(), std::vector<int64_t>{300, 151});
+      for (int64_t x = 0; x < d; ++x) c.q.at({0, 4, 0, x}) = 0.0f;
+      c.q.at({1, 5, 0, d / 2}) = std::numeric_limits<float>::quiet_NaN();
+      const Tensor got = attend(c, 2, 2), want = oracle(c, 0);
+      EXPECT_TRUE(all_close(got, want, kF32Tol, kF32Tol));
+      EXPECT_TRUE(std::isnan(got.at({1, 5, 0, 0})));
+      EXPECT_FALSE(std::isnan(got.at({1, 4, 0, 0})));
+      // Keys at positions 0, 3, 6, … win by e^{2√d}: the output is their values' mean.
+      EXPECT_NEAR(got.at({0, 0, 0, 0}), 0.0f, 0.02);  // 100 keys, values alternating by position
     }
   }
   hwy::SetSupportedTargetsForTest(0);
@@ -476,7 +511,8 @@ TEST(DecodeKernel, TransposedKeysMatchReferenceOnEveryTarget) {
 
 TEST(DecodeKernel, TransposedKeysHoldTheRowLayoutsValues) {
   // The same appends into both layouts: every key element reads back the same, and attention
-  // agrees to float rounding (only the order of each dot product's sum differs).
+  // agrees to float rounding (only the order of each dot product's sum differs). int8 scores are
+  // exact integer sums in either layout, so there both give the same bits.
   for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16, CacheDtype::I8}) {
     const CacheCase rows = cache_case(dtype, 2, 20), lanes = cache_case(dtype, 2, 20, 0, KeyLayout::Transposed);
     EXPECT_EQ(lanes.cache.config().key_slots(), 704);
@@ -485,7 +521,10 @@ TEST(DecodeKernel, TransposedKeysHoldTheRowLayoutsValues) {
         for (int64_t p = 0; p < rows.cache.length(b); p += 37)
           for (int64_t x = 0; x < 20; ++x) ASSERT_EQ(lanes.cache.k_at(b, g, p, x), rows.cache.k_at(b, g, p, x));
     EXPECT_TRUE(all_close(attend(lanes, 3, 2), attend(rows, 3, 2), kF32Tol, kF32Tol));
-    EXPECT_FALSE(bitwise_equal(attend(lanes, 3, 2), attend(rows, 3, 2)));  // really another kernel
+    if (dtype == CacheDtype::I8)
+      EXPECT_TRUE(bitwise_equal(attend(lanes, 3, 2), attend(rows, 3, 2)));
+    else
+      EXPECT_FALSE(bitwise_equal(attend(lanes, 3, 2), attend(rows, 3, 2)));  // really another kernel
   }
 }
 

@@ -25,14 +25,16 @@
 // Items are handed out dynamically: which thread takes an item cannot change its result, and a
 // thread that the OS preempts (a shared machine) no longer holds back a fixed half of the work.
 //
-// int8: the rows are widened to float as they are loaded and the scales applied outside the
-// loops over d: a key's score is scale_k · (q · k_int8), and each probability is multiplied by its
-// value row's scale before P·V (the softmax sum l uses the unscaled probabilities). That is the
-// attention over the dequantised cache (value · scale), up to float rounding. Keys with per-channel
-// scales (KIVI) fold their group's scales into the query instead: a key's score is
-// (q ⊙ scale_group) · k_int8, one elementwise product of the query rows per run of a block's keys
-// that share a group (a few per block), so the loops over d are the same as for the other dtypes.
-//
+// int8: both products in integers (the int8 section below): the query rows are rounded to int16
+// once per item and a block's probabilities (times their value rows' scales) once per block, the
+// int8 rows widened to int16 only, and pairs of int16 products summed exactly in int32 lanes
+// (pmaddwd, vpdpwssd with AVX512-VNNI). The scales apply outside the loops over d: a key's score
+// is scale_k · step_q · (q16 · k_int8), and the softmax sum l uses the unscaled probabilities.
+// That is the attention over the dequantised cache (value · scale) up to the 16-bit rounding of q
+// and p (docs/semantics.md). Keys with per-channel scales (KIVI) fold their group's scales into
+// the query instead and keep float32 scores: a key's score is (q ⊙ scale_group) · k_int8, one
+// elementwise product of the query rows per run of a block's keys that share a group.
+
 // Transposed keys (KeyLayout::Transposed, DecodeParams::k_transposed): K in tiles of 16 slots,
 // each channel's 16 values together, so a block's scores accumulate 16 keys in the lanes of one
 // vector per query row (score_block_transposed) and the row layout's transpose-add tree over
@@ -104,10 +106,11 @@ inline Plan make_plan(const DecodeParams& p) {
 inline int64_t partial_floats(const Plan& pl, int64_t d_v) { return pl.rows_max * (d_v + 2); }
 /// Floats of per-thread scratch: scaled query rows, one block of scores per row, a correction per row
 /// (per-channel int8 keys: and the query rows times a key group's scales; transposed keys: and
-/// one tile's scores per row).
+/// one tile's scores per row; int8: and the int16 query rows and probabilities with their steps).
 inline int64_t scratch_floats(const DecodeParams& p, const Plan& pl) {
   const int64_t extra = p.k_channel_group > 0 ? p.d() : p.k_transposed ? kKeyTile : 0;  // qg, or a tile's scores
-  return pl.rows_max * (p.d() + kBlock + 1 + extra);
+  const int64_t int8 = p.dtype == DType::I8 ? (p.d() + 1) / 2 + 1 + kBlock / 2 + 1 : 0;
+  return pl.rows_max * (p.d() + kBlock + 1 + extra + int8);
 }
 /// The whole workspace: every item's partial result, then one scratch per thread.
 inline WorkspacePlan workspace_plan(const DecodeParams& p, const Plan& pl) {
@@ -223,7 +226,9 @@ constexpr int kTileKeys = kLanes / kTileRows;
 static_assert(kTileRows * kTileKeys == kLanes, "a score tile's dot products fill exactly one vector per lane");
 
 /// v[i] for i < n = L: returns the vector whose lane i is the sum of v[i]'s lanes (v is clobbered).
-HWY_INLINE hn::Vec<DF> sum_each(DF df, hn::Vec<DF>* v) {
+/// D: float32, or int32 (the int8 path's exact sums).
+template <class D>
+HWY_INLINE hn::Vec<D> sum_each(D df, hn::Vec<D>* v) {
 #if HWY_TARGET != HWY_SCALAR  // one lane: nothing to reduce
   // Each level halves the vector count: lane groups of the inputs, pairwise summed, stay in order.
   for (int n = kLanes; n > 1; n /= 2)
@@ -344,6 +349,255 @@ HWY_INLINE void accumulate_rows(const float* P, const float* corr, const T* cons
     }
 }
 
+// ---- int8 caches: integer products ----------------------------------------------------------
+// Widening an int8 row to float32 before its FMAs made int8 decoding bound by arithmetic (about
+// 0.6–0.7 of the FMA peak at a quarter of float32's bytes). Instead both products run on integers
+// with exact int32 sums: the query rows (already times the softmax scale) are rounded once per
+// item to int16 steps of max|q| / qmax, a row's probabilities (times their value rows' scales)
+// once per block to int16 steps of their block max / 32767, and the int8 rows are widened to
+// int16 only. A multiply-add of int16 pairs (pmaddwd; vpdpwssd with AVX512-VNNI) then does two
+// products and their sum per 32-bit lane, where float32 did one. The int32 sums are converted to
+// float once per dot product (scores) or per block (P·V) and take the steps as scales. Each
+// rounding is at most half a step: 2⁻¹⁶ of the row's (block's) largest element, against 2⁻⁸ for
+// the cache's own rounding (docs/semantics.md, 'KV caches in int8').
+// Bounds: |k|, |v| ≤ 128, so a score's sum stays below 2³¹ with qmax = min(32767, (2³¹ − 1) /
+// (128 d)), and a block's P·V sums below 128 · 32767 · 128 · 2 < 2³¹ for blocks up to 256 keys.
+static_assert(kBlock % 2 == 0 && kBlock <= 256, "int8 P·V: key pairs, and int32 sums of a block in range");
+
+#undef MHA_INT8_DOT  // defined once per target (this file is compiled once per target)
+#if HWY_TARGET == HWY_AVX3_DL
+// AVX3_DL's target string lacks AVX512-VNNI in Highway 1.0.3 (every CPU it dispatches to has it):
+// the functions of the int8 path carry it, so that vpdpwssd inlines into them.
+#define MHA_INT8_DOT __attribute__((target(HWY_TARGET_STR ",avx512vnni")))
+#else
+#define MHA_INT8_DOT
+#endif
+
+/// The largest int16 step count of a query element for head dim d (so a score's int32 sum of d
+/// products with |k| ≤ 128 cannot overflow).
+inline int32_t query_steps(int64_t d) {
+  return static_cast<int32_t>(std::min<int64_t>(32767, (int64_t{2147483647} / 128) / std::max<int64_t>(d, 1)));
+}
+
+/// out[x] = round(in[x] / s) for x < n, with s = max|in| / steps (returned). A row of zeros gives
+/// s = 0 and zeros; a row holding a NaN or ±inf gives s = NaN and zeros, so every product it takes
+/// part in is NaN (as the float32 products would be).
+HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16_t* out) {
+  const DF df;
+  const hn::Rebind<int16_t, DF> dh;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t nv = n / L * L;
+  auto vmax = hn::Zero(df);
+  auto bad = hn::MaskFromVec(hn::Zero(df));
+  for (int64_t x = 0; x < nv; x += L) {
+    const auto v = hn::LoadU(df, in + x);
+    vmax = hn::Max(vmax, hn::Abs(v));
+    bad = hn::Or(bad, hn::Not(hn::IsFinite(v)));
+  }
+  float amax = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  bool finite = hn::AllFalse(df, bad);
+  for (int64_t x = nv; x < n; ++x) {
+    finite = finite && std::isfinite(in[x]);
+    amax = std::max(amax, std::fabs(in[x]));
+  }
+  if (!finite || amax == 0.0f) {
+    std::fill(out, out + n, int16_t{0});
+    return finite ? 0.0f : kNaN;
+  }
+  const float inv = static_cast<float>(steps) / amax;
+  const auto vinv = hn::Set(df, inv);
+  for (int64_t x = 0; x < nv; x += L)  // |in · inv| ≤ steps (to rounding): no saturation
+    hn::StoreU(hn::DemoteTo(dh, hn::NearestInt(hn::Mul(hn::LoadU(df, in + x), vinv))), dh, out + x);
+  for (int64_t x = nv; x < n; ++x) out[x] = static_cast<int16_t>(std::nearbyint(in[x] * inv));
+  return amax / static_cast<float>(steps);
+}
+
+#if HWY_TARGET != HWY_SCALAR
+using DI = hn::RebindToSigned<DF>;        // int32 sums, one per float lane
+using DW = hn::Repartition<int16_t, DI>;  // int16 pairs, one pair per int32 lane
+using DB = hn::Rebind<int8_t, DW>;        // int8 rows, as many as DW's lanes
+using DQ = hn::Rebind<int8_t, DI>;        // int8 rows, as many as DI's lanes
+
+/// acc + a_even · b_even + a_odd · b_odd in each 32-bit lane (exact while the sums stay in range).
+MHA_INT8_DOT HWY_INLINE hn::Vec<DI> dot_pairs(hn::Vec<DI> acc, hn::Vec<DW> a, hn::Vec<DW> b) {
+#if HWY_TARGET == HWY_AVX3_DL
+  // As an asm statement: GCC 12 gave the intrinsic's accumulator a second register in loops and
+  // copied it there and back every iteration.
+  __m512i sum = acc.raw;
+  asm("vpdpwssd %2, %1, %0" : "+v"(sum) : "v"(a.raw), "v"(b.raw));
+  return hn::Vec<DI>{sum};
+#elif HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4
+  hn::Vec<DI> unused = hn::Zero(DI());  // pmaddwd sums each pair into its own lane
+  return hn::ReorderWidenMulAccumulate(DI(), a, b, acc, unused);
+#else
+  const DI di;
+  const auto ae = hn::ShiftRight<16>(hn::ShiftLeft<16>(hn::BitCast(di, a)));
+  const auto be = hn::ShiftRight<16>(hn::ShiftLeft<16>(hn::BitCast(di, b)));
+  const auto ao = hn::ShiftRight<16>(hn::BitCast(di, a)), bo = hn::ShiftRight<16>(hn::BitCast(di, b));
+  return hn::Add(acc, hn::Add(hn::Mul(ae, be), hn::Mul(ao, bo)));
+#endif
+}
+#endif
+
+#if HWY_TARGET != HWY_SCALAR
+/// The int16 pairs (a[x], b[x]) in lanes x < L, from L int8 each of a and b.
+MHA_INT8_DOT HWY_INLINE hn::Vec<DW> int16_pairs(const int8_t* a, const int8_t* b) {
+  const DI di;
+  const DW dw;
+  const DQ dq;
+  const auto even = hn::PromoteTo(di, hn::LoadU(dq, a));
+  const auto odd = hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(dq, b)));
+  return hn::OddEven(hn::BitCast(dw, odd), hn::BitCast(dw, even));
+}
+#endif
+/// L int8 zeros, the partner of an odd d's last channel.
+alignas(64) constexpr int8_t kZeroInt8[64] = {};
+
+/// Integer scores of rows [r0, r0 + NR) against keys [j0, j0 + NK) of the block: sc[r][j] =
+/// Σ_x q16[r][x] · k_j[x], exact, as float. With NR·NK = L the sums are reduced as one tile.
+template <int NR, int NK>
+MHA_INT8_DOT HWY_INLINE void score_tile_int8(const int16_t* q16, int64_t d, const int8_t* const* keys,
+                                             FarRows<int8_t> far, int64_t j0, int64_t r0, float* sc) {
+  if (r0 == 0)  // the first row tile passes over the keys first
+    for (int k = 0; k < NK; ++k) {
+      prefetch_bytes<3>(keys[j0 + k], kNearRows * d, d);
+      if (far.rows && far.rows[j0 + k]) prefetch_bytes<2>(far.rows[j0 + k], 0, far.bytes);
+    }
+  int32_t s[NR * NK];
+#if HWY_TARGET != HWY_SCALAR
+  const DI di;
+  const DW dw;
+  const DB db;
+  const int64_t W = static_cast<int64_t>(hn::Lanes(dw));
+  const int64_t dv = d / W * W;
+  hn::Vec<DI> acc[NR * NK];
+  for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(di);
+  for (int64_t c = 0; c < dv; c += W) {
+    hn::Vec<DW> kv[NK];
+    for (int k = 0; k < NK; ++k) kv[k] = hn::PromoteTo(dw, hn::LoadU(db, keys[j0 + k] + c));
+    for (int r = 0; r < NR; ++r) {
+      const auto qv = hn::LoadU(dw, q16 + (r0 + r) * d + c);
+      for (int k = 0; k < NK; ++k) acc[r * NK + k] = dot_pairs(acc[r * NK + k], qv, kv[k]);
+    }
+  }
+  if constexpr (NR * NK == kLanes) {
+    const auto sums = sum_each(di, acc);
+    if (dv == d) {  // no tail: each row's NK scores are one copy
+      float f[NR * NK];
+      hn::StoreU(hn::ConvertTo(DF(), sums), DF(), f);
+      for (int r = 0; r < NR; ++r) std::memcpy(sc + (r0 + r) * kBlock + j0, f + r * NK, sizeof(float) * NK);
+      return;
+    }
+    hn::StoreU(sums, di, s);
+  } else {
+    for (int i = 0; i < NR * NK; ++i) s[i] = hn::GetLane(hn::SumOfLanes(di, acc[i]));
+  }
+#else
+  const int64_t dv = 0;
+  for (int i = 0; i < NR * NK; ++i) s[i] = 0;
+#endif
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < NK; ++k) {
+      int32_t x = s[r * NK + k];
+      for (int64_t c = dv; c < d; ++c) x += int32_t{q16[(r0 + r) * d + c]} * keys[j0 + k][c];
+      sc[(r0 + r) * kBlock + j0 + k] = static_cast<float>(x);
+    }
+}
+
+/// Integer scores of rows [r0, r0 + NR) against the block's nb keys.
+template <int NR>
+MHA_INT8_DOT HWY_INLINE void score_rows_int8(const int16_t* q16, int64_t d, const int8_t* const* keys,
+                                             FarRows<int8_t> far, int64_t nb, int64_t r0, float* sc) {
+  constexpr int NK = kLanes / NR;
+  int64_t j = 0;
+  for (; j + NK <= nb; j += NK) score_tile_int8<NR, NK>(q16, d, keys, far, j, r0, sc);
+  for (; j < nb; ++j) score_tile_int8<NR, 1>(q16, d, keys, far, j, r0, sc);
+}
+
+/// Integer scores of every row (rows × d int16 queries) against the block's nb keys.
+MHA_INT8_DOT HWY_NOINLINE void score_block_int8(const int16_t* q16, int64_t rows, int64_t d, const int8_t* const* keys,
+                                                FarRows<int8_t> far, int64_t nb, float* sc) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) score_rows_int8<kTileRows>(q16, d, keys, far, nb, r, sc);
+  for (; r < rows; ++r) score_rows_int8<1>(q16, d, keys, far, nb, r, sc);
+}
+
+/// acc_r = acc_r · corr_r + sp_r · Σ_j p16[r][j] · v_j for rows [r0, r0 + NR), columns [c0, c0 +
+/// NC·L): keys in pairs (np even; p16 is 0 past the block's keys, whose rows are valid to read).
+template <int NR, int NC>
+MHA_INT8_DOT HWY_INLINE void accumulate_tile_int8(const int16_t* p16, const float* sp, const float* corr,
+                                                  const int8_t* const* vals, FarRows<int8_t> far, int64_t np,
+                                                  int64_t d_v, int64_t r0, int64_t c0, float* acc) {
+#if HWY_TARGET != HWY_SCALAR
+  const DF df;
+  const DI di;
+  const DW dw;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  hn::Vec<DI> a[NR * NC];
+  for (int i = 0; i < NR * NC; ++i) a[i] = hn::Zero(di);
+  // As accumulate_tile: this pass asks for the lines of the far rows under its columns.
+  const int64_t b0 = (c0 + 63) / 64 * 64;
+  const int64_t b1 = c0 + NC * L >= d_v / L * L ? far.bytes : std::min(far.bytes, c0 + NC * L);
+  for (int64_t j = 0; j < np; j += 2) {
+    if (r0 == 0 && c0 == 0) {  // the first tile to pass over V
+      prefetch_bytes<3>(vals[j], kNearRows * d_v, d_v);
+      prefetch_bytes<3>(vals[j + 1], kNearRows * d_v, d_v);
+    }
+    if (far.rows && r0 == 0)
+      for (int64_t k = j; k < j + 2; ++k)
+        if (far.rows[k])
+          for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(far.rows[k] + b, 0, 2);
+    hn::Vec<DW> vv[NC];  // column x of keys j and j + 1 as the pair (v_j[x], v_{j+1}[x]) in lane x
+    for (int i = 0; i < NC; ++i) vv[i] = int16_pairs(vals[j] + c0 + i * L, vals[j + 1] + c0 + i * L);
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;  // (p16[r][j], p16[r][j + 1]), the first in the low half
+      std::memcpy(&pair, p16 + (r0 + r) * kBlock + j, sizeof(pair));
+      const auto pv = hn::BitCast(dw, hn::Set(di, pair));
+      for (int i = 0; i < NC; ++i) a[r * NC + i] = dot_pairs(a[r * NC + i], pv, vv[i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const auto cv = hn::Set(df, corr[r0 + r]), sv = hn::Set(df, sp[r0 + r]);
+    for (int i = 0; i < NC; ++i) {
+      float* out = acc + (r0 + r) * d_v + c0 + i * L;
+      hn::StoreU(hn::MulAdd(hn::ConvertTo(df, a[r * NC + i]), sv, hn::Mul(hn::LoadU(df, out), cv)), df, out);
+    }
+  }
+#else
+  (void)p16, (void)sp, (void)corr, (void)vals, (void)far, (void)np, (void)d_v, (void)r0, (void)c0, (void)acc;
+#endif
+}
+
+/// The integer P·V update of rows [r0, r0 + NR) over the vector columns [0, dvv) of d_v.
+template <int NR>
+MHA_INT8_DOT HWY_INLINE void accumulate_rows_int8(const int16_t* p16, const float* sp, const float* corr,
+                                                  const int8_t* const* vals, FarRows<int8_t> far, int64_t np,
+                                                  int64_t d_v, int64_t dvv, int64_t r0, float* acc) {
+  constexpr int64_t L = kLanes;
+  constexpr int NC = kLanes / NR >= 4 ? 4 : kLanes / NR;
+  int64_t c = 0;
+  for (; c + NC * L <= dvv; c += NC * L) accumulate_tile_int8<NR, NC>(p16, sp, corr, vals, far, np, d_v, r0, c, acc);
+  for (; c < dvv; c += L) accumulate_tile_int8<NR, 1>(p16, sp, corr, vals, far, np, d_v, r0, c, acc);
+}
+
+/// The integer P·V update of every row over all of d_v (np keys, even), asking for `far` along
+/// with the keys (far.rows has np entries).
+MHA_INT8_DOT HWY_NOINLINE void accumulate_block_int8(const int16_t* p16, const float* sp, const float* corr,
+                                                     const int8_t* const* vals, FarRows<int8_t> far, int64_t rows,
+                                                     int64_t np, int64_t d_v, float* acc) {
+  const int64_t dvv = HWY_TARGET == HWY_SCALAR ? 0 : d_v / kLanes * kLanes;
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    accumulate_rows_int8<kTileRows>(p16, sp, corr, vals, far, np, d_v, dvv, r, acc);
+  for (; r < rows; ++r) accumulate_rows_int8<1>(p16, sp, corr, vals, far, np, d_v, dvv, r, acc);
+  for (int64_t c = dvv; c < d_v; ++c)
+    for (r = 0; r < rows; ++r) {
+      int32_t x = 0;
+      for (int64_t j = 0; j < np; ++j) x += int32_t{p16[r * kBlock + j]} * vals[j][c];
+      acc[r * d_v + c] = acc[r * d_v + c] * corr[r] + static_cast<float>(x) * sp[r];
+    }
+}
+
 // Transposed keys (DecodeParams::k_transposed): a tile of kKeyTile slots is (d, kKeyTile), each
 // channel's kKeyTile values together. The scores of NR rows against a tile's keys accumulate in
 // the lanes of kTileVecs vectors per row, one multiply-add per channel and row with the row's
@@ -381,14 +635,62 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
     for (int i = 0; i < kTileVecs; ++i) hn::StoreU(acc[r * kTileVecs + i], df, out + r * ld_out + i * L);
 }
 
+/// The integer scores of score_tile_transposed for int8 tiles: out[r][i] = Σ_x q16[r0 + r][x] ·
+/// tile[x][i], exact, as float. Channels go in pairs, (tile[x][i], tile[x + 1][i]) as the int16
+/// pair of lane i, each multiplied with the row's (q16[x], q16[x + 1]) broadcast.
+template <int NR>
+MHA_INT8_DOT HWY_INLINE void score_tile_transposed_int8(const int16_t* q16, int64_t d, const int8_t* tile, bool ahead,
+                                                        const int8_t* far, int64_t far_bytes, int64_t r0, float* out,
+                                                        int64_t ld_out) {
+  constexpr int64_t kPrefetchEvery = 256 / kKeyTile;  // channels: 256 bytes of the tile
+#if HWY_TARGET != HWY_SCALAR
+  const DF df;
+  const DI di;
+  const DW dw;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  hn::Vec<DI> acc[NR * kTileVecs];  // lanes: the tile's keys
+  for (auto& v : acc) v = hn::Zero(di);
+  for (int64_t c = 0; c < d; c += 2) {
+    const int8_t* col = tile + c * kKeyTile;
+    if (ahead && c % kPrefetchEvery == 0) {
+      prefetch_bytes<3>(tile, (d + c) * kKeyTile, 256);  // the next tile starts d columns on
+      if (far && c * kKeyTile < far_bytes) prefetch_bytes<2>(far, c * kKeyTile, 256);
+    }
+    const bool pair = c + 1 < d;  // an odd d's last channel pairs with zeros
+    hn::Vec<DW> kv[kTileVecs];
+    for (int i = 0; i < kTileVecs; ++i) kv[i] = int16_pairs(col + i * L, pair ? col + kKeyTile + i * L : kZeroInt8);
+    for (int r = 0; r < NR; ++r) {
+      const int16_t* q = q16 + (r0 + r) * d + c;
+      int32_t qq = q[0] & 0xFFFF;  // (q[c], q[c + 1]), the first in the low half: one 32-bit load
+      if (HWY_LIKELY(pair)) std::memcpy(&qq, q, sizeof(qq));
+      const auto qv = hn::BitCast(dw, hn::Set(di, qq));
+      for (int i = 0; i < kTileVecs; ++i) acc[r * kTileVecs + i] = dot_pairs(acc[r * kTileVecs + i], qv, kv[i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < kTileVecs; ++i)
+      hn::StoreU(hn::ConvertTo(df, acc[r * kTileVecs + i]), df, out + r * ld_out + i * L);
+#else
+  (void)ahead, (void)far, (void)far_bytes, (void)kPrefetchEvery;
+  for (int r = 0; r < NR; ++r)
+    for (int64_t i = 0; i < kKeyTile; ++i) {
+      int32_t x = 0;
+      for (int64_t c = 0; c < d; ++c) x += int32_t{q16[(r0 + r) * d + c]} * tile[c * kKeyTile + i];
+      out[r * ld_out + i] = static_cast<float>(x);
+    }
+#endif
+}
+
 /// Scores of every row against the block's nb keys in transposed tiles: key j lies in lane
 /// lane[j] of the tile at tile[j]; `far` is asked for along with them (far.rows[j] for the run
 /// that starts at key j: the run's rows, far.bytes each).
 /// Runs of keys in consecutive lanes of one tile take one tile score each; a whole tile lands in
 /// sc directly, a part through `tmp` (rows × kKeyTile).
+/// int8 tiles take the rows' int16 queries q16 (rows × d) instead of qs (integer scores).
 template <class T>
-HWY_NOINLINE void score_block_transposed(const float* qs, int64_t rows, int64_t d, const T* const* tile,
-                                         const int32_t* lane, FarRows<T> far, int64_t nb, float* tmp, float* sc) {
+MHA_INT8_DOT HWY_NOINLINE void score_block_transposed(const float* qs, const int16_t* q16, int64_t rows, int64_t d,
+                                                      const T* const* tile, const int32_t* lane, FarRows<T> far,
+                                                      int64_t nb, float* tmp, float* sc) {
   for (int64_t j = 0; j < nb;) {
     const int64_t lane0 = lane[j];
     int64_t n = 1;
@@ -399,9 +701,16 @@ HWY_NOINLINE void score_block_transposed(const float* qs, int64_t rows, int64_t 
     float* out = whole ? sc + j : tmp;
     const int64_t ld = whole ? kBlock : kKeyTile;
     int64_t r = 0;
-    for (; r + kTileRowsT <= rows; r += kTileRowsT)
-      score_tile_transposed<kTileRowsT>(qs, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
-    for (; r < rows; ++r) score_tile_transposed<1>(qs, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      for (; r + kTileRowsT <= rows; r += kTileRowsT)
+        score_tile_transposed_int8<kTileRowsT>(q16, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
+      for (; r < rows; ++r)
+        score_tile_transposed_int8<1>(q16, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
+    } else {
+      for (; r + kTileRowsT <= rows; r += kTileRowsT)
+        score_tile_transposed<kTileRowsT>(qs, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
+      for (; r < rows; ++r) score_tile_transposed<1>(qs, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
+    }
     if (!whole)
       for (int64_t rr = 0; rr < rows; ++rr)
         std::copy(tmp + rr * kKeyTile + lane0, tmp + rr * kKeyTile + lane0 + n, sc + rr * kBlock + j);
@@ -448,11 +757,17 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   float* m = partial;
   float* l = m + pl.rows_max;
   float* acc = l + pl.rows_max;
-  float* qs = scratch;                              // (rows, d): query rows times the scale
-  float* sc = qs + pl.rows_max * d;                 // (rows, kBlock): scores, then probabilities
-  float* corr = sc + pl.rows_max * kBlock;          // (rows): e^{m_old − m_new} of the current block
-  float* qg = corr + pl.rows_max;                   // per-channel int8 keys: (rows, d) qs ⊙ group scales
-  float* tile_tmp = corr + pl.rows_max;             // transposed keys: (rows, kKeyTile), a tile's scores
+  float* qs = scratch;                      // (rows, d): query rows times the scale
+  float* sc = qs + pl.rows_max * d;         // (rows, kBlock): scores, then probabilities
+  float* corr = sc + pl.rows_max * kBlock;  // (rows): e^{m_old − m_new} of the current block
+  float* qg = corr + pl.rows_max;           // per-channel int8 keys: (rows, d) qs ⊙ group scales
+  float* tile_tmp = corr + pl.rows_max;     // transposed keys: (rows, kKeyTile), a tile's scores
+  // int8: (rows, d) int16 query rows and their steps, (rows, kBlock) int16 probabilities and steps
+  float* const int8_part = corr + pl.rows_max * (1 + (kChannelKeys ? d : kTransposed ? kKeyTile : 0));
+  int16_t* const q16 = reinterpret_cast<int16_t*>(int8_part);
+  float* const q_step = int8_part + pl.rows_max * ((d + 1) / 2);
+  int16_t* const p16 = reinterpret_cast<int16_t*>(q_step + pl.rows_max);
+  float* const p_step = q_step + pl.rows_max * (1 + kBlock / 2);
   const int64_t q_first = p.q_start[it.b] + it.t0;  // position of the tile's first query
   const int64_t q_last = q_first + it.tq - 1;
   const CausalRule causal = CausalRule::positions(it.sink ? 0 : p.window);
@@ -465,6 +780,13 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     l[r] = 0.0f;
   }
   std::fill(acc, acc + rows * d_v, 0.0f);
+  constexpr bool kScaled = std::is_same_v<T, int8_t>;
+  // int8 with one scale per key: integer scores. Per-channel key scales keep float32 ones (q ⊙ the
+  // group's scales changes every few keys: rounding it each time cost more than the integer
+  // products gave).
+  constexpr bool kIntScores = kScaled && !kChannelKeys;
+  if constexpr (kIntScores)
+    for (int64_t r = 0; r < rows; ++r) q_step[r] = quantize_int16(qs + r * d, d, query_steps(d), q16 + r * d);
 
   const T* const kpool = static_cast<const T*>(p.k);
   const T* const vpool = static_cast<const T*>(p.v);
@@ -500,8 +822,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // What the score and P·V loops ask for into L2: the block's V rows, the next block's K rows.
   const FarRows<T> score_far{vals, row_bytes<T>(d_v)};
   FarRows<T> value_far;
-  if constexpr (kNextKeysDuringValues<T>) value_far = {next_keys, row_bytes<T>(d)};
-  constexpr bool kScaled = std::is_same_v<T, int8_t>;
+  // int8 with transposed keys asks too (Zen 4, 1 / 2 threads, context 8192: 1.41 → 1.34 ms, 0.78
+  // → 0.75 ms); int8 rows do not (1.56 → 2.04 ms, 0.85 → 1.10).
+  constexpr bool kAskNextKeys = kNextKeysDuringValues<T> || (std::is_same_v<T, int8_t> && kTransposed);
+  if constexpr (kAskNextKeys) value_far = {next_keys, row_bytes<T>(d)};
   static_assert(!kChannelKeys || kScaled);
   const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
   const float* const group_scales =
@@ -512,42 +836,76 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   const bool edit_scores = p.edits.capped() || p.edits.alibi();
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
     const int64_t nb = std::min(kBlock, it.hi - p0);
-    for (int64_t j = 0; j < nb; ++j) {
-      const Place at = place_of(p0 + j);
-      const int64_t row = row_at(at);
-      if constexpr (kTransposed)
-        ktile[j] = key_tile(at, &klane[j]);
-      else
-        keys[j] = kpool + row * d;
-      vals[j] = vpool + row * d_v;
+    if (!table && !p.ring) {  // position p in slot p: the block's rows are consecutive
+      const int64_t head = it.b * p.kv_heads + it.g, row0 = head * p.capacity + p0;
+      for (int64_t j = 0; j < nb; ++j) {
+        if constexpr (kTransposed) {
+          const int64_t slot = p0 + j;
+          klane[j] = static_cast<int32_t>(slot % kKeyTile);
+          ktile[j] = kpool + (head * p.k_slots + slot - slot % kKeyTile) * d;
+        } else {
+          keys[j] = kpool + (row0 + j) * d;
+        }
+        vals[j] = vpool + (row0 + j) * d_v;
+      }
       if constexpr (kScaled) {
-        if constexpr (!kChannelKeys) kscale[j] = p.k_scale[row];
-        vscale[j] = p.v_scale[row];
+        if constexpr (!kChannelKeys) std::copy(p.k_scale + row0, p.k_scale + row0 + nb, kscale);
+        std::copy(p.v_scale + row0, p.v_scale + row0 + nb, vscale);
+      }
+    } else {
+      for (int64_t j = 0; j < nb; ++j) {
+        const Place at = place_of(p0 + j);
+        const int64_t row = row_at(at);
+        if constexpr (kTransposed)
+          ktile[j] = key_tile(at, &klane[j]);
+        else
+          keys[j] = kpool + row * d;
+        vals[j] = vpool + row * d_v;
+        if constexpr (kScaled) {
+          if constexpr (!kChannelKeys) kscale[j] = p.k_scale[row];
+          vscale[j] = p.v_scale[row];
+        }
       }
     }
     if constexpr (kScaled) {
       if constexpr (!kChannelKeys) std::fill(kscale + nb, kscale + kBlock, 0.0f);
       std::fill(vscale + nb, vscale + kBlock, 0.0f);
+      if (nb % 2 != 0) vals[nb] = vals[nb - 1];  // integer P·V takes keys in pairs: a row to read, times 0
     }
-    if constexpr (kNextKeysDuringValues<T>) {  // the next block's rows, asked for in the P·V loop
+    if constexpr (kAskNextKeys) {  // the next block's rows, asked for in the P·V loop
       const int64_t pf = p0 + kBlock;
-      for (int64_t j = 0; j < nb; ++j) {
-        const Place at = pf + j < it.hi ? place_of(pf + j) : Place{-1, 0};
-        const int64_t row = at.head < 0 ? -1 : row_at(at);
-        int32_t lane = 0;
-        if constexpr (kTransposed) {
-          const T* tile = row < 0 ? nullptr : key_tile(at, &lane);  // sets lane first
-          next_keys[j] = tile ? tile + lane * d : nullptr;          // the key's row-sized part of its tile
-        } else {
-          next_keys[j] = row < 0 ? nullptr : kpool + row * d;
+      if (!table && !p.ring) {  // consecutive rows, as above
+        const int64_t head = it.b * p.kv_heads + it.g;
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t slot = pf + j;
+          if constexpr (kTransposed)
+            next_keys[j] =
+                slot < it.hi ? kpool + (head * p.k_slots + slot - slot % kKeyTile) * d + slot % kKeyTile * d : nullptr;
+          else
+            next_keys[j] = slot < it.hi ? kpool + (head * p.capacity + slot) * d : nullptr;
+        }
+      } else {
+        for (int64_t j = 0; j < nb; ++j) {
+          const Place at = pf + j < it.hi ? place_of(pf + j) : Place{-1, 0};
+          const int64_t row = at.head < 0 ? -1 : row_at(at);
+          int32_t lane = 0;
+          if constexpr (kTransposed) {
+            const T* tile = row < 0 ? nullptr : key_tile(at, &lane);  // sets lane first
+            next_keys[j] = tile ? tile + lane * d : nullptr;          // the key's row-sized part of its tile
+          } else {
+            next_keys[j] = row < 0 ? nullptr : kpool + row * d;
+          }
         }
       }
+      if (nb % 2 != 0) next_keys[nb] = nullptr;  // int8's P·V takes keys in pairs
     }
     int64_t r = 0;
     if constexpr (kChannelKeys) {
       score_block_channels(qs, qg, rows, d, keys, score_far, nb, p0, key_group, group_scales, sc);
+    } else if constexpr (kIntScores && !kTransposed) {
+      score_block_int8(q16, rows, d, keys, score_far, nb, sc);
     } else if constexpr (kTransposed) {
-      score_block_transposed(qs, rows, d, ktile, klane, score_far, nb, tile_tmp, sc);
+      score_block_transposed(qs, q16, rows, d, ktile, klane, score_far, nb, tile_tmp, sc);
     } else {
       for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, score_far, nb, r, sc);
       for (; r < rows; ++r) score_rows<1>(qs, d, keys, score_far, nb, r, sc);
@@ -557,9 +915,11 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
-      if constexpr (kScaled && !kChannelKeys)  // score = scale_k · (q · k_int8); lanes past nb are −inf below
+      if constexpr (kIntScores) {  // score = (step_q · scale_k) · (q16 · k_int8); lanes past nb are −inf below
+        const auto step = hn::Set(df, q_step[rr]);
         for (int64_t j = 0; j < nb; j += L)
-          hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::LoadU(df, kscale + j)), df, s + j);
+          hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::Mul(step, hn::LoadU(df, kscale + j))), df, s + j);
+      }
       if (edit_scores) {
         // Score edits (kernels/score_edits.h): c·tanh(t/c), then ALiBi's m·(k_pos − q_pos) by
         // absolute positions; hidden keys become −inf below.
@@ -595,6 +955,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       if (m_new == kNegInf) {  // nothing visible yet: probabilities 0, state unchanged
         corr[rr] = 1.0f;
         std::fill(s, s + kBlock, 0.0f);
+        if constexpr (kScaled) std::fill(p16 + rr * kBlock, p16 + (rr + 1) * kBlock, int16_t{0}), p_step[rr] = 0.0f;
         continue;
       }
       corr[rr] = m[rr] == kNegInf ? 0.0f : std::exp(m[rr] - m_new);
@@ -611,11 +972,17 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       }
       l[rr] = saw_nan ? kNaN : l[rr] * corr[rr] + hn::GetLane(hn::SumOfLanes(df, sum));
       m[rr] = m_new;
+      if constexpr (kScaled)  // P · scale_v in int16 steps of the row's block max (NaN: all NaN)
+        p_step[rr] = quantize_int16(s, kBlock, 32767, p16 + rr * kBlock);
     }
-    r = 0;
-    for (; r + kTileRows <= rows; r += kTileRows)
-      accumulate_rows<kTileRows>(sc, corr, vals, value_far, nb, d_v, r, acc);
-    for (; r < rows; ++r) accumulate_rows<1>(sc, corr, vals, value_far, nb, d_v, r, acc);
+    if constexpr (kScaled) {
+      accumulate_block_int8(p16, p_step, corr, vals, value_far, rows, nb + nb % 2, d_v, acc);
+    } else {
+      r = 0;
+      for (; r + kTileRows <= rows; r += kTileRows)
+        accumulate_rows<kTileRows>(sc, corr, vals, value_far, nb, d_v, r, acc);
+      for (; r < rows; ++r) accumulate_rows<1>(sc, corr, vals, value_far, nb, d_v, r, acc);
+    }
   }
 }
 
