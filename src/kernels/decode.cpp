@@ -547,8 +547,20 @@ MHA_INT8_DOT HWY_INLINE void accumulate_tile_int8(const int16_t* p16, const floa
       for (int64_t k = j; k < j + 2; ++k)
         if (far.rows[k])
           for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(far.rows[k] + b, 0, 2);
-    hn::Vec<DW> vv[NC];  // column x of keys j and j + 1 as the pair (v_j[x], v_{j+1}[x]) in lane x
-    for (int i = 0; i < NC; ++i) vv[i] = int16_pairs(vals[j] + c0 + i * L, vals[j + 1] + c0 + i * L);
+    hn::Vec<DW> vv[NC];  // columns of keys j and j + 1 as pairs (v_j[x], v_{j+1}[x]), one per lane
+    if constexpr (NC % 2 == 0) {
+      // Two vectors of columns at once: the rows' bytes interleaved, then widened (half the
+      // operations of int16_pairs). Within 16-byte blocks, so with 2 blocks (AVX-512) vv[i]
+      // holds columns 0–7 and 16–23 of the 32, vv[i + 1] 8–15 and 24–31 (put back below).
+      const DB db;
+      for (int i = 0; i < NC; i += 2) {
+        const auto even = hn::LoadU(db, vals[j] + c0 + i * L), odd = hn::LoadU(db, vals[j + 1] + c0 + i * L);
+        vv[i] = hn::PromoteTo(dw, hn::InterleaveLower(db, even, odd));
+        vv[i + 1] = hn::PromoteTo(dw, hn::InterleaveUpper(db, even, odd));
+      }
+    } else {
+      for (int i = 0; i < NC; ++i) vv[i] = int16_pairs(vals[j] + c0 + i * L, vals[j + 1] + c0 + i * L);
+    }
     for (int r = 0; r < NR; ++r) {
       int32_t pair;  // (p16[r][j], p16[r][j + 1]), the first in the low half
       std::memcpy(&pair, p16 + (r0 + r) * kBlock + j, sizeof(pair));
@@ -556,6 +568,13 @@ MHA_INT8_DOT HWY_INLINE void accumulate_tile_int8(const int16_t* p16, const floa
       for (int i = 0; i < NC; ++i) a[r * NC + i] = dot_pairs(a[r * NC + i], pv, vv[i]);
     }
   }
+  if constexpr (NC % 2 == 0 && hn::MaxLanes(DB()) > 16)  // the interleaves' column order, put back
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < NC; i += 2) {
+        const auto lo = a[r * NC + i], hi = a[r * NC + i + 1];
+        a[r * NC + i] = hn::ConcatLowerLower(di, hi, lo);
+        a[r * NC + i + 1] = hn::ConcatUpperUpper(di, hi, lo);
+      }
   for (int r = 0; r < NR; ++r) {
     const auto cv = hn::Set(df, corr[r0 + r]), sv = hn::Set(df, sp[r0 + r]);
     for (int i = 0; i < NC; ++i) {
