@@ -229,7 +229,29 @@ static_assert(kTileRows * kTileKeys == kLanes, "a score tile's dot products fill
 /// D: float32, or int32 (the int8 path's exact sums).
 template <class D>
 HWY_INLINE hn::Vec<D> sum_each(D df, hn::Vec<D>* v) {
-#if HWY_TARGET != HWY_SCALAR  // one lane: nothing to reduce
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // 16 lanes: the first two levels with interleaves inside 16-byte blocks (32-bit, then 64-bit
+  // lanes), the last two with block shuffles, so that only 9 of the 45 operations cross blocks
+  // (ConcatEven / ConcatOdd: 30 two-source permutes). Afterwards block m of u[i] holds the sums
+  // over block m of v[4i … 4i+3], and two rounds of block shuffles add the blocks up in order.
+  static_assert(kLanes == 16);
+  const hn::Repartition<uint64_t, D> d64;
+  const hn::RebindToSigned<D> di;
+  hn::Vec<D> t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = hn::Add(hn::InterleaveLower(df, v[2 * i], v[2 * i + 1]), hn::InterleaveUpper(df, v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const auto a = hn::BitCast(d64, t[2 * i]), b = hn::BitCast(d64, t[2 * i + 1]);
+    u[i] = hn::Add(hn::BitCast(df, hn::InterleaveLower(d64, a, b)), hn::BitCast(df, hn::InterleaveUpper(d64, a, b)));
+  }
+  const auto block_sums = [&](hn::Vec<D> a, hn::Vec<D> b) {  // blocks (a0+a1, a2+a3, b0+b1, b2+b3)
+    const __m512i x = hn::BitCast(di, a).raw, y = hn::BitCast(di, b).raw;
+    const auto even = hn::BitCast(df, hn::Vec<decltype(di)>{_mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0))});
+    const auto odd = hn::BitCast(df, hn::Vec<decltype(di)>{_mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1))});
+    return hn::Add(even, odd);
+  };
+  return block_sums(block_sums(u[0], u[1]), block_sums(u[2], u[3]));
+#elif HWY_TARGET != HWY_SCALAR  // one lane: nothing to reduce
   // Each level halves the vector count: lane groups of the inputs, pairwise summed, stay in order.
   for (int n = kLanes; n > 1; n /= 2)
     for (int i = 0; i < n / 2; ++i)
