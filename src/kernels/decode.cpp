@@ -170,9 +170,11 @@ using DF = hn::ScalableTag<float>;
 // - for float32 the P·V loop asks for the next block's K rows into L2, spread over its column
 //   passes: each pass the lines under its columns (one line per key at d = 128 with ≥ 4 query
 //   rows), each line once (a whole row per key in the first pass was slower than nothing).
-//   bf16 and int8 rows, widened before their FMAs, are bound more by the arithmetic: there the
-//   extra requests cost more than they gave, and only the first kind is kept (Intel Xeon, AVX3_DL,
-//   2 threads: asking for the next keys too, bf16 1.52 → 1.58 ms, int8 0.99 → 1.09 ms).
+//   bf16 rows, widened before their FMAs, are bound more by the arithmetic: there the extra
+//   requests cost more than they gave, and only the first kind is kept (Intel Xeon, AVX3_DL,
+//   2 threads: asking for the next keys too, bf16 1.52 → 1.58 ms, int8 0.99 → 1.09 ms when int8
+//   was widened too). int8, whose products now run in integers, asks again (kAskNextKeys in
+//   decode_item_of).
 // Measured on a Zen 1 (AVX2; h=32, kv=8, d=128, context 8192 from memory, medians of 3
 // interleaved rounds of the best of 20 steps, a neighbour loading the machine; the fraction is of
 // the same-run read bandwidth): 1 thread float32 9.75 → 7.47 ms (0.56 → 0.76), keys across lanes
@@ -480,10 +482,15 @@ alignas(64) constexpr int8_t kZeroInt8[64] = {};
 template <int NR, int NK>
 MHA_INT8_DOT HWY_INLINE void score_tile_int8(const int16_t* q16, int64_t d, const int8_t* const* keys,
                                              FarRows<int8_t> far, int64_t j0, int64_t r0, float* sc) {
+  // Exactly the lines of each row (an int8 row of d = 128 is two lines; prefetch_bytes' four
+  // lines a step asked for each line twice, and with the next keys below that cost 1.56 → 2.04 ms).
   if (r0 == 0)  // the first row tile passes over the keys first
     for (int k = 0; k < NK; ++k) {
-      prefetch_bytes<3>(keys[j0 + k], kNearRows * d, d);
-      if (far.rows && far.rows[j0 + k]) prefetch_bytes<2>(far.rows[j0 + k], 0, far.bytes);
+      const char* near = reinterpret_cast<const char*>(keys[j0 + k] + kNearRows * d);
+      for (int64_t b = 0; b < d; b += 64) __builtin_prefetch(near + b, 0, 3);
+      if (far.rows && far.rows[j0 + k])
+        for (int64_t b = 0; b < far.bytes; b += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(far.rows[j0 + k]) + b, 0, 2);
     }
   int32_t s[NR * NK];
 #if HWY_TARGET != HWY_SCALAR
@@ -863,9 +870,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // What the score and P·V loops ask for into L2: the block's V rows, the next block's K rows.
   const FarRows<T> score_far{vals, row_bytes<T>(d_v)};
   FarRows<T> value_far;
-  // int8 with transposed keys asks too (Zen 4, 1 / 2 threads, context 8192: 1.41 → 1.34 ms, 0.78
-  // → 0.75 ms); int8 rows do not (1.56 → 2.04 ms, 0.85 → 1.10).
-  constexpr bool kAskNextKeys = kNextKeysDuringValues<T> || (std::is_same_v<T, int8_t> && kTransposed);
+  // int8 asks too, except with per-channel keys (Zen 4, 1 / 2 threads, context 8192: transposed
+  // keys 1.41 → 1.34 ms, 0.78 → 0.75; rows, with their score loop's exact lines, 1.38 → 1.35 ms,
+  // 0.83 → 0.79 over 8 interleaved rounds).
+  constexpr bool kAskNextKeys = kNextKeysDuringValues<T> || (std::is_same_v<T, int8_t> && !kChannelKeys);
   if constexpr (kAskNextKeys) value_far = {next_keys, row_bytes<T>(d)};
   static_assert(!kChannelKeys || kScaled);
   const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
