@@ -271,6 +271,13 @@ constexpr int64_t row_bytes(int64_t n) {
   return n * static_cast<int64_t>(sizeof(T));
 }
 
+/// Asks for the lines of bytes [0, bytes) from p, one request a line (prefetch_bytes asks four
+/// lines a step: for a 128-byte int8 row, each line twice).
+template <int kLocality>
+HWY_INLINE void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, kLocality);
+}
+
 /// Scores of rows [r0, r0 + NR) against keys [j0, j0 + NK) of the block: sc[r][j] = q_r · k_j
 /// (q pre-scaled). With NR·NK = L the sums are reduced as one tile.
 template <int NR, int NK, class T>
@@ -482,15 +489,12 @@ alignas(64) constexpr int8_t kZeroInt8[64] = {};
 template <int NR, int NK>
 MHA_INT8_DOT HWY_INLINE void score_tile_int8(const int16_t* q16, int64_t d, const int8_t* const* keys,
                                              FarRows<int8_t> far, int64_t j0, int64_t r0, float* sc) {
-  // Exactly the lines of each row (an int8 row of d = 128 is two lines; prefetch_bytes' four
-  // lines a step asked for each line twice, and with the next keys below that cost 1.56 → 2.04 ms).
+  // Exactly the lines of each row (prefetch_bytes' four lines a step asked for each line of a
+  // 128-byte row twice, and with the next keys asked for in P·V that cost 1.56 → 2.04 ms).
   if (r0 == 0)  // the first row tile passes over the keys first
     for (int k = 0; k < NK; ++k) {
-      const char* near = reinterpret_cast<const char*>(keys[j0 + k] + kNearRows * d);
-      for (int64_t b = 0; b < d; b += 64) __builtin_prefetch(near + b, 0, 3);
-      if (far.rows && far.rows[j0 + k])
-        for (int64_t b = 0; b < far.bytes; b += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(far.rows[j0 + k]) + b, 0, 2);
+      prefetch_lines<3>(keys[j0 + k] + kNearRows * d, d);
+      if (far.rows && far.rows[j0 + k]) prefetch_lines<2>(far.rows[j0 + k], far.bytes);
     }
   int32_t s[NR * NK];
 #if HWY_TARGET != HWY_SCALAR
@@ -870,9 +874,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // What the score and P·V loops ask for into L2: the block's V rows, the next block's K rows.
   const FarRows<T> score_far{vals, row_bytes<T>(d_v)};
   FarRows<T> value_far;
-  // int8 asks too, except with per-channel keys (Zen 4, 1 / 2 threads, context 8192: transposed
+  // int8 asks too, except with per-channel keys. Zen 4, 1 / 2 threads, context 8192: transposed
   // keys 1.41 → 1.34 ms, 0.78 → 0.75; rows, with their score loop's exact lines, 1.38 → 1.35 ms,
-  // 0.83 → 0.79 over 8 interleaved rounds).
+  // 0.83 → 0.79 over 8 interleaved rounds; per-channel keys level (1.58 / 0.92 ms either way,
+  // exact lines in their float score loop too).
   constexpr bool kAskNextKeys = kNextKeysDuringValues<T> || (std::is_same_v<T, int8_t> && !kChannelKeys);
   if constexpr (kAskNextKeys) value_far = {next_keys, row_bytes<T>(d)};
   static_assert(!kChannelKeys || kScaled);
