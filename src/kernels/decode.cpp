@@ -25,9 +25,10 @@
 // Items are handed out dynamically: which thread takes an item cannot change its result, and a
 // thread that the OS preempts (a shared machine) no longer holds back a fixed half of the work.
 //
-// int8: both products in integers (the int8 section below): the query rows are rounded to int16
-// once per item and a block's probabilities (times their value rows' scales) once per block, the
-// int8 rows widened to int16 only, and pairs of int16 products summed exactly in int32 lanes
+// int8, on AVX-512 targets: both products in integers (the int8 section below; other targets
+// widen the rows to float, as bf16 is). The query rows are rounded to int16 once per item and a
+// block's probabilities (times their value rows' scales) once per block, the int8 rows widened
+// to int16 only, and pairs of int16 products summed exactly in int32 lanes
 // (pmaddwd, vpdpwssd with AVX512-VNNI). The scales apply outside the loops over d: a key's score
 // is scale_k · step_q · (q16 · k_int8), and the softmax sum l uses the unscaled probabilities.
 // That is the attention over the dequantised cache (value · scale) up to the 16-bit rounding of q
@@ -404,6 +405,17 @@ static_assert(kBlock % 2 == 0 && kBlock <= 256, "int8 P·V: key pairs, and int32
 #define MHA_INT8_DOT
 #endif
 
+// Which targets take the integer products: the AVX-512 ones, where they were measured faster (Zen
+// 4, context 8192, 1 thread: AVX3_DL 1.94 → 1.38 ms, AVX3 (pmaddwd) 1.94 → 1.52). On AVX2 they
+// were 7% slower (2.24 → 2.41 ms: pmaddwd plus an add per 16 products against an FMA per 8, and
+// the quantisation, for a widening saved) and on SSE4 level; there int8 rows stay widened to
+// float32, so the 16-bit rounding of q and p happens on AVX3 and AVX3_DL only.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr bool kIntProducts = true;
+#else
+constexpr bool kIntProducts = false;
+#endif
+
 /// The largest int16 step count of a query element for head dim d (so a score's int32 sum of d
 /// products with |k| ≤ 128 cannot overflow).
 inline int32_t query_steps(int64_t d) {
@@ -753,7 +765,7 @@ MHA_INT8_DOT HWY_NOINLINE void score_block_transposed(const float* qs, const int
     float* out = whole ? sc + j : tmp;
     const int64_t ld = whole ? kBlock : kKeyTile;
     int64_t r = 0;
-    if constexpr (std::is_same_v<T, int8_t>) {
+    if constexpr (std::is_same_v<T, int8_t> && kIntProducts) {
       for (; r + kTileRowsT <= rows; r += kTileRowsT)
         score_tile_transposed_int8<kTileRowsT>(q16, d, tile[j], r == 0, far_tile, far_bytes, r, out + r * ld, ld);
       for (; r < rows; ++r)
@@ -836,7 +848,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // int8 with one scale per key: integer scores. Per-channel key scales keep float32 ones (q ⊙ the
   // group's scales changes every few keys: rounding it each time cost more than the integer
   // products gave).
-  constexpr bool kIntScores = kScaled && !kChannelKeys;
+  constexpr bool kIntScores = kScaled && !kChannelKeys && kIntProducts;
+  constexpr bool kIntValues = kScaled && kIntProducts;  // integer P·V
   if constexpr (kIntScores)
     for (int64_t r = 0; r < rows; ++r) q_step[r] = quantize_int16(qs + r * d, d, query_steps(d), q16 + r * d);
 
@@ -874,11 +887,12 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // What the score and P·V loops ask for into L2: the block's V rows, the next block's K rows.
   const FarRows<T> score_far{vals, row_bytes<T>(d_v)};
   FarRows<T> value_far;
-  // int8 asks too, except with per-channel keys. Zen 4, 1 / 2 threads, context 8192: transposed
-  // keys 1.41 → 1.34 ms, 0.78 → 0.75; rows, with their score loop's exact lines, 1.38 → 1.35 ms,
-  // 0.83 → 0.79 over 8 interleaved rounds; per-channel keys level (1.58 / 0.92 ms either way,
-  // exact lines in their float score loop too).
-  constexpr bool kAskNextKeys = kNextKeysDuringValues<T> || (std::is_same_v<T, int8_t> && !kChannelKeys);
+  // int8 asks too where its products are integers, except with per-channel keys. Zen 4, 1 / 2 threads, context 8192:
+  // transposed keys 1.41 → 1.34 ms, 0.78 → 0.75; rows, with their score loop's exact lines, 1.38 → 1.35 ms, 0.83 → 0.79
+  // over 8 interleaved rounds; per-channel keys level (1.58 / 0.92 ms either way, exact lines in their float score loop
+  // too).
+  constexpr bool kAskNextKeys =
+      kNextKeysDuringValues<T> || (std::is_same_v<T, int8_t> && !kChannelKeys && kIntProducts);
   if constexpr (kAskNextKeys) value_far = {next_keys, row_bytes<T>(d)};
   static_assert(!kChannelKeys || kScaled);
   const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
@@ -973,6 +987,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
         const auto step = hn::Set(df, q_step[rr]);
         for (int64_t j = 0; j < nb; j += L)
           hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::Mul(step, hn::LoadU(df, kscale + j))), df, s + j);
+      } else if constexpr (kScaled && !kChannelKeys) {  // widened int8: score = scale_k · (q · k_int8)
+        for (int64_t j = 0; j < nb; j += L)
+          hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::LoadU(df, kscale + j)), df, s + j);
       }
       if (edit_scores) {
         // Score edits (kernels/score_edits.h): c·tanh(t/c), then ALiBi's m·(k_pos − q_pos) by
@@ -1009,7 +1026,7 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       if (m_new == kNegInf) {  // nothing visible yet: probabilities 0, state unchanged
         corr[rr] = 1.0f;
         std::fill(s, s + kBlock, 0.0f);
-        if constexpr (kScaled) std::fill(p16 + rr * kBlock, p16 + (rr + 1) * kBlock, int16_t{0}), p_step[rr] = 0.0f;
+        if constexpr (kIntValues) std::fill(p16 + rr * kBlock, p16 + (rr + 1) * kBlock, int16_t{0}), p_step[rr] = 0.0f;
         continue;
       }
       corr[rr] = m[rr] == kNegInf ? 0.0f : std::exp(m[rr] - m_new);
@@ -1026,10 +1043,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       }
       l[rr] = saw_nan ? kNaN : l[rr] * corr[rr] + hn::GetLane(hn::SumOfLanes(df, sum));
       m[rr] = m_new;
-      if constexpr (kScaled)  // P · scale_v in int16 steps of the row's block max (NaN: all NaN)
+      if constexpr (kIntValues)  // P · scale_v in int16 steps of the row's block max (NaN: all NaN)
         p_step[rr] = quantize_int16(s, kBlock, 32767, p16 + rr * kBlock);
     }
-    if constexpr (kScaled) {
+    if constexpr (kIntValues) {
       accumulate_block_int8(p16, p_step, corr, vals, value_far, rows, nb + nb % 2, d_v, acc);
     } else {
       r = 0;
