@@ -35,7 +35,7 @@
 // and p (docs/semantics.md). Keys with per-channel scales (KIVI) fold their group's scales into
 // the query instead and keep float32 scores: a key's score is (q ⊙ scale_group) · k_int8, one
 // elementwise product of the query rows per run of a block's keys that share a group.
-
+//
 // Transposed keys (KeyLayout::Transposed, DecodeParams::k_transposed): K in tiles of 16 slots,
 // each channel's 16 values together, so a block's scores accumulate 16 keys in the lanes of one
 // vector per query row (score_block_transposed) and the row layout's transpose-add tree over
@@ -406,10 +406,13 @@ static_assert(kBlock % 2 == 0 && kBlock <= 256, "int8 P·V: key pairs, and int32
 #endif
 
 // Which targets take the integer products: the AVX-512 ones, where they were measured faster (Zen
-// 4, context 8192, 1 thread: AVX3_DL 1.94 → 1.38 ms, AVX3 (pmaddwd) 1.94 → 1.52). On AVX2 they
-// were 7% slower (2.24 → 2.41 ms: pmaddwd plus an add per 16 products against an FMA per 8, and
-// the quantisation, for a widening saved) and on SSE4 level; there int8 rows stay widened to
-// float32, so the 16-bit rounding of q and p happens on AVX3 and AVX3_DL only.
+// 4, context 8192, 1 thread, bench/results/zen4_2026-12-06/ab.txt §6: AVX3_DL 1.98–2.31 →
+// 1.47–1.53 ms, AVX3 (pmaddwd) 2.01–2.07 → 1.57–1.67). On AVX2 they were 7% slower (2.33–2.40 →
+// 2.50–2.57 ms: pmaddwd plus an add per 16 products against an FMA per 8, and the rounding of q and
+// p, for a widening saved) and on SSE4 level; there int8 rows stay widened to float32, so the
+// 16-bit rounding of q and p happens on AVX3 and AVX3_DL only. The integer kernels below compile
+// for every target (and passed the decode tests on all of them before this switch), so another
+// target is one line here once a measurement on its CPU says so.
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr bool kIntProducts = true;
 #else
@@ -887,10 +890,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // What the score and P·V loops ask for into L2: the block's V rows, the next block's K rows.
   const FarRows<T> score_far{vals, row_bytes<T>(d_v)};
   FarRows<T> value_far;
-  // int8 asks too where its products are integers, except with per-channel keys. Zen 4, 1 / 2 threads, context 8192:
-  // transposed keys 1.41 → 1.34 ms, 0.78 → 0.75; rows, with their score loop's exact lines, 1.38 → 1.35 ms, 0.83 → 0.79
-  // over 8 interleaved rounds; per-channel keys level (1.58 / 0.92 ms either way, exact lines in their float score loop
-  // too).
+  // int8 asks too where its products are integers, except with per-channel keys. Zen 4, 1 / 2
+  // threads, context 8192: transposed keys 1.41 → 1.34 ms, 0.78 → 0.75; rows, with their score
+  // loop's exact lines, 1.38 → 1.35 ms, 0.83 → 0.79 over 8 interleaved rounds; per-channel keys
+  // level (1.58 / 0.92 ms either way, exact lines in their float score loop too).
   constexpr bool kAskNextKeys =
       kNextKeysDuringValues<T> || (std::is_same_v<T, int8_t> && !kChannelKeys && kIntProducts);
   if constexpr (kAskNextKeys) value_far = {next_keys, row_bytes<T>(d)};
