@@ -410,12 +410,17 @@ static_assert(kBlock % 2 == 0 && kBlock <= 256, "int8 P·V: key pairs, and int32
 // 1.47–1.53 ms, AVX3 (pmaddwd) 2.01–2.07 → 1.57–1.67). On AVX2 they were 7% slower (2.33–2.40 →
 // 2.50–2.57 ms: pmaddwd plus an add per 16 products against an FMA per 8, and the rounding of q and
 // p, for a widening saved) and on SSE4 level; there int8 rows stay widened to float32, so the
-// 16-bit rounding of q and p happens on AVX3 and AVX3_DL only. The integer kernels below compile
-// for every target (and passed the decode tests on all of them before this switch), so another
-// target is one line here once a measurement on its CPU says so.
+// 16-bit rounding of q and p happens on AVX3 and AVX3_DL only, and the integer kernels are
+// compiled for those targets only (elsewhere they are declared, for the call sites' discarded
+// branches, and never defined). They passed the decode tests on every target at fc464f8–acd08c2,
+// when dot_pairs also had pmaddwd for AVX2 / SSE4 and a portable pair sum for the others: another
+// target is those few lines once a measurement on its CPU says so.
+#undef MHA_INT8_PRODUCTS  // per target, as MHA_INT8_DOT
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define MHA_INT8_PRODUCTS 1
 constexpr bool kIntProducts = true;
 #else
+#define MHA_INT8_PRODUCTS 0
 constexpr bool kIntProducts = false;
 #endif
 
@@ -458,7 +463,7 @@ HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16
   return amax / static_cast<float>(steps);
 }
 
-#if HWY_TARGET != HWY_SCALAR
+#if MHA_INT8_PRODUCTS
 using DI = hn::RebindToSigned<DF>;        // int32 sums, one per float lane
 using DW = hn::Repartition<int16_t, DI>;  // int16 pairs, one pair per int32 lane
 using DB = hn::Rebind<int8_t, DW>;        // int8 rows, as many as DW's lanes
@@ -472,20 +477,12 @@ MHA_INT8_DOT HWY_INLINE hn::Vec<DI> dot_pairs(hn::Vec<DI> acc, hn::Vec<DW> a, hn
   __m512i sum = acc.raw;
   asm("vpdpwssd %2, %1, %0" : "+v"(sum) : "v"(a.raw), "v"(b.raw));
   return hn::Vec<DI>{sum};
-#elif HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4
-  hn::Vec<DI> unused = hn::Zero(DI());  // pmaddwd sums each pair into its own lane
-  return hn::ReorderWidenMulAccumulate(DI(), a, b, acc, unused);
 #else
-  const DI di;
-  const auto ae = hn::ShiftRight<16>(hn::ShiftLeft<16>(hn::BitCast(di, a)));
-  const auto be = hn::ShiftRight<16>(hn::ShiftLeft<16>(hn::BitCast(di, b)));
-  const auto ao = hn::ShiftRight<16>(hn::BitCast(di, a)), bo = hn::ShiftRight<16>(hn::BitCast(di, b));
-  return hn::Add(acc, hn::Add(hn::Mul(ae, be), hn::Mul(ao, bo)));
+  hn::Vec<DI> unused = hn::Zero(DI());  // AVX3: pmaddwd sums each pair into its own lane
+  return hn::ReorderWidenMulAccumulate(DI(), a, b, acc, unused);
 #endif
 }
-#endif
 
-#if HWY_TARGET != HWY_SCALAR
 /// The int16 pairs (a[x], b[x]) in lanes x < L, from L int8 each of a and b.
 MHA_INT8_DOT HWY_INLINE hn::Vec<DW> int16_pairs(const int8_t* a, const int8_t* b) {
   const DI di;
@@ -495,7 +492,7 @@ MHA_INT8_DOT HWY_INLINE hn::Vec<DW> int16_pairs(const int8_t* a, const int8_t* b
   const auto odd = hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(dq, b)));
   return hn::OddEven(hn::BitCast(dw, odd), hn::BitCast(dw, even));
 }
-#endif
+
 /// L int8 zeros, the partner of an odd d's last channel.
 alignas(64) constexpr int8_t kZeroInt8[64] = {};
 
@@ -512,7 +509,6 @@ MHA_INT8_DOT HWY_INLINE void score_tile_int8(const int16_t* q16, int64_t d, cons
       if (far.rows && far.rows[j0 + k]) prefetch_lines<2>(far.rows[j0 + k], far.bytes);
     }
   int32_t s[NR * NK];
-#if HWY_TARGET != HWY_SCALAR
   const DI di;
   const DW dw;
   const DB db;
@@ -540,10 +536,6 @@ MHA_INT8_DOT HWY_INLINE void score_tile_int8(const int16_t* q16, int64_t d, cons
   } else {
     for (int i = 0; i < NR * NK; ++i) s[i] = hn::GetLane(hn::SumOfLanes(di, acc[i]));
   }
-#else
-  const int64_t dv = 0;
-  for (int i = 0; i < NR * NK; ++i) s[i] = 0;
-#endif
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < NK; ++k) {
       int32_t x = s[r * NK + k];
@@ -576,7 +568,6 @@ template <int NR, int NC>
 MHA_INT8_DOT HWY_INLINE void accumulate_tile_int8(const int16_t* p16, const float* sp, const float* corr,
                                                   const int8_t* const* vals, FarRows<int8_t> far, int64_t np,
                                                   int64_t d_v, int64_t r0, int64_t c0, float* acc) {
-#if HWY_TARGET != HWY_SCALAR
   const DF df;
   const DI di;
   const DW dw;
@@ -630,9 +621,6 @@ MHA_INT8_DOT HWY_INLINE void accumulate_tile_int8(const int16_t* p16, const floa
       hn::StoreU(hn::MulAdd(hn::ConvertTo(df, a[r * NC + i]), sv, hn::Mul(hn::LoadU(df, out), cv)), df, out);
     }
   }
-#else
-  (void)p16, (void)sp, (void)corr, (void)vals, (void)far, (void)np, (void)d_v, (void)r0, (void)c0, (void)acc;
-#endif
 }
 
 /// The integer P·V update of rows [r0, r0 + NR) over the vector columns [0, dvv) of d_v.
@@ -652,7 +640,7 @@ MHA_INT8_DOT HWY_INLINE void accumulate_rows_int8(const int16_t* p16, const floa
 MHA_INT8_DOT HWY_NOINLINE void accumulate_block_int8(const int16_t* p16, const float* sp, const float* corr,
                                                      const int8_t* const* vals, FarRows<int8_t> far, int64_t rows,
                                                      int64_t np, int64_t d_v, float* acc) {
-  const int64_t dvv = HWY_TARGET == HWY_SCALAR ? 0 : d_v / kLanes * kLanes;
+  const int64_t dvv = d_v / kLanes * kLanes;
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows)
     accumulate_rows_int8<kTileRows>(p16, sp, corr, vals, far, np, d_v, dvv, r, acc);
@@ -664,6 +652,12 @@ MHA_INT8_DOT HWY_NOINLINE void accumulate_block_int8(const int16_t* p16, const f
       acc[r * d_v + c] = acc[r * d_v + c] * corr[r] + static_cast<float>(x) * sp[r];
     }
 }
+#else  // declared for decode_item_of's branches that kIntProducts discards here; never defined
+void score_block_int8(const int16_t* q16, int64_t rows, int64_t d, const int8_t* const* keys, FarRows<int8_t> far,
+                      int64_t nb, float* sc);
+void accumulate_block_int8(const int16_t* p16, const float* sp, const float* corr, const int8_t* const* vals,
+                           FarRows<int8_t> far, int64_t rows, int64_t np, int64_t d_v, float* acc);
+#endif
 
 // Transposed keys (DecodeParams::k_transposed): a tile of kKeyTile slots is (d, kKeyTile), each
 // channel's kKeyTile values together. The scores of NR rows against a tile's keys accumulate in
@@ -705,12 +699,12 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
 /// The integer scores of score_tile_transposed for int8 tiles: out[r][i] = Σ_x q16[r0 + r][x] ·
 /// tile[x][i], exact, as float. Channels go in pairs, (tile[x][i], tile[x + 1][i]) as the int16
 /// pair of lane i, each multiplied with the row's (q16[x], q16[x + 1]) broadcast.
+#if MHA_INT8_PRODUCTS
 template <int NR>
 MHA_INT8_DOT HWY_INLINE void score_tile_transposed_int8(const int16_t* q16, int64_t d, const int8_t* tile, bool ahead,
                                                         const int8_t* far, int64_t far_bytes, int64_t r0, float* out,
                                                         int64_t ld_out) {
   constexpr int64_t kPrefetchEvery = 256 / kKeyTile;  // channels: 256 bytes of the tile
-#if HWY_TARGET != HWY_SCALAR
   const DF df;
   const DI di;
   const DW dw;
@@ -737,16 +731,12 @@ MHA_INT8_DOT HWY_INLINE void score_tile_transposed_int8(const int16_t* q16, int6
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < kTileVecs; ++i)
       hn::StoreU(hn::ConvertTo(df, acc[r * kTileVecs + i]), df, out + r * ld_out + i * L);
-#else
-  (void)ahead, (void)far, (void)far_bytes, (void)kPrefetchEvery;
-  for (int r = 0; r < NR; ++r)
-    for (int64_t i = 0; i < kKeyTile; ++i) {
-      int32_t x = 0;
-      for (int64_t c = 0; c < d; ++c) x += int32_t{q16[(r0 + r) * d + c]} * tile[c * kKeyTile + i];
-      out[r * ld_out + i] = static_cast<float>(x);
-    }
-#endif
 }
+#else  // declared for score_block_transposed's branch that kIntProducts discards here; never defined
+template <int NR>
+void score_tile_transposed_int8(const int16_t* q16, int64_t d, const int8_t* tile, bool ahead, const int8_t* far,
+                                int64_t far_bytes, int64_t r0, float* out, int64_t ld_out);
+#endif
 
 /// Scores of every row against the block's nb keys in transposed tiles: key j lies in lane
 /// lane[j] of the tile at tile[j]; `far` is asked for along with them (far.rows[j] for the run
@@ -880,6 +870,21 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     *lane = static_cast<int32_t>(at.slot % kKeyTile);
     return kpool + (at.head * p.k_slots + at.slot - at.slot % kKeyTile) * d;
   };
+  // A key's row, or with transposed keys the row-sized part of its tile (what next_keys asks for).
+  const auto key_row = [&](Place at) -> const T* {
+    if constexpr (kTransposed) {
+      int32_t lane = 0;
+      const T* tile = key_tile(at, &lane);
+      return tile + lane * d;
+    } else {
+      return kpool + row_at(at) * d;
+    }
+  };
+  // A contiguous cache that is no ring holds position p in slot p of the sequence's own head: its
+  // blocks skip place_of's placement per key (with the cache in L2, context 512: int8 keys across
+  // lanes 75 → 65 µs a step, rows 72 → 69).
+  const bool linear = !table && !p.ring;
+  const int64_t linear_head = it.b * p.kv_heads + it.g;
   const T* ktile[kTransposed ? kBlock : 1];
   int32_t klane[kTransposed ? kBlock : 1];
   const T* keys[kBlock];
@@ -907,16 +912,13 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   const bool edit_scores = p.edits.capped() || p.edits.alibi();
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
     const int64_t nb = std::min(kBlock, it.hi - p0);
-    if (!table && !p.ring) {  // position p in slot p: the block's rows are consecutive
-      const int64_t head = it.b * p.kv_heads + it.g, row0 = head * p.capacity + p0;
+    if (linear) {  // the block's rows are consecutive
+      const int64_t row0 = row_at({linear_head, p0});
       for (int64_t j = 0; j < nb; ++j) {
-        if constexpr (kTransposed) {
-          const int64_t slot = p0 + j;
-          klane[j] = static_cast<int32_t>(slot % kKeyTile);
-          ktile[j] = kpool + (head * p.k_slots + slot - slot % kKeyTile) * d;
-        } else {
+        if constexpr (kTransposed)
+          ktile[j] = key_tile({linear_head, p0 + j}, &klane[j]);
+        else
           keys[j] = kpool + (row0 + j) * d;
-        }
         vals[j] = vpool + (row0 + j) * d_v;
       }
       if constexpr (kScaled) {
@@ -945,29 +947,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     }
     if constexpr (kAskNextKeys) {  // the next block's rows, asked for in the P·V loop
       const int64_t pf = p0 + kBlock;
-      if (!table && !p.ring) {  // consecutive rows, as above
-        const int64_t head = it.b * p.kv_heads + it.g;
-        for (int64_t j = 0; j < nb; ++j) {
-          const int64_t slot = pf + j;
-          if constexpr (kTransposed)
-            next_keys[j] =
-                slot < it.hi ? kpool + (head * p.k_slots + slot - slot % kKeyTile) * d + slot % kKeyTile * d : nullptr;
-          else
-            next_keys[j] = slot < it.hi ? kpool + (head * p.capacity + slot) * d : nullptr;
-        }
-      } else {
-        for (int64_t j = 0; j < nb; ++j) {
-          const Place at = pf + j < it.hi ? place_of(pf + j) : Place{-1, 0};
-          const int64_t row = at.head < 0 ? -1 : row_at(at);
-          int32_t lane = 0;
-          if constexpr (kTransposed) {
-            const T* tile = row < 0 ? nullptr : key_tile(at, &lane);  // sets lane first
-            next_keys[j] = tile ? tile + lane * d : nullptr;          // the key's row-sized part of its tile
-          } else {
-            next_keys[j] = row < 0 ? nullptr : kpool + row * d;
-          }
-        }
-      }
+      if (linear)
+        for (int64_t j = 0; j < nb; ++j) next_keys[j] = pf + j < it.hi ? key_row({linear_head, pf + j}) : nullptr;
+      else
+        for (int64_t j = 0; j < nb; ++j) next_keys[j] = pf + j < it.hi ? key_row(place_of(pf + j)) : nullptr;
       if (nb % 2 != 0) next_keys[nb] = nullptr;  // int8's P·V takes keys in pairs
     }
     int64_t r = 0;
