@@ -432,8 +432,9 @@ void decode_matches_full_forward() {
         for (Tensor* t : {&c.k, &c.v})
           for (int64_t i = 0; i < t->numel(); ++i) t->data()[i] = to_float(to_bf16(t->data()[i]));
       }
-      if (dtype == CacheDtype::I8) c.slack *= 128;  // the int8 path's 16-bit q and p (Case::slack)
-      if (dtype == CacheDtype::I8)  // each row's int8 round trip (max|x|/127 steps): stored again within an ulp
+      if (dtype == CacheDtype::I8) {
+        c.slack *= 128;  // the int8 path's 16-bit q and p (Case::slack)
+        // Each row's int8 round trip (max|x|/127 steps): stored again within an ulp.
         for (Tensor* t : {&c.k, &c.v})
           for (int64_t r = 0; r < t->numel() / t->size(3); ++r) {
             float* row = t->data() + r * t->size(3);
@@ -442,6 +443,7 @@ void decode_matches_full_forward() {
             const float step = absmax / 127.0f;
             for (int64_t x = 0; x < t->size(3); ++x) row[x] = step > 0 ? std::nearbyint(row[x] / step) * step : 0.0f;
           }
+      }
       SCOPED_TRACE(::testing::Message() << cache_dtype_name(dtype) << " alibi " << e.alibi << " softcap " << e.softcap
                                         << " sinks " << e.sinks);
       const Result full = run(c, Backend::Reference);
