@@ -171,11 +171,16 @@ using DF = hn::ScalableTag<float>;
 // - for float32 the P·V loop asks for the next block's K rows into L2, spread over its column
 //   passes: each pass the lines under its columns (one line per key at d = 128 with ≥ 4 query
 //   rows), each line once (a whole row per key in the first pass was slower than nothing).
-//   bf16 rows, widened before their FMAs, are bound more by the arithmetic: there the extra
-//   requests cost more than they gave, and only the first kind is kept (Intel Xeon, AVX3_DL,
-//   2 threads: asking for the next keys too, bf16 1.52 → 1.58 ms, int8 0.99 → 1.09 ms when int8
-//   was widened too). int8, whose products now run in integers, asks again (kAskNextKeys in
-//   decode_item_of).
+//   bf16 rows, widened before their FMAs, ask for them too on the AVX-512 targets only. On a
+//   Zen 4 (2026-12-06; h=32, kv=8, d=128, context 8192, 3 interleaved rounds, medians) that took
+//   bf16 from 2.23 to 1.90 ms a token on 1 thread (0.69 → 0.78 of the same-run read bandwidth)
+//   and 1.26 → 1.13 on 2, keys across lanes 2.15 → 1.81 and 1.31 → 1.08, with K/V in cache
+//   level (100 µs a step either way): the requests overlap the stream with the arithmetic. On
+//   AVX2 it was level, on SSE4 and below, bound by the arithmetic, 9–11% slower (the same CPU,
+//   each target forced). An Intel Xeon (AVX3_DL, 2 threads) had measured the opposite on the
+//   kernel as it was then, before the score tiles' cheaper transpose-add: bf16 1.52 → 1.58 ms,
+//   int8 0.99 → 1.09 when int8 was widened too. int8, whose products now run in integers, asks
+//   again (kAskNextKeys in decode_item_of).
 // Measured on a Zen 1 (AVX2; h=32, kv=8, d=128, context 8192 from memory, medians of 3
 // interleaved rounds of the best of 20 steps, a neighbour loading the machine; the fraction is of
 // the same-run read bandwidth): 1 thread float32 9.75 → 7.47 ms (0.56 → 0.76), keys across lanes
@@ -190,7 +195,7 @@ using DF = hn::ScalableTag<float>;
 // → 0.60; 1 thread f32 0.82 → 0.85, keys across lanes 0.81 → 0.86, bf16 keys across lanes 0.80
 // → 0.93 (bench/results/intel_2026-12-05/decode_prefetch.txt).
 template <class T>
-constexpr bool kNextKeysDuringValues = std::is_same_v<T, float>;
+constexpr bool kNextKeysDuringValues = std::is_same_v<T, float> || (std::is_same_v<T, bf16> && HWY_TARGET <= HWY_AVX3);
 
 /// Rows to ask for into L2 (a T1 hint) alongside a loop over a block's keys: with key j, `bytes`
 /// of rows[j] (null: none). The score loops ask for the block's V rows (the transposed scores, once
