@@ -277,8 +277,8 @@ constexpr int64_t row_bytes(int64_t n) {
   return n * static_cast<int64_t>(sizeof(T));
 }
 
-/// Asks for the lines of bytes [0, bytes) from p, one request a line (prefetch_bytes asks four
-/// lines a step: for a 128-byte int8 row, each line twice).
+/// Asks for the lines of bytes [0, bytes) from p (none when bytes ≤ 0), one request a line
+/// (prefetch_bytes asks four lines a step: for a 128-byte int8 row, each line twice).
 template <int kLocality>
 HWY_INLINE void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, kLocality);
@@ -354,8 +354,7 @@ HWY_INLINE void accumulate_tile(const float* P, const float* corr, const T* cons
   for (int64_t j = 0; j < nb; ++j) {
     if (r0 == 0 && c0 == 0)  // the first tile to pass over V
       prefetch_bytes<3>(vals[j], kNearRows * row_bytes<T>(d_v), row_bytes<T>(d_v));
-    if (far.rows && r0 == 0 && far.rows[j])
-      for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(far.rows[j]) + b, 0, 2);
+    if (far.rows && r0 == 0 && far.rows[j]) prefetch_lines<2>(reinterpret_cast<const char*>(far.rows[j]) + b0, b1 - b0);
     hn::Vec<DF> vv[NC];
     for (int i = 0; i < NC; ++i) vv[i] = load_row(df, vals[j] + c0 + i * L);
     for (int r = 0; r < NR; ++r) {
@@ -498,21 +497,17 @@ MHA_INT8_DOT HWY_INLINE hn::Vec<DW> int16_pairs(const int8_t* a, const int8_t* b
   return hn::OddEven(hn::BitCast(dw, odd), hn::BitCast(dw, even));
 }
 
-/// int16_pairs(ab, ab + L): the pairs of two adjacent runs of L int8 (a transposed tile's
-/// channels c and c + 1). On AVX-512, one widening of both runs and one word permute that
-/// interleaves them, where int16_pairs takes two widenings, a shift and a blend (Zen 4, int8 keys
-/// across lanes, 1 thread: a step in cache 64.5 → 63.2 µs, from memory at context 8192 1.25 → 1.23 ms).
+/// int16_pairs(ab, ab + 16): the pairs of two adjacent runs of 16 int8 (a transposed tile's
+/// channels c and c + 1), by one widening of both runs and one word permute that interleaves
+/// them, where int16_pairs takes two widenings, a shift and a blend (Zen 4, int8 keys across
+/// lanes, 1 thread: a step in cache 64.5 → 63.2 µs, from memory at context 8192 1.25 → 1.23 ms).
 MHA_INT8_DOT HWY_INLINE hn::Vec<DW> int16_pairs_adjacent(const int8_t* ab) {
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  static_assert(kLanes == 16);
+  static_assert(kLanes == 16, "the integer products' targets are the AVX-512 ones");
   alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
                                                            21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                                            11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab)));
   return hn::Vec<DW>{_mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), words)};
-#else
-  return int16_pairs(ab, ab + hn::Lanes(DF()));
-#endif
 }
 
 /// L int8 zeros, the partner of an odd d's last channel.
@@ -606,8 +601,7 @@ MHA_INT8_DOT HWY_INLINE void accumulate_tile_int8(const int16_t* p16, const floa
     }
     if (far.rows && r0 == 0)
       for (int64_t k = j; k < j + 2; ++k)
-        if (far.rows[k])
-          for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(far.rows[k] + b, 0, 2);
+        if (far.rows[k]) prefetch_lines<2>(far.rows[k] + b0, b1 - b0);
     hn::Vec<DW> vv[NC];  // columns of keys j and j + 1 as pairs (v_j[x], v_{j+1}[x]), one per lane
     if constexpr (NC % 2 == 0) {
       // Two vectors of columns at once: the rows' bytes interleaved, then widened (half the
@@ -720,18 +714,19 @@ HWY_INLINE void score_tile_transposed(const float* qs, int64_t d, const T* tile,
 
 /// The integer scores of score_tile_transposed for int8 tiles: out[r][i] = Σ_x q16[r0 + r][x] ·
 /// tile[x][i], exact, as float. Channels go in pairs, (tile[x][i], tile[x + 1][i]) as the int16
-/// pair of lane i, each multiplied with the row's (q16[x], q16[x + 1]) broadcast.
+/// pair of lane i, each multiplied with the row's (q16[x], q16[x + 1]) broadcast. Compiled for the
+/// AVX-512 targets only (kIntProducts), where a tile's 16 keys fill one vector.
 #if MHA_INT8_PRODUCTS
 template <int NR>
 MHA_INT8_DOT HWY_INLINE void score_tile_transposed_int8(const int16_t* q16, int64_t d, const int8_t* tile, bool ahead,
                                                         const int8_t* far, int64_t far_bytes, int64_t r0, float* out,
                                                         int64_t ld_out) {
+  static_assert(kTileVecs == 1);
   constexpr int64_t kPrefetchEvery = 256 / kKeyTile;  // channels: 256 bytes of the tile
   const DF df;
   const DI di;
   const DW dw;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
-  hn::Vec<DI> acc[NR * kTileVecs];  // lanes: the tile's keys
+  hn::Vec<DI> acc[NR];  // lanes: the tile's keys
   for (auto& v : acc) v = hn::Zero(di);
   for (int64_t c = 0; c < d; c += 2) {
     const int8_t* col = tile + c * kKeyTile;
@@ -740,21 +735,15 @@ MHA_INT8_DOT HWY_INLINE void score_tile_transposed_int8(const int16_t* q16, int6
       if (far && c * kKeyTile < far_bytes) prefetch_bytes<2>(far, c * kKeyTile, 256);
     }
     const bool pair = c + 1 < d;  // an odd d's last channel pairs with zeros
-    hn::Vec<DW> kv[kTileVecs];
-    for (int i = 0; i < kTileVecs; ++i)
-      kv[i] = pair && kTileVecs == 1 ? int16_pairs_adjacent(col)  // channel c + 1 follows c
-                                     : int16_pairs(col + i * L, pair ? col + kKeyTile + i * L : kZeroInt8);
+    const hn::Vec<DW> kv = pair ? int16_pairs_adjacent(col) : int16_pairs(col, kZeroInt8);  // c + 1 follows c
     for (int r = 0; r < NR; ++r) {
       const int16_t* q = q16 + (r0 + r) * d + c;
       int32_t qq = q[0] & 0xFFFF;  // (q[c], q[c + 1]), the first in the low half: one 32-bit load
       if (HWY_LIKELY(pair)) std::memcpy(&qq, q, sizeof(qq));
-      const auto qv = hn::BitCast(dw, hn::Set(di, qq));
-      for (int i = 0; i < kTileVecs; ++i) acc[r * kTileVecs + i] = dot_pairs(acc[r * kTileVecs + i], qv, kv[i]);
+      acc[r] = dot_pairs(acc[r], hn::BitCast(dw, hn::Set(di, qq)), kv);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < kTileVecs; ++i)
-      hn::StoreU(hn::ConvertTo(df, acc[r * kTileVecs + i]), df, out + r * ld_out + i * L);
+  for (int r = 0; r < NR; ++r) hn::StoreU(hn::ConvertTo(df, acc[r]), df, out + r * ld_out);
 }
 #else  // declared for score_block_transposed's branch that kIntProducts discards here; never defined
 template <int NR>
