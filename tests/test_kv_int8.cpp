@@ -25,6 +25,23 @@ KvCacheConfig int8_config(int64_t batch, int64_t kv, int64_t d, int64_t capacity
   return c;
 }
 
+TEST(Int8Cache, HalfStepsRoundToEven) {
+  // A row whose max is 127 has scale 1: its halves are ties, rounded to the even step (as
+  // std::nearbyint and torch.round do), both signs, at the ends of the range too.
+  const std::vector<float> row = {127.0f, 2.5f, -2.5f, 3.5f, -3.5f, 0.5f, -0.5f, 1.5f, 126.5f, -126.5f, 0.25f, -0.75f};
+  const std::vector<float> want = {127.0f, 2.0f, -2.0f, 4.0f, -4.0f, 0.0f, 0.0f, 2.0f, 126.0f, -126.0f, 0.0f, -1.0f};
+  const int64_t d = static_cast<int64_t>(row.size());
+  KvCache cache(int8_config(1, 1, d, 2));
+  Tensor k({1, 1, 1, d});
+  for (int64_t x = 0; x < d; ++x) k.at({0, 0, 0, x}) = row[static_cast<size_t>(x)];
+  cache.append(k.view4(), k.view4());
+  EXPECT_EQ(cache.k_scales()[0], 1.0f);
+  for (int64_t x = 0; x < d; ++x) {
+    EXPECT_EQ(cache.k_at(0, 0, 0, x), want[static_cast<size_t>(x)]) << "element " << x;
+    EXPECT_EQ(cache.v_at(0, 0, 0, x), want[static_cast<size_t>(x)]) << "element " << x;
+  }
+}
+
 TEST(Int8Cache, RowsReadBackWithinHalfAStep) {
   const int64_t kv = 2, T = 5, d = 19;
   KvCache cache(int8_config(1, kv, d, 8));

@@ -98,8 +98,14 @@ inline float int8_scale(float absmax) { return absmax / 127.0f; }
 
 /// x in steps of `scale`, rounded to nearest (ties to even) and clamped to ±127; 0 when scale is 0.
 inline int8_t int8_value(float x, float scale) {
-  const float q = scale > 0.0f ? std::nearbyint(x / scale) : 0.0f;
-  return static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+  if (!(scale > 0.0f)) return 0;
+  // Round to nearest, ties to even, as std::nearbyint does in the default rounding mode: adding
+  // and subtracting 1.5 · 2²³ leaves no fraction bits for |q| < 2²² (clamping first gives the
+  // same step). Inline, where std::nearbyint is a libm call on a build without SSE4.1: appending
+  // 4096 tokens × 8 K/V heads × 128 to an int8 cache took 37–50 ms, now 21–29 (Zen 4).
+  constexpr float kRound = 0x1.8p23f;
+  const float q = std::clamp(x / scale, -127.0f, 127.0f);
+  return static_cast<int8_t>((q + kRound) - kRound);  // IEEE arithmetic: never folded (no -ffast-math)
 }
 
 /// Writes the row with scale index `row`, its elements at `place`, from in[x · stride], x < dim,
