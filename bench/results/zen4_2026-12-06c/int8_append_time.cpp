@@ -1,3 +1,6 @@
+// Time to append 4096 tokens x 8 K/V heads x 128 to a fresh int8 cache (ab.txt §4). Build from the
+// repository root after building mha: g++ -std=c++20 -O2 -Iinclude -o app
+// bench/results/zen4_2026-12-06c/int8_append_time.cpp build/libmha.a build/libmha_internal.a -lhwy -fopenmp
 #include <mha/kv_cache.h>
 #include <mha/tensor.h>
 #include <algorithm>
@@ -15,7 +18,8 @@ int main() {
   for (auto layout : {KeyLayout::Rows, KeyLayout::Transposed}) {
     std::vector<double> ms;
     for (int r = 0; r < 7; ++r) {
-      KvCache c(KvCacheConfig{.batch = 1, .kv_heads = kv, .head_dim = d, .capacity = T, .dtype = CacheDtype::I8, .key_layout = layout});
+      KvCache c(KvCacheConfig{
+          .batch = 1, .kv_heads = kv, .head_dim = d, .capacity = T, .dtype = CacheDtype::I8, .key_layout = layout});
       auto t0 = std::chrono::steady_clock::now();
       c.append(k.view4(), k.view4());
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
