@@ -17,12 +17,13 @@ Bad input raises ValueError (shapes, values) or TypeError (types, dtypes) with t
 from ._core import (cached_tensor_bytes, num_threads, release_cached_tensors, set_num_threads, set_tensor_cache_limit,
                     tensor_cache_limit)
 from ._functional import Additive, Allowed, Causal, alibi_slopes, sdpa, sdpa_backward, sdpa_varlen
-from ._module import (KvCache, MultiheadAttention, PagedKvCache, Rope, analyze, attend_paged_cache, head_importance,
-                      load_safetensors, prune_heads)
+from ._module import (KvCache, MultiheadAttention, PagedKvCache, Rope, analyze, attend_cache, attend_paged_cache,
+                      head_importance, load_safetensors, prune_heads)
 
 from ._version import __version__  # written by CMake: the project version
 
-__all__ = ["sdpa", "sdpa_backward", "sdpa_varlen", "alibi_slopes", "Causal", "Allowed", "Additive", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_paged_cache", "Rope",
+__all__ = ["sdpa", "sdpa_backward", "sdpa_varlen", "alibi_slopes", "Causal", "Allowed", "Additive", "MultiheadAttention",
+           "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "Rope",
            "analyze", "prune_heads", "head_importance", "load_safetensors", "set_num_threads", "num_threads",
            "cached_tensor_bytes", "release_cached_tensors", "tensor_cache_limit", "set_tensor_cache_limit",
            "__version__"]

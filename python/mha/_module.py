@@ -10,8 +10,8 @@ import numpy as np
 from . import _core
 from ._functional import _offsets
 
-__all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_paged_cache", "analyze", "prune_heads", "head_importance",
-           "load_safetensors"]
+__all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
+           "prune_heads", "head_importance", "load_safetensors"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -124,6 +124,28 @@ class KvCache:
         """Bytes of K and V storage."""
         return self._c.nbytes
 
+    def append(self, k: Any, v: Any, counts: Optional[Sequence[int]] = None) -> None:
+        """Appends ``counts[b]`` rows of k (B, kv_heads, T, d) / v (B, kv_heads, T, d_v) to each
+        sequence b, at positions length … length + counts[b] − 1 (default: all T rows of every
+        sequence) — K and V as your own projections (and RoPE) made them, for :func:`attend_cache`.
+        Raises ValueError, changing nothing, on a shape that does not match, a sequence that would
+        outgrow a non-ring cache, or a non-finite value for an int8 cache."""
+        fn = "KvCache.append"
+        ka = np.ascontiguousarray(_f32("k", k, fn), dtype=np.float32)
+        va = np.ascontiguousarray(_f32("v", v, fn), dtype=np.float32)
+        if ka.ndim != 4 or va.ndim != 4:
+            raise ValueError(f"{fn}: k and v must be 4-D (B, kv_heads, T, d), got shapes {ka.shape} and {va.shape}")
+        self._c.append(ka, va, [int(n) for n in (counts if counts is not None else [])])
+
+    def k_at(self, b: int, g: int, p: int, x: int) -> float:
+        """Element x of the key of sequence b, K/V head g, position p, as stored (int8 and bf16:
+        read back as float)."""
+        return self._c.k_at(int(b), int(g), int(p), int(x))
+
+    def v_at(self, b: int, g: int, p: int, x: int) -> float:
+        """Element x of the value of sequence b, K/V head g, position p, as stored."""
+        return self._c.v_at(int(b), int(g), int(p), int(x))
+
     def reset(self, b: Optional[int] = None) -> None:
         """Every sequence (or sequence ``b``) back to length 0."""
         if b is None:
@@ -173,6 +195,29 @@ class PagedKvCache:
         """Positions sequence ``seq`` holds (the position of its next token)."""
         return self._c.length(int(seq))
 
+    def append(self, seq: int, k: Any, v: Any) -> None:
+        """Appends k (kv_heads, T, d) / v (kv_heads, T, d_v) (or with a leading 1) to sequence
+        ``seq`` at positions length … length + T − 1, taking blocks from the pool as needed (a
+        shared last block is copied first). Raises ValueError, changing nothing, when the pool has
+        too few free blocks, a shape does not match or ``seq`` does not exist."""
+        fn = "PagedKvCache.append"
+        ka = np.ascontiguousarray(_f32("k", k, fn), dtype=np.float32)
+        va = np.ascontiguousarray(_f32("v", v, fn), dtype=np.float32)
+        if ka.ndim == 3 and va.ndim == 3:
+            ka, va = ka[None], va[None]
+        if ka.ndim != 4 or va.ndim != 4:
+            raise ValueError(f"{fn}: k and v must be (kv_heads, T, d) or (1, kv_heads, T, d), "
+                             f"got shapes {ka.shape} and {va.shape}")
+        self._c.append(int(seq), ka, va)
+
+    def k_at(self, seq: int, g: int, p: int, x: int) -> float:
+        """Element x of the key of sequence ``seq``, K/V head g, position p, as stored."""
+        return self._c.k_at(int(seq), int(g), int(p), int(x))
+
+    def v_at(self, seq: int, g: int, p: int, x: int) -> float:
+        """Element x of the value of sequence ``seq``, K/V head g, position p, as stored."""
+        return self._c.v_at(int(seq), int(g), int(p), int(x))
+
     def alive(self, seq: int) -> bool:
         return self._c.alive(int(seq))
 
@@ -200,6 +245,30 @@ class PagedKvCache:
                 f"free_blocks={self.free_blocks()})")
 
 
+def _cache_query(fn: str, q: Any, cache: Any, kind: type) -> np.ndarray:
+    """q as a C-contiguous float32 (B, h, T_q, d) array, once cache is checked to be a `kind`."""
+    if not isinstance(cache, kind):
+        raise TypeError(f"{fn}: cache must be an mha.{kind.__name__}, got {type(cache).__name__}")
+    a = np.ascontiguousarray(_f32("q", q, fn), dtype=np.float32)
+    if a.ndim != 4:
+        raise ValueError(f"{fn}: q must be 4-D (B, h, T_q, d), got shape {a.shape}")
+    return a
+
+
+def attend_cache(q: Any, cache: KvCache, *, q_start: Optional[Sequence[int]] = None, scale: Optional[float] = None,
+                 window: int = 0, splits: int = 0, threads: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Causal attention of q (B, h, T_q, d) against everything ``cache`` holds (C++
+    mha::attend_cache; the decode kernel): row t of batch b is at position ``q_start[b] + t``
+    (default: the sequence's length, right after the cache) and sees cached positions ≤ it (and
+    > it − window). Query head i reads K/V head i // (h // kv_heads). ``splits`` cuts each
+    sequence's positions into that many parts merged exactly (0: chosen from the shapes); the
+    result never depends on ``threads``. Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``; a
+    row that sees no key gives zeros and lse = −inf."""
+    a = _cache_query("attend_cache", q, cache, KvCache)
+    return _core.attend_cache(a, cache._c, [int(p) for p in (q_start or [])], None if scale is None else float(scale),
+                              int(window), int(splits), int(threads))
+
+
 def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_start: Optional[Sequence[int]] = None,
                        scale: Optional[float] = None, window: int = 0, splits: int = 0,
                        threads: int = 0) -> Tuple[np.ndarray, np.ndarray]:
@@ -207,12 +276,7 @@ def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_st
     mha::attend_paged_cache): row t of batch b is at position ``q_start[b] + t`` (default: the
     sequence's length, right after the cache) and sees cached positions ≤ it (and > it − window).
     Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``."""
-    fn = "attend_paged_cache"
-    if not isinstance(cache, PagedKvCache):
-        raise TypeError(f"{fn}: cache must be an mha.PagedKvCache, got {type(cache).__name__}")
-    a = np.ascontiguousarray(_f32("q", q, fn), dtype=np.float32)
-    if a.ndim != 4:
-        raise ValueError(f"{fn}: q must be 4-D (B, h, T_q, d), got shape {a.shape}")
+    a = _cache_query("attend_paged_cache", q, cache, PagedKvCache)
     return _core.attend_paged_cache(a, cache._c, [int(s) for s in seqs], [int(p) for p in (q_start or [])],
                                     None if scale is None else float(scale), int(window), int(splits), int(threads))
 

@@ -235,6 +235,23 @@ py::tuple py_sdpa_varlen(const py::array& q, const py::array& k, const py::array
 // ---- the module ---------------------------------------------------------------------------------
 
 using F32In = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+/// Attention of q (B, h, T_q, d) over a KV cache by `attend(q, options, out, lse)`, without the GIL:
+/// (out (B, h, T_q, d_v), lse (B, h, T_q)).
+template <class Attend>
+py::tuple attend_over_cache(const F32In& q, const char* what, int64_t d_v, const mha::CacheAttentionOptions& options,
+                            Attend attend) {
+  const mha::View4<const float> qv = view_of<const float>(q, what);
+  const int64_t B = qv.shape[0], H = qv.shape[1], T = qv.shape[2];
+  py::array_t<float> out({B, H, T, d_v}), lse({B, H, T});
+  const mha::View4<float> out_view = view_of<float>(out, "out");
+  const mha::View4<float> lse_view = mha::contiguous_view(lse.mutable_data(), B, H, T, int64_t{1});
+  {
+    py::gil_scoped_release release;
+    attend(qv, options, out_view, lse_view);
+  }
+  return py::make_tuple(out, lse);
+}
 using BoolIn = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 
 /// Parameter tensors by PyTorch name.
@@ -520,7 +537,17 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("nbytes", &mha::KvCache::bytes)
       .def("reset", py::overload_cast<>(&mha::KvCache::reset))
       .def("reset_sequence", py::overload_cast<int64_t>(&mha::KvCache::reset))
-      .def("clone", &mha::KvCache::clone);
+      .def("clone", &mha::KvCache::clone)
+      // k (B, kv, T, d), v (B, kv, T, d_v) float32; counts: rows of each sequence (empty = all T).
+      .def("append",
+           [](mha::KvCache& self, const F32In& k, const F32In& v, const std::vector<int64_t>& counts) {
+             const auto kv = view_of<const float>(k, "KvCache.append: k"),
+                        vv = view_of<const float>(v, "KvCache.append: v");
+             py::gil_scoped_release release;
+             self.append(kv, vv, counts);
+           })
+      .def("k_at", &mha::KvCache::k_at)
+      .def("v_at", &mha::KvCache::v_at);
 
   py::class_<mha::PagedKvCache>(m, "PagedKvCache")
       .def(py::init([](int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t value_dim,
@@ -549,27 +576,31 @@ PYBIND11_MODULE(_core, m) {
       .def("refcount", &mha::PagedKvCache::refcount)
       .def("k_at", &mha::PagedKvCache::k_at)
       .def("v_at", &mha::PagedKvCache::v_at)
+      // k (1, kv, T, d), v (1, kv, T, d_v) float32, at positions length … length + T − 1 of seq.
+      .def("append",
+           [](mha::PagedKvCache& self, int64_t seq, const F32In& k, const F32In& v) {
+             const auto kv = view_of<const float>(k, "PagedKvCache.append: k"),
+                        vv = view_of<const float>(v, "PagedKvCache.append: v");
+             py::gil_scoped_release release;
+             self.append(seq, kv, vv);
+           })
       .def_property_readonly("block_size", [](const mha::PagedKvCache& self) { return self.config().block_size; })
       .def_property_readonly("num_blocks", [](const mha::PagedKvCache& self) { return self.config().num_blocks; });
 
-  // attend_paged_cache: q (B, h, T_q, d) float32 → (out (B, h, T_q, d_v), lse (B, h, T_q)).
+  // attend_cache / attend_paged_cache: q (B, h, T_q, d) float32 → (out (B, h, T_q, d_v), lse (B, h, T_q)).
+  m.def("attend_cache", [](const F32In& q, const mha::KvCache& cache, const std::vector<int64_t>& q_start,
+                           std::optional<float> scale, int64_t window, int splits, int threads) {
+    return attend_over_cache(
+        q, "attend_cache: q", cache.config().v_dim(), {scale, window, splits, threads},
+        [&](auto qv, const auto& o, auto out, auto lse) { mha::attend_cache(qv, cache, q_start, o, out, lse); });
+  });
   m.def("attend_paged_cache",
         [](const F32In& q, const mha::PagedKvCache& cache, const std::vector<int64_t>& seqs,
            const std::vector<int64_t>& q_start, std::optional<float> scale, int64_t window, int splits, int threads) {
-          const mha::View4<const float> qv = view_of<const float>(q, "attend_paged_cache: q");
-          const int64_t B = qv.shape[0], H = qv.shape[1], T = qv.shape[2];
-          py::array_t<float> out({B, H, T, cache.config().v_dim()}), lse({B, H, T});
-          mha::CacheAttentionOptions o;
-          o.scale = scale;
-          o.window = window;
-          o.splits = splits;
-          o.threads = threads;
-          {
-            py::gil_scoped_release release;
-            mha::attend_paged_cache(qv, cache, seqs, q_start, o, view_of<float>(out, "out"),
-                                    mha::contiguous_view(lse.mutable_data(), B, H, T, int64_t{1}));
-          }
-          return py::make_tuple(out, lse);
+          return attend_over_cache(q, "attend_paged_cache: q", cache.config().v_dim(), {scale, window, splits, threads},
+                                   [&](auto qv, const auto& o, auto out, auto lse) {
+                                     mha::attend_paged_cache(qv, cache, seqs, q_start, o, out, lse);
+                                   });
         });
 
   py::class_<mha::MultiheadAttention>(m, "Module")

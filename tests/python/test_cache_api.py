@@ -1,0 +1,180 @@
+"""KV caches filled and read directly (KvCache.append, PagedKvCache.append, attend_cache): K/V as a
+caller's own projections made them, attention against a float64 reference over the values the
+cache holds, contiguous and paged caches equal, bad input refused without changes."""
+import numpy as np
+import pytest
+
+import mha
+
+
+def x(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def held(cache, b, kv, n, d, dv, first=0):
+    """K (kv, n, d) and V (kv, n, dv) of positions first … first + n − 1 as the cache stores them."""
+    k = np.array([[[cache.k_at(b, g, first + p, c) for c in range(d)] for p in range(n)] for g in range(kv)])
+    v = np.array([[[cache.v_at(b, g, first + p, c) for c in range(dv)] for p in range(n)] for g in range(kv)])
+    return k, v
+
+
+def reference(q, k, v, positions, key_positions, window=0):
+    """float64 causal attention of q (h, T, d) at `positions` over k (kv, n, d), v (kv, n, dv) at
+    `key_positions`; returns out (h, T, dv) and lse (h, T)."""
+    h, T, d = q.shape
+    kv = k.shape[0]
+    out = np.zeros((h, T, v.shape[2]))
+    lse = np.full((h, T), -np.inf)
+    for i in range(h):
+        g = i // (h // kv)
+        for t in range(T):
+            pos = positions[t]
+            seen = [j for j, p in enumerate(key_positions) if p <= pos and (window == 0 or p > pos - window)]
+            if not seen:
+                continue
+            s = k[g, seen].astype(np.float64) @ q[i, t].astype(np.float64) / np.sqrt(d)
+            m = s.max()
+            e = np.exp(s - m)
+            out[i, t] = e @ v[g, seen] / e.sum()
+            lse[i, t] = m + np.log(e.sum())
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_append_then_attend_cache_matches_the_reference(rng, dtype, layout):
+    kv, h, d, dv = 2, 4, 8, 6
+    cache = mha.KvCache(2, kv, d, 40, value_dim=dv, dtype=dtype, key_layout=layout)
+    k1, v1 = x(rng, 2, kv, 20, d), x(rng, 2, kv, 20, dv)
+    cache.append(k1, v1, counts=[20, 17])  # sequence 1 takes its first 17 rows only
+    k2, v2 = x(rng, 2, kv, 3, d), x(rng, 2, kv, 3, dv)
+    cache.append(k2, v2)
+    assert cache.lengths() == [23, 20]
+    # What was appended is what the cache holds, to the dtype's rounding.
+    tol = {"f32": 0, "bf16": 2.0**-8, "int8": 1 / 127}[dtype]
+    k_b1, v_b1 = held(cache, 1, kv, 20, d, dv)
+    np.testing.assert_allclose(k_b1[:, :17], k1[1, :, :17], atol=tol * 4, rtol=tol)
+    np.testing.assert_allclose(v_b1[:, 17:], v2[1], atol=tol * 4, rtol=tol)
+    # Two new tokens a sequence, right after the cache (q_start defaults to the lengths), then three
+    # placed earlier with a window.
+    q = x(rng, 2, h, 2, d)
+    out, lse = mha.attend_cache(q, cache, splits=2)
+    assert out.shape == (2, h, 2, dv) and lse.shape == (2, h, 2)
+    q3 = x(rng, 2, h, 3, d)
+    out3, lse3 = mha.attend_cache(q3, cache, q_start=[5, 11], window=4)
+    atol = 2e-4 if dtype == "int8" else 2e-6  # int8 rounds q and P to 16 bits (docs/semantics.md)
+    for b, n in enumerate(cache.lengths()):
+        kh, vh = held(cache, b, kv, n, d, dv)
+        want, want_lse = reference(q[b], kh, vh, [n, n + 1], range(n))
+        np.testing.assert_allclose(out[b], want, atol=atol, rtol=atol)
+        np.testing.assert_allclose(lse[b], want_lse, atol=atol, rtol=atol)
+        start = [5, 11][b]
+        want3, want_lse3 = reference(q3[b], kh, vh, [start, start + 1, start + 2], range(n), window=4)
+        np.testing.assert_allclose(out3[b], want3, atol=atol, rtol=atol)
+        np.testing.assert_allclose(lse3[b], want_lse3, atol=atol, rtol=atol)
+    # Threads never change the result; the split count is fixed here.
+    for threads in (1, 2, 3):
+        got, got_lse = mha.attend_cache(q, cache, splits=2, threads=threads)
+        np.testing.assert_array_equal(got, out)
+        np.testing.assert_array_equal(got_lse, lse)
+
+
+def test_ring_cache_attends_to_the_positions_it_holds(rng):
+    kv, h, d = 1, 2, 4
+    cache = mha.KvCache(1, kv, d, 8, ring=True)
+    k, v = x(rng, 1, kv, 13, d), x(rng, 1, kv, 13, d)
+    cache.append(k[:, :, :6], v[:, :, :6])
+    cache.append(k[:, :, 6:], v[:, :, 6:])  # wraps: positions 5 … 12 remain
+    assert cache.length() == 13
+    q = x(rng, 1, h, 1, d)
+    out, lse = mha.attend_cache(q, cache)
+    want, want_lse = reference(q[0], k[0, :, 5:], v[0, :, 5:], [13], range(5, 13))
+    np.testing.assert_allclose(out[0], want, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(lse[0], want_lse, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_paged_append_equals_the_contiguous_cache(rng, dtype):
+    kv, h, d = 2, 4, 8
+    flat = mha.KvCache(2, kv, d, 32, dtype=dtype)
+    paged = mha.PagedKvCache(kv, d, block_size=4, num_blocks=16, dtype=dtype)
+    seqs = [paged.add_sequence(), paged.add_sequence()]
+    for T in (7, 1, 5):
+        k, v = x(rng, 2, kv, T, d), x(rng, 2, kv, T, d)
+        flat.append(k, v)
+        paged.append(seqs[0], k[0], v[0])  # (kv, T, d)
+        paged.append(seqs[1], k[1:], v[1:])  # (1, kv, T, d)
+    assert [paged.length(s) for s in seqs] == flat.lengths() == [13, 13]
+    assert paged.k_at(seqs[1], 1, 12, 3) == flat.k_at(1, 1, 12, 3)
+    q = x(rng, 2, h, 1, d)
+    out, lse = mha.attend_cache(q, flat, splits=1)
+    got, got_lse = mha.attend_paged_cache(q, paged, seqs, splits=1)
+    np.testing.assert_array_equal(got, out)
+    np.testing.assert_array_equal(got_lse, lse)
+
+
+def test_bad_appends_and_queries_are_refused_without_changes(rng):
+    cache = mha.KvCache(2, 2, 8, 10, dtype="int8")
+    cache.append(x(rng, 2, 2, 4, 8), x(rng, 2, 2, 4, 8))
+    before = cache.k_at(1, 1, 3, 7)
+    with pytest.raises(ValueError, match=r"key \(2, 2, 3, 4\) and value \(2, 2, 3, 8\) must be \(2, 2, 3, 8\)"):
+        cache.append(x(rng, 2, 2, 3, 4), x(rng, 2, 2, 3, 8))  # d of 4 for a head dim of 8
+    with pytest.raises(ValueError, match="4-D"):
+        cache.append(x(rng, 2, 3, 8), x(rng, 2, 3, 8))
+    with pytest.raises(ValueError, match="exceed the capacity"):
+        cache.append(x(rng, 2, 2, 7, 8), x(rng, 2, 2, 7, 8))
+    with pytest.raises(ValueError, match="counts"):
+        cache.append(x(rng, 2, 2, 2, 8), x(rng, 2, 2, 2, 8), counts=[1])
+    bad = x(rng, 2, 2, 1, 8)
+    bad[1, 0, 0, 5] = np.inf
+    with pytest.raises(ValueError, match="finite"):
+        cache.append(bad, x(rng, 2, 2, 1, 8))
+    assert cache.lengths() == [4, 4] and cache.k_at(1, 1, 3, 7) == before
+    with pytest.raises(ValueError):
+        cache.k_at(0, 0, 4, 0)  # position 4 not held yet
+    with pytest.raises(ValueError):
+        mha.attend_cache(x(rng, 3, 4, 1, 8), cache)  # three sequences against a batch of two
+    with pytest.raises(ValueError):
+        mha.attend_cache(x(rng, 2, 3, 1, 8), cache)  # 3 query heads over 2 K/V heads
+    with pytest.raises(ValueError, match="4-D"):
+        mha.attend_cache(x(rng, 2, 4, 8), cache)
+    with pytest.raises(TypeError, match="KvCache"):
+        mha.attend_cache(x(rng, 2, 4, 1, 8), mha.PagedKvCache(2, 8, num_blocks=2))
+    paged = mha.PagedKvCache(2, 8, block_size=4, num_blocks=1)
+    s = paged.add_sequence()
+    with pytest.raises(ValueError):
+        paged.append(s, x(rng, 2, 5, 8), x(rng, 2, 5, 8))  # 5 positions need 2 blocks of a pool of 1
+    assert paged.length(s) == 0 and paged.free_blocks() == 1
+    with pytest.raises(ValueError):
+        paged.append(7, x(rng, 2, 1, 8), x(rng, 2, 1, 8))  # no sequence 7
+
+
+def test_own_projections_into_a_cache_give_the_modules_decoding(rng):
+    # The inference-engine way: Q/K/V projected outside mha, K/V appended, attend_cache, W_O outside;
+    # equal to the module's own forward_incremental (prefill, then token by token).
+    E, h, kv, d = 16, 4, 2, 4
+    m = mha.MultiheadAttention(E, h, num_kv_heads=kv, batch_first=True, seed=3).eval()
+    sd = m.state_dict()
+    w, b = sd["in_proj_weight"], sd["in_proj_bias"]
+    w_q, w_k, w_v = w[:E], w[E:E + kv * d], w[E + kv * d:]
+    b_q, b_k, b_v = b[:E], b[E:E + kv * d], b[E + kv * d:]
+
+    def heads(y, n):  # (B, T, n·d) → (B, n, T, d)
+        return y.reshape(y.shape[0], y.shape[1], n, d).transpose(0, 2, 1, 3)
+
+    def step(xs, cache, start):
+        cache.append(heads(xs @ w_k.T + b_k, kv), heads(xs @ w_v.T + b_v, kv))
+        out, _ = mha.attend_cache(heads(xs @ w_q.T + b_q, h), cache, q_start=[start])
+        o = out.transpose(0, 2, 1, 3).reshape(xs.shape[0], xs.shape[1], E)
+        return o @ sd["out_proj.weight"].T + sd["out_proj.bias"]
+
+    xs = x(rng, 1, 9, E)
+    theirs, mine = m.new_cache(1, 12), mha.KvCache(1, kv, d, 12)
+    prompt = xs[:, :6]
+    np.testing.assert_allclose(step(prompt, mine, 0), m.forward_incremental(prompt, prompt, prompt, theirs),
+                               atol=1e-5, rtol=1e-5)
+    for t in range(6, 9):
+        tok = xs[:, t:t + 1]
+        np.testing.assert_allclose(step(tok, mine, t), m.forward_incremental(tok, tok, tok, theirs),
+                                   atol=1e-5, rtol=1e-5)
+    assert mine.lengths() == theirs.lengths() == [9]
