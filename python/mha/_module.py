@@ -111,6 +111,14 @@ class KvCache:
         """Every sequence's length."""
         return [self._c.length(b) for b in range(self._c.batch)]
 
+    def stored(self, b: int = 0) -> int:
+        """Positions sequence ``b`` holds (less than its length once a ring has wrapped)."""
+        return self._c.stored(b)
+
+    def remaining(self, b: int = 0) -> int:
+        """Positions sequence ``b`` can still take before :meth:`append` fails (a ring: unlimited)."""
+        return self._c.remaining(b)
+
     @property
     def batch(self) -> int:
         return self._c.batch

@@ -85,7 +85,7 @@ def test_ring_cache_attends_to_the_positions_it_holds(rng):
     k, v = x(rng, 1, kv, 13, d), x(rng, 1, kv, 13, d)
     cache.append(k[:, :, :6], v[:, :, :6])
     cache.append(k[:, :, 6:], v[:, :, 6:])  # wraps: positions 5 … 12 remain
-    assert cache.length() == 13
+    assert cache.length() == 13 and cache.stored() == 8 and cache.remaining() > 2**62
     q = x(rng, 1, h, 1, d)
     out, lse = mha.attend_cache(q, cache)
     want, want_lse = reference(q[0], k[0, :, 5:], v[0, :, 5:], [13], range(5, 13))
@@ -130,6 +130,7 @@ def test_bad_appends_and_queries_are_refused_without_changes(rng):
     with pytest.raises(ValueError, match="finite"):
         cache.append(bad, x(rng, 2, 2, 1, 8))
     assert cache.lengths() == [4, 4] and cache.k_at(1, 1, 3, 7) == before
+    assert cache.stored(1) == 4 and cache.remaining(1) == 6
     with pytest.raises(ValueError):
         cache.k_at(0, 0, 4, 0)  # position 4 not held yet
     with pytest.raises(ValueError):
