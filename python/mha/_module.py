@@ -47,6 +47,11 @@ def _f32(name: str, x: Any, fn: str) -> np.ndarray:
     return a
 
 
+def _f32_contiguous(name: str, x: Any, fn: str) -> np.ndarray:
+    """x (a floating-point array, _f32) as a C-contiguous float32 array, copied only if needed."""
+    return np.ascontiguousarray(_f32(name, x, fn), dtype=np.float32)
+
+
 def _is_bool(a: np.ndarray) -> bool:
     # torch 1.13 still accepts uint8 masks as boolean ones (deprecated); so do we.
     return a.dtype == np.bool_ or a.dtype == np.uint8
@@ -139,8 +144,8 @@ class KvCache:
         Raises ValueError, changing nothing, on a shape that does not match, a sequence that would
         outgrow a non-ring cache, or a non-finite value for an int8 cache."""
         fn = "KvCache.append"
-        ka = np.ascontiguousarray(_f32("k", k, fn), dtype=np.float32)
-        va = np.ascontiguousarray(_f32("v", v, fn), dtype=np.float32)
+        ka = _f32_contiguous("k", k, fn)
+        va = _f32_contiguous("v", v, fn)
         if ka.ndim != 4 or va.ndim != 4:
             raise ValueError(f"{fn}: k and v must be 4-D (B, kv_heads, T, d), got shapes {ka.shape} and {va.shape}")
         self._c.append(ka, va, [int(n) for n in (counts if counts is not None else [])])
@@ -209,8 +214,8 @@ class PagedKvCache:
         shared last block is copied first). Raises ValueError, changing nothing, when the pool has
         too few free blocks, a shape does not match or ``seq`` does not exist."""
         fn = "PagedKvCache.append"
-        ka = np.ascontiguousarray(_f32("k", k, fn), dtype=np.float32)
-        va = np.ascontiguousarray(_f32("v", v, fn), dtype=np.float32)
+        ka = _f32_contiguous("k", k, fn)
+        va = _f32_contiguous("v", v, fn)
         if ka.ndim == 3 and va.ndim == 3:
             ka, va = ka[None], va[None]
         if ka.ndim != 4 or va.ndim != 4:
@@ -257,7 +262,7 @@ def _cache_query(fn: str, q: Any, cache: Any, kind: type) -> np.ndarray:
     """q as a C-contiguous float32 (B, h, T_q, d) array, once cache is checked to be a `kind`."""
     if not isinstance(cache, kind):
         raise TypeError(f"{fn}: cache must be an mha.{kind.__name__}, got {type(cache).__name__}")
-    a = np.ascontiguousarray(_f32("q", q, fn), dtype=np.float32)
+    a = _f32_contiguous("q", q, fn)
     if a.ndim != 4:
         raise ValueError(f"{fn}: q must be 4-D (B, h, T_q, d), got shape {a.shape}")
     return a

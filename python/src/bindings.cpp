@@ -235,6 +235,7 @@ py::tuple py_sdpa_varlen(const py::array& q, const py::array& k, const py::array
 // ---- the module ---------------------------------------------------------------------------------
 
 using F32In = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using BoolIn = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 
 /// Attention of q (B, h, T_q, d) over a KV cache by `attend(q, options, out, lse)`, without the GIL:
 /// (out (B, h, T_q, d_v), lse (B, h, T_q)).
@@ -252,7 +253,6 @@ py::tuple attend_over_cache(const F32In& q, const char* what, int64_t d_v, const
   }
   return py::make_tuple(out, lse);
 }
-using BoolIn = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 
 /// Parameter tensors by PyTorch name.
 mha::Tensor* param_slot(mha::MhaParameters& p, const std::string& name) {

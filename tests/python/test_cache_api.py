@@ -11,10 +11,10 @@ def x(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def held(cache, b, kv, n, d, dv, first=0):
-    """K (kv, n, d) and V (kv, n, dv) of positions first … first + n − 1 as the cache stores them."""
-    k = np.array([[[cache.k_at(b, g, first + p, c) for c in range(d)] for p in range(n)] for g in range(kv)])
-    v = np.array([[[cache.v_at(b, g, first + p, c) for c in range(dv)] for p in range(n)] for g in range(kv)])
+def held(cache, b, kv, n, d, dv):
+    """K (kv, n, d) and V (kv, n, dv) of positions 0 … n − 1 as the cache stores them."""
+    k = np.array([[[cache.k_at(b, g, p, c) for c in range(d)] for p in range(n)] for g in range(kv)])
+    v = np.array([[[cache.v_at(b, g, p, c) for c in range(dv)] for p in range(n)] for g in range(kv)])
     return k, v
 
 
