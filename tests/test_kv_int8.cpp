@@ -3,10 +3,14 @@
 // refuses. Attention over it is tested with the other caches (test_decode.cpp, test_paged_cache.cpp)
 // and against PyTorch (Int8CacheGolden below).
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "kernels/fused_forward.h"
+#include "kernels/quantize.h"
 #include "mha/kv_cache.h"
 #include "mha/paged_kv_cache.h"
 #include "mha/safetensors.h"
@@ -23,6 +27,89 @@ KvCacheConfig int8_config(int64_t batch, int64_t kv, int64_t d, int64_t capacity
   KvCacheConfig c;
   c.batch = batch, c.kv_heads = kv, c.head_dim = d, c.capacity = capacity, c.dtype = CacheDtype::I8;
   return c;
+}
+
+/// The SIMD quantiser (kernels/quantize.h) against its scalar definition, bitwise: the scale and
+/// every byte, for rows of every length around the vector widths, written contiguously and 16
+/// apart (keys across lanes), on every SIMD target.
+TEST(Int8Quantize, RowsMatchTheScalarDefinitionOnEveryTarget) {
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal;
+  testing::for_each_fused_target([&] {
+    ASSERT_EQ(kernels::quantize_dispatch_target(), kernels::fused_dispatch_target());
+    for (const int64_t n : {0, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 127, 128, 129, 256}) {
+      for (int pattern = 0; pattern < 7; ++pattern) {
+        std::vector<float> row(static_cast<size_t>(n));
+        const float magnitude = pattern == 1 ? 1e-3f : pattern == 2 ? 1e4f : pattern == 3 ? 1e-40f : 1.0f;
+        for (auto& x : row) x = normal(gen) * magnitude;
+        if (pattern == 4 && n > 0) {  // a max of 127, so scale 1: halves are ties
+          for (int64_t x = 0; x < n; ++x) row[static_cast<size_t>(x)] = static_cast<float>(x % 254 - 127) + 0.5f;
+          row[0] = 127.0f;
+        }
+        if (pattern == 5) std::fill(row.begin(), row.end(), 0.0f);
+        if (pattern == 6) std::fill(row.begin(), row.end(), -0.0f);
+        float absmax = 0.0f;
+        for (const float x : row) absmax = std::max(absmax, std::fabs(x));
+        const float want_scale = kernels::int8_scale(absmax);
+        for (const int64_t step : {1, 16}) {
+          SCOPED_TRACE("n " + std::to_string(n) + ", pattern " + std::to_string(pattern) + ", step " +
+                       std::to_string(step));
+          std::vector<int8_t> got(static_cast<size_t>(std::max<int64_t>(1, n * step)), int8_t{99});
+          const float scale = kernels::quantize_int8_row(row.data(), n, got.data(), step);
+          EXPECT_EQ(std::memcmp(&scale, &want_scale, sizeof(float)), 0) << scale << " vs " << want_scale;
+          for (int64_t x = 0; x < n * step; ++x) {
+            const int8_t want = x % step == 0 ? kernels::int8_value(row[static_cast<size_t>(x / step)], want_scale)
+                                              : int8_t{99};  // untouched between a row's elements
+            ASSERT_EQ(got[static_cast<size_t>(x)], want) << "byte " << x;
+          }
+        }
+      }
+    }
+  });
+}
+
+/// The SIMD finiteness check (kernels::first_non_finite) names the first ±inf or NaN, wherever it
+/// lies (a full vector or the tail), on every SIMD target.
+TEST(Int8Quantize, FirstNonFiniteOnEveryTarget) {
+  const float kInf = std::numeric_limits<float>::infinity(), kNaN = std::numeric_limits<float>::quiet_NaN();
+  testing::for_each_fused_target([&] {
+    for (const int64_t n : {0, 1, 5, 16, 17, 40, 128, 131}) {
+      std::vector<float> row(static_cast<size_t>(n), 1.0f);
+      EXPECT_EQ(kernels::first_non_finite(row.data(), n), -1) << n;
+      for (const float bad : {kInf, -kInf, kNaN, std::numeric_limits<float>::max() * 2.0f})
+        for (int64_t at = 0; at < n; at += std::max<int64_t>(1, n / 5)) {
+          std::vector<float> r = row;
+          r[static_cast<size_t>(at)] = bad;
+          if (at + 3 < n) r[static_cast<size_t>(at + 3)] = kNaN;  // a later one is not the first
+          EXPECT_EQ(kernels::first_non_finite(r.data(), n), at) << "n " << n << ", at " << at << ", " << bad;
+        }
+    }
+  });
+}
+
+/// An append from a view whose elements are not contiguous (the scalar path) stores the same
+/// bytes and scales as from a contiguous copy (the SIMD path).
+TEST(Int8Cache, StridedAndContiguousAppendsStoreTheSame) {
+  const int64_t kv = 2, T = 3, d = 37;
+  const Tensor k = random_tensor({1, kv, T, d}, 5, -2.0f, 2.0f);
+  std::vector<float> spread(static_cast<size_t>(2 * k.numel()), std::numeric_limits<float>::quiet_NaN());
+  for (int64_t i = 0; i < k.numel(); ++i) spread[static_cast<size_t>(2 * i)] = k.data()[i];
+  const View4<const float> strided{spread.data(), {1, kv, T, d}, {2 * kv * T * d, 2 * T * d, 2 * d, 2}};
+  for (const KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed}) {
+    KvCacheConfig c = int8_config(1, kv, d, 4);
+    c.key_layout = layout;
+    KvCache a(c), b(c);
+    a.append(k.view4(), k.view4());
+    b.append(strided, strided);
+    for (int64_t g = 0; g < kv; ++g)
+      for (int64_t t = 0; t < T; ++t) {
+        EXPECT_EQ(a.k_scales()[g * 4 + t], b.k_scales()[g * 4 + t]);
+        for (int64_t x = 0; x < d; ++x) {
+          EXPECT_EQ(a.k_at(0, g, t, x), b.k_at(0, g, t, x));
+          EXPECT_EQ(a.v_at(0, g, t, x), b.v_at(0, g, t, x));
+        }
+      }
+  }
 }
 
 TEST(Int8Cache, HalfStepsRoundToEven) {

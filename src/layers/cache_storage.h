@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/common.h"
+#include "kernels/quantize.h"
 #include "mha/error.h"
 #include "mha/kv_cache.h"
 #include "mha/tensor.h"
@@ -92,21 +93,8 @@ inline float plane_at(const CachePlane& p, CacheDtype dtype, int64_t row, int64_
   return plane_at(p, dtype, row, row_place(row, dim), x);
 }
 
-/// The int8 scale of a row whose largest magnitude is `absmax` (0 for a row of zeros, or one so
-/// small that absmax / 127 underflows: it then reads back as zeros, within absmax).
-inline float int8_scale(float absmax) { return absmax / 127.0f; }
-
-/// x in steps of `scale`, rounded to nearest (ties to even) and clamped to ±127; 0 when scale is 0.
-inline int8_t int8_value(float x, float scale) {
-  if (!(scale > 0.0f)) return 0;
-  // Round to nearest, ties to even, as std::nearbyint does in the default rounding mode: adding
-  // and subtracting 1.5 · 2²³ leaves no fraction bits for |q| < 2²² (clamping first gives the
-  // same step). Inline, where std::nearbyint is a libm call on a build without SSE4.1: appending
-  // 4096 tokens × 8 K/V heads × 128 to an int8 cache took 37–50 ms, now 21–29 (Zen 4).
-  constexpr float kRound = 0x1.8p23f;
-  const float q = std::clamp(x / scale, -127.0f, 127.0f);
-  return static_cast<int8_t>((q + kRound) - kRound);  // IEEE arithmetic: never folded (no -ffast-math)
-}
+using kernels::int8_scale;
+using kernels::int8_value;
 
 /// Writes the row with scale index `row`, its elements at `place`, from in[x · stride], x < dim,
 /// converting to the plane's dtype (int8: symmetric, scale = max|x| / 127, round to nearest).
@@ -117,11 +105,16 @@ inline void plane_put_row(CachePlane& p, CacheDtype dtype, int64_t row, ElementP
   if (dtype == CacheDtype::BF16) {
     for (int64_t x = 0; x < dim; ++x) p.b16[at(x)] = to_bf16(in[x * stride]);
   } else if (dtype == CacheDtype::I8) {
-    float absmax = 0.0f;
-    for (int64_t x = 0; x < dim; ++x) absmax = std::max(absmax, std::fabs(in[x * stride]));
-    const float scale = int8_scale(absmax);
+    float scale = 0.0f;
+    if (stride == 1) {  // a contiguous row (every append from a contiguous tensor): the SIMD kernel
+      scale = kernels::quantize_int8_row(in, dim, dim > 0 ? &p.i8[at(0)] : nullptr, place.step);
+    } else {
+      float absmax = 0.0f;
+      for (int64_t x = 0; x < dim; ++x) absmax = std::max(absmax, std::fabs(in[x * stride]));
+      scale = int8_scale(absmax);
+      for (int64_t x = 0; x < dim; ++x) p.i8[at(x)] = int8_value(in[x * stride], scale);
+    }
     p.scale[static_cast<size_t>(row)] = scale;
-    for (int64_t x = 0; x < dim; ++x) p.i8[at(x)] = int8_value(in[x * stride], scale);
   } else {
     for (int64_t x = 0; x < dim; ++x) p.f32[at(x)] = in[x * stride];
   }
@@ -152,10 +145,12 @@ inline void check_int8_finite(CacheDtype dtype, const char* who, const char* nam
   for (int64_t g = 0; g < src.shape[1]; ++g)
     for (int64_t t = 0; t < count; ++t) {
       const float* in = src.row(b, g, t);
-      for (int64_t x = 0; x < src.shape[3]; ++x)
-        if (!std::isfinite(in[x * src.stride[3]]))
+      const int64_t n = src.shape[3], stride = src.stride[3];
+      if (stride == 1 && kernels::first_non_finite(in, n) < 0) continue;  // a SIMD vector at a time
+      for (int64_t x = 0; x < n; ++x)
+        if (!std::isfinite(in[x * stride]))
           fail(who, ": an int8 cache takes finite values only, but ", name, " ", shape_str(src), " holds ",
-               in[x * src.stride[3]], " at (", b, ", ", g, ", ", t, ", ", x, ")");
+               in[x * stride], " at (", b, ", ", g, ", ", t, ", ", x, ")");
     }
 }
 
