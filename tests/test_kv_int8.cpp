@@ -68,6 +68,41 @@ TEST(Int8Quantize, RowsMatchTheScalarDefinitionOnEveryTarget) {
   });
 }
 
+/// The per-channel quantiser (kernels::quantize_int8_columns) against the scalar definition,
+/// bitwise: each column's scale and every byte, with columns of zeros (scale 0), ties (a column
+/// whose max is 127) and row and column counts around the vector widths, on every SIMD target.
+TEST(Int8Quantize, ColumnsMatchTheScalarDefinitionOnEveryTarget) {
+  std::mt19937 gen(12);
+  std::normal_distribution<float> normal;
+  testing::for_each_fused_target([&] {
+    for (const int64_t rows : {1, 2, 5, 32, 33})
+      for (const int64_t d : {1, 7, 16, 17, 40, 128, 131}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + ", d " + std::to_string(d));
+        std::vector<float> in(static_cast<size_t>(rows * d));
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t x = 0; x < d; ++x) {
+            float& v = in[static_cast<size_t>(i * d + x)];
+            v = normal(gen) * (x % 5 == 1 ? 1e-3f : x % 5 == 2 ? 1e4f : 1.0f);
+            if (x % 7 == 3) v = 0.0f;                                                   // a column of zeros
+            if (x % 7 == 4) v = i == 0 ? 127.0f : static_cast<float>(i % 200) - 99.5f;  // ties at scale 1
+          }
+        std::vector<float> scale(static_cast<size_t>(d), -1.0f);
+        std::vector<int8_t> got(static_cast<size_t>(rows * d), int8_t{99});
+        kernels::quantize_int8_columns(in.data(), rows, d, scale.data(), got.data());
+        for (int64_t x = 0; x < d; ++x) {
+          float absmax = 0.0f;
+          for (int64_t i = 0; i < rows; ++i) absmax = std::max(absmax, std::fabs(in[static_cast<size_t>(i * d + x)]));
+          const float want_scale = kernels::int8_scale(absmax);
+          ASSERT_EQ(std::memcmp(&scale[static_cast<size_t>(x)], &want_scale, sizeof(float)), 0) << "column " << x;
+          for (int64_t i = 0; i < rows; ++i)
+            ASSERT_EQ(got[static_cast<size_t>(i * d + x)],
+                      kernels::int8_value(in[static_cast<size_t>(i * d + x)], want_scale))
+                << "row " << i << ", column " << x;
+        }
+      }
+  });
+}
+
 /// The SIMD finiteness check (kernels::first_non_finite) names the first ±inf or NaN, wherever it
 /// lies (a full vector or the tail), on every SIMD target.
 TEST(Int8Quantize, FirstNonFiniteOnEveryTarget) {

@@ -57,6 +57,34 @@ float quantize_int8_row(const float* in, int64_t n, int8_t* out, int64_t out_ste
   return scale;
 }
 
+void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* scale, int8_t* out) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<int8_t, decltype(df)> d8;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const auto zero = hn::Zero(df), lo = hn::Set(df, -127.0f), hi = hn::Set(df, 127.0f);
+  const auto round = hn::Set(df, 0x1.8p23f), div127 = hn::Set(df, 127.0f);
+  int64_t x = 0;
+  for (; x + L <= d; x += L) {  // L channels at a time: their maxima, scales, then each row's values
+    auto vmax = zero;
+    for (int64_t i = 0; i < n_rows; ++i) vmax = hn::Max(vmax, hn::Abs(hn::LoadU(df, rows + i * d + x)));
+    const auto vscale = hn::Div(vmax, div127);  // int8_scale, lane by lane
+    hn::StoreU(vscale, df, scale + x);
+    const auto live = hn::Gt(vscale, zero);  // int8_value's 0 where the scale is 0
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const auto q = hn::Min(hn::Max(hn::Div(hn::LoadU(df, rows + i * d + x), vscale), lo), hi);
+      const auto r = hn::IfThenElseZero(live, hn::Sub(hn::Add(q, round), round));
+      hn::StoreU(hn::DemoteTo(d8, hn::ConvertTo(di, r)), d8, out + i * d + x);
+    }
+  }
+  for (; x < d; ++x) {
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < n_rows; ++i) absmax = std::max(absmax, std::fabs(rows[i * d + x]));
+    scale[x] = int8_scale(absmax);
+    for (int64_t i = 0; i < n_rows; ++i) out[i * d + x] = int8_value(rows[i * d + x], scale[x]);
+  }
+}
+
 int64_t first_non_finite(const float* in, int64_t n) {
   const hn::ScalableTag<float> df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
@@ -77,12 +105,16 @@ HWY_AFTER_NAMESPACE();
 namespace mha::kernels {
 namespace quantize {
 HWY_EXPORT(quantize_int8_row);
+HWY_EXPORT(quantize_int8_columns);
 HWY_EXPORT(first_non_finite);
 HWY_EXPORT(dispatch_target);
 }  // namespace quantize
 
 float quantize_int8_row(const float* in, int64_t n, int8_t* out, int64_t out_step) {
   return HWY_DYNAMIC_DISPATCH(quantize::quantize_int8_row)(in, n, out, out_step);
+}
+void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* scale, int8_t* out) {
+  HWY_DYNAMIC_DISPATCH(quantize::quantize_int8_columns)(rows, n_rows, d, scale, out);
 }
 int64_t first_non_finite(const float* in, int64_t n) { return HWY_DYNAMIC_DISPATCH(quantize::first_non_finite)(in, n); }
 std::vector<int64_t> quantize_compiled_targets() { return target_bits(HWY_TARGETS); }

@@ -32,6 +32,11 @@ inline int8_t int8_value(float x, float scale) {
 /// (the caches check them first).
 float quantize_int8_row(const float* in, int64_t n, int8_t* out, int64_t out_step);
 
+/// Quantises n_rows rows of d finite floats (contiguous) column by column, as per-channel key scales
+/// do: scale[x] = int8_scale(max over the rows of |rows[i·d + x]|), out[i·d + x] =
+/// int8_value(rows[i·d + x], scale[x]) — bitwise the scalar functions' results.
+void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* scale, int8_t* out);
+
 /// The index of the first of in[0 … n) that is ±inf or NaN (no int8 scale can represent it), or −1.
 int64_t first_non_finite(const float* in, int64_t n);
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/decode.h"
+#include "kernels/quantize.h"
 #include "layers/cache_storage.h"
 #include "layers/sdpa_prepare.h"
 #include "mha/threads.h"
@@ -158,13 +159,7 @@ void KvCache::store_channel_keys(View4<const float> src, int64_t b_src, int64_t 
       const int64_t group = pos / G, rows = pos % G + 1;
       float* scale = k_.scale.data() + (head * c.key_groups() + group) * d;
       int8_t* out = k_.i8.data() + (head * c.capacity + group * G) * d;
-      for (int64_t x = 0; x < d; ++x) {
-        float absmax = 0.0f;
-        for (int64_t i = 0; i < rows; ++i) absmax = std::max(absmax, std::fabs(recent[i * d + x]));
-        scale[x] = detail::int8_scale(absmax);
-      }
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t x = 0; x < d; ++x) out[i * d + x] = detail::int8_value(recent[i * d + x], scale[x]);
+      kernels::quantize_int8_columns(recent, rows, d, scale, out);
     }
   }
 }
