@@ -38,9 +38,14 @@ TEST(Int8Quantize, RowsMatchTheScalarDefinitionOnEveryTarget) {
   testing::for_each_fused_target([&] {
     ASSERT_EQ(kernels::quantize_dispatch_target(), kernels::fused_dispatch_target());
     for (const int64_t n : {0, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 127, 128, 129, 256}) {
-      for (int pattern = 0; pattern < 7; ++pattern) {
+      for (int pattern = 0; pattern < 8; ++pattern) {
         std::vector<float> row(static_cast<size_t>(n));
-        const float magnitude = pattern == 1 ? 1e-3f : pattern == 2 ? 1e4f : pattern == 3 ? 1e-40f : 1.0f;
+        // 1e-40: a denormal scale; 1e-44 (pattern 7): nonzero values whose scale underflows to 0.
+        const float magnitude = pattern == 1   ? 1e-3f
+                                : pattern == 2 ? 1e4f
+                                : pattern == 3 ? 1e-40f
+                                : pattern == 7 ? 1e-44f
+                                               : 1.0f;
         for (auto& x : row) x = normal(gen) * magnitude;
         if (pattern == 4 && n > 0) {  // a max of 127, so scale 1: halves are ties
           for (int64_t x = 0; x < n; ++x) row[static_cast<size_t>(x)] = static_cast<float>(x % 254 - 127) + 0.5f;
@@ -75,6 +80,7 @@ TEST(Int8Quantize, ColumnsMatchTheScalarDefinitionOnEveryTarget) {
   std::mt19937 gen(12);
   std::normal_distribution<float> normal;
   testing::for_each_fused_target([&] {
+    ASSERT_EQ(kernels::quantize_dispatch_target(), kernels::fused_dispatch_target());
     for (const int64_t rows : {1, 2, 5, 32, 33})
       for (const int64_t d : {1, 7, 16, 17, 40, 128, 131}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + ", d " + std::to_string(d));
@@ -82,8 +88,10 @@ TEST(Int8Quantize, ColumnsMatchTheScalarDefinitionOnEveryTarget) {
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t x = 0; x < d; ++x) {
             float& v = in[static_cast<size_t>(i * d + x)];
-            v = normal(gen) * (x % 5 == 1 ? 1e-3f : x % 5 == 2 ? 1e4f : 1.0f);
-            if (x % 7 == 3) v = 0.0f;                                                   // a column of zeros
+            // Columns of small, huge, denormal-scale (1e-40) and underflowing-scale (1e-44) values.
+            const float magnitudes[] = {1.0f, 1e-3f, 1e4f, 1e-40f, 1e-44f};
+            v = normal(gen) * magnitudes[x % 5];
+            if (x % 7 == 3) v = i % 2 ? 0.0f : -0.0f;                                   // a column of zeros
             if (x % 7 == 4) v = i == 0 ? 127.0f : static_cast<float>(i % 200) - 99.5f;  // ties at scale 1
           }
         std::vector<float> scale(static_cast<size_t>(d), -1.0f);
@@ -108,6 +116,7 @@ TEST(Int8Quantize, ColumnsMatchTheScalarDefinitionOnEveryTarget) {
 TEST(Int8Quantize, FirstNonFiniteOnEveryTarget) {
   const float kInf = std::numeric_limits<float>::infinity(), kNaN = std::numeric_limits<float>::quiet_NaN();
   testing::for_each_fused_target([&] {
+    ASSERT_EQ(kernels::quantize_dispatch_target(), kernels::fused_dispatch_target());
     for (const int64_t n : {0, 1, 5, 16, 17, 40, 128, 131}) {
       std::vector<float> row(static_cast<size_t>(n), 1.0f);
       EXPECT_EQ(kernels::first_non_finite(row.data(), n), -1) << n;

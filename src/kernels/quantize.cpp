@@ -22,7 +22,13 @@ HWY_BEFORE_NAMESPACE();
 namespace mha::kernels::quantize::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// The vector paths divide with hn::Div, which must be the IEEE division the scalar definition
+// uses; on 32-bit Arm Highway 1.0.3 divides by a refined reciprocal instead, so there the rows
+// take the scalar definition element by element.
+constexpr bool kExactDivision = !HWY_ARCH_ARM_V7;
+
 float quantize_int8_row(const float* in, int64_t n, int8_t* out, int64_t out_step) {
+  MHA_DASSERT(n >= 0 && out_step >= 1 && (n == 0 || (in && out)));
   const hn::ScalableTag<float> df;
   const hn::RebindToSigned<decltype(df)> di;
   const hn::Rebind<int8_t, decltype(df)> d8;
@@ -34,8 +40,8 @@ float quantize_int8_row(const float* in, int64_t n, int8_t* out, int64_t out_ste
   float absmax = hn::GetLane(hn::MaxOfLanes(df, vmax));
   for (; x < n; ++x) absmax = std::max(absmax, std::fabs(in[x]));
   const float scale = int8_scale(absmax);
-  if (!(scale > 0.0f)) {
-    for (x = 0; x < n; ++x) out[x * out_step] = 0;
+  if (!kExactDivision || !(scale > 0.0f)) {
+    for (x = 0; x < n; ++x) out[x * out_step] = int8_value(in[x], scale);
     return scale;
   }
   // int8_value's operations, lane by lane: the quotient (IEEE division, as the scalar one), the
@@ -58,6 +64,7 @@ float quantize_int8_row(const float* in, int64_t n, int8_t* out, int64_t out_ste
 }
 
 void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* scale, int8_t* out) {
+  MHA_DASSERT(n_rows >= 0 && d >= 0 && (d == 0 || (scale && (n_rows == 0 || (rows && out)))));
   const hn::ScalableTag<float> df;
   const hn::RebindToSigned<decltype(df)> di;
   const hn::Rebind<int8_t, decltype(df)> d8;
@@ -65,7 +72,7 @@ void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* 
   const auto zero = hn::Zero(df), lo = hn::Set(df, -127.0f), hi = hn::Set(df, 127.0f);
   const auto round = hn::Set(df, 0x1.8p23f), div127 = hn::Set(df, 127.0f);
   int64_t x = 0;
-  for (; x + L <= d; x += L) {  // L channels at a time: their maxima, scales, then each row's values
+  for (; kExactDivision && x + L <= d; x += L) {  // L channels at a time: their maxima, scales, then each row's values
     auto vmax = zero;
     for (int64_t i = 0; i < n_rows; ++i) vmax = hn::Max(vmax, hn::Abs(hn::LoadU(df, rows + i * d + x)));
     const auto vscale = hn::Div(vmax, div127);  // int8_scale, lane by lane
@@ -86,6 +93,7 @@ void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* 
 }
 
 int64_t first_non_finite(const float* in, int64_t n) {
+  MHA_DASSERT(n >= 0 && (n == 0 || in));
   const hn::ScalableTag<float> df;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   int64_t x = 0;
