@@ -84,12 +84,7 @@ void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* 
       hn::StoreU(hn::DemoteTo(d8, hn::ConvertTo(di, r)), d8, out + i * d + x);
     }
   }
-  for (; x < d; ++x) {
-    float absmax = 0.0f;
-    for (int64_t i = 0; i < n_rows; ++i) absmax = std::max(absmax, std::fabs(rows[i * d + x]));
-    scale[x] = int8_scale(absmax);
-    for (int64_t i = 0; i < n_rows; ++i) out[i * d + x] = int8_value(rows[i * d + x], scale[x]);
-  }
+  for (; x < d; ++x) scale[x] = quantize_int8_scalar(rows + x, d, n_rows, out + x, d);  // a column
 }
 
 int64_t first_non_finite(const float* in, int64_t n) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -24,6 +25,17 @@ inline int8_t int8_value(float x, float scale) {
   constexpr float kRound = 0x1.8p23f;
   const float q = std::clamp(x / scale, -127.0f, 127.0f);
   return static_cast<int8_t>((q + kRound) - kRound);  // IEEE arithmetic: never folded (no -ffast-math)
+}
+
+/// The scalar definition for a whole row: in[x · in_step] for x < n quantised with one scale
+/// (returned), out[x · out_step] = int8_value(in[x · in_step], scale). The oracle of the kernels
+/// below, and what they and the caches use where no SIMD path applies (strided rows, tails).
+inline float quantize_int8_scalar(const float* in, int64_t in_step, int64_t n, int8_t* out, int64_t out_step) {
+  float absmax = 0.0f;
+  for (int64_t x = 0; x < n; ++x) absmax = std::max(absmax, std::fabs(in[x * in_step]));
+  const float scale = int8_scale(absmax);
+  for (int64_t x = 0; x < n; ++x) out[x * out_step] = int8_value(in[x * in_step], scale);
+  return scale;
 }
 
 /// Quantises one row of n finite floats: scale = int8_scale(max |in[x]|) (returned), out[x ·

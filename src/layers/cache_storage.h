@@ -105,16 +105,10 @@ inline void plane_put_row(CachePlane& p, CacheDtype dtype, int64_t row, ElementP
   if (dtype == CacheDtype::BF16) {
     for (int64_t x = 0; x < dim; ++x) p.b16[at(x)] = to_bf16(in[x * stride]);
   } else if (dtype == CacheDtype::I8) {
-    float scale = 0.0f;
-    if (stride == 1) {  // a contiguous row (every append from a contiguous tensor): the SIMD kernel
-      scale = kernels::quantize_int8_row(in, dim, dim > 0 ? &p.i8[at(0)] : nullptr, place.step);
-    } else {
-      float absmax = 0.0f;
-      for (int64_t x = 0; x < dim; ++x) absmax = std::max(absmax, std::fabs(in[x * stride]));
-      scale = int8_scale(absmax);
-      for (int64_t x = 0; x < dim; ++x) p.i8[at(x)] = int8_value(in[x * stride], scale);
-    }
-    p.scale[static_cast<size_t>(row)] = scale;
+    // A contiguous row (every append from a contiguous tensor) takes the SIMD kernel.
+    int8_t* const out = p.i8.data() + place.at;
+    p.scale[static_cast<size_t>(row)] = stride == 1 ? kernels::quantize_int8_row(in, dim, out, place.step)
+                                                    : kernels::quantize_int8_scalar(in, stride, dim, out, place.step);
   } else {
     for (int64_t x = 0; x < dim; ++x) p.f32[at(x)] = in[x * stride];
   }
