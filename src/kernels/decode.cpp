@@ -998,8 +998,39 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   float kscale[kScaled && !kChannelKeys ? kBlock : 1], vscale[kScaled ? kBlock : 1];
   const auto neg_inf = hn::Set(df, kNegInf);
   const bool edit_scores = p.edits.capped() || p.edits.alibi();
+  // int8: the scales of the block from p_next, asked for into L2 a block ahead. Nothing else asked
+  // for them: each block's first reads of its row scales (and of per-channel key groups' scales)
+  // went to memory while its products waited (Zen 4, 1 thread, context 8192 from memory, medians
+  // of 10 interleaved rounds: keys across lanes 1.265 → 1.231 ms a token, rows 1.318 → 1.292).
+  const auto ask_scales_of_block = [&](int64_t p_next) {
+    if constexpr (kScaled) {
+      if (p_next >= it.hi) return;
+      const int64_t n = std::min(kBlock, it.hi - p_next);
+      constexpr int64_t kF = sizeof(float), kLineFloats = 64 / kF;
+      if constexpr (kChannelKeys) {
+        const int64_t g0 = p_next / key_group, g1 = (p_next + n - 1) / key_group;
+        prefetch_bytes<2>(group_scales + g0 * d, 0, (g1 - g0 + 1) * d * kF);
+      }
+      if (linear) {
+        const int64_t row0 = row_at({linear_head, p_next});
+        if constexpr (!kChannelKeys) prefetch_bytes<2>(p.k_scale + row0, 0, n * kF);
+        prefetch_bytes<2>(p.v_scale + row0, 0, n * kF);
+        return;
+      }
+      // Paged or a ring: rows run on within a page or up to the wrap; a line's worth of keys at a
+      // time, the lines of its first and last key's scales.
+      for (int64_t j = 0; j < n; j += kLineFloats)
+        for (const int64_t pos : {p_next + j, p_next + std::min(j + kLineFloats, n) - 1}) {
+          const int64_t row = row_at(place_of(pos));
+          asm volatile("");  // (keeps the loop: see prefetch_bytes in kernels/common.h)
+          if constexpr (!kChannelKeys) __builtin_prefetch(p.k_scale + row, 0, 2);
+          __builtin_prefetch(p.v_scale + row, 0, 2);
+        }
+    }
+  };
   for (int64_t p0 = it.lo; p0 < it.hi; p0 += kBlock) {
     const int64_t nb = std::min(kBlock, it.hi - p0);
+    ask_scales_of_block(p0 + kBlock);
     if (linear) {  // the block's rows are consecutive
       const int64_t row0 = row_at({linear_head, p0});
       for (int64_t j = 0; j < nb; ++j) {
