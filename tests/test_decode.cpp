@@ -529,9 +529,13 @@ TEST(DecodeKernel, TransposedKeysHoldTheRowLayoutsValuesOnEveryTarget) {
       EXPECT_EQ(bitwise_equal(attend(lanes, 3, 2), attend(rows, 3, 2)), integer_products);  // else another kernel
     }
     hwy::SetSupportedTargetsForTest(0);
-    // The best target (AVX3_DL where the CPU has it) takes integer products on any AVX-512 CPU.
+    // The best target (AVX3_DL where the CPU has it) takes integer products on any AVX-512 CPU;
+    // an odd d too (its last channel paired with zeros in both layouts).
     if (dtype == CacheDtype::I8 && (hwy::SupportedTargets() & HWY_AVX3) != 0) {
       EXPECT_TRUE(bitwise_equal(attend(lanes, 3, 2), attend(rows, 3, 2)));
+      const CacheCase odd_rows = cache_case(dtype, 3, 19),
+                      odd_lanes = cache_case(dtype, 3, 19, 0, KeyLayout::Transposed);
+      EXPECT_TRUE(bitwise_equal(attend(odd_lanes, 3, 2), attend(odd_rows, 3, 2)));
     }
   }
 }
@@ -564,6 +568,39 @@ TEST(DecodeKernel, TransposedKeysInARingWithSinks) {
       attend_cache(q.view4(), rows, {}, o, out_rows.view4());
       attend_cache(q.view4(), lanes, {}, o, out_lanes.view4());
       EXPECT_TRUE(all_close(out_lanes, out_rows, kF32Tol, kF32Tol)) << cache_dtype_name(dtype) << ", splits " << splits;
+    }
+  }
+}
+
+TEST(DecodeKernel, Int8RingWithSinksLongerThanABlockHoldsTheRowLayoutsBits) {
+  // A ring of 300 slots (5 sinks) over 700 appended positions, a window of 280: items of several
+  // kernel blocks (128 keys) whose slots wrap mid-tile, so the scales asked for a block ahead go
+  // through the ring's placement and whole tiles come both two at a time and alone. With integer
+  // products (AVX3, AVX3_DL) the scores are exact sums in either layout: the same bits; 10 query
+  // heads over 2 K/V heads make 5 rows a group (a 4-row tile and a 1-row one).
+  KvCacheConfig config{
+      .batch = 1, .kv_heads = 2, .head_dim = 19, .capacity = 300, .dtype = CacheDtype::I8, .ring = true, .sinks = 5};
+  KvCache rows(config);
+  config.key_layout = KeyLayout::Transposed;
+  KvCache lanes(config);
+  for (int64_t t0 = 0; t0 < 700; t0 += 70) {
+    const Tensor k = random_tensor({1, 2, 70, 19}, 30 + t0, -2.0f, 2.0f), v = random_tensor({1, 2, 70, 19}, 31 + t0);
+    rows.append(k.view4(), v.view4());
+    lanes.append(k.view4(), v.view4());
+  }
+  const Tensor q = random_tensor({1, 10, 1, 19}, 6);
+  const bool integer_products = (hwy::SupportedTargets() & HWY_AVX3) != 0;
+  for (int splits : {1, 2, 5}) {
+    CacheAttentionOptions o;
+    o.window = 280;
+    o.splits = splits;
+    o.threads = 2;
+    Tensor out_rows({1, 10, 1, 19}), out_lanes({1, 10, 1, 19});
+    attend_cache(q.view4(), rows, {}, o, out_rows.view4());
+    attend_cache(q.view4(), lanes, {}, o, out_lanes.view4());
+    EXPECT_TRUE(all_close(out_lanes, out_rows, kF32Tol, kF32Tol)) << "splits " << splits;
+    if (integer_products) {
+      EXPECT_TRUE(bitwise_equal(out_lanes, out_rows)) << "splits " << splits;
     }
   }
 }

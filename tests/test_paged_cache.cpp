@@ -95,6 +95,10 @@ TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
   hwy::SetSupportedTargetsForTest(0);
   paged_equals_contiguous(CacheDtype::F32, 1, 9, 3);     // one position per block
   paged_equals_contiguous(CacheDtype::F32, 64, 300, 0);  // several kernel blocks, auto splits
+  // int8 past a kernel block (128 keys), whose next block's scales are asked for through the
+  // tables, and whose whole tiles go two at a time with keys across lanes.
+  paged_equals_contiguous(CacheDtype::I8, 16, 140, 1, KeyLayout::Transposed);
+  paged_equals_contiguous(CacheDtype::I8, 5, 140, 1);
 }
 
 /// Fork, then copy-on-write of the shared last block (int8: the rows' scales are copied with it).

@@ -1017,8 +1017,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
         prefetch_bytes<2>(p.v_scale + row0, 0, n * kF);
         return;
       }
-      // Paged or a ring: rows run on within a page or up to the wrap; a line's worth of keys at a
-      // time, the lines of its first and last key's scales.
+      // Paged or a ring: a line's worth of keys at a time, the lines of its first and last key's
+      // scales (rows run on within a page or up to the wrap; pages of fewer keys than a line of
+      // scales holds leave the lines of the pages between to the demand reads).
       for (int64_t j = 0; j < n; j += kLineFloats)
         for (const int64_t pos : {p_next + j, p_next + std::min(j + kLineFloats, n) - 1}) {
           const int64_t row = row_at(place_of(pos));
