@@ -1570,6 +1570,10 @@ struct Upcoming {
 /// row ranges and a cursor. Hundreds of prefetches at once fill the core's line-fill buffers and
 /// the next instructions wait on them (perf at B = 64, T = 128: a fifth of the kernel's samples on
 /// the prefetch bursts); a few per tile arrive while the tiles run.
+/// The cursor walks spans of whole lines: a row's, or one head's rows at once where they follow
+/// one another with no gap (the (B, h, T, d) layouts), so that asking for a line is the prefetch
+/// and an add. Forming each line's address from (head, row, line) counters instead cost 7 cycles
+/// a line: at B = 64, T = 128 (causal, 1 thread, in cache) 12% of the kernel's time.
 template <int kLocality>
 class PrefetchDrip {
  public:
@@ -1578,7 +1582,12 @@ class PrefetchDrip {
   void add(const void* row0, int64_t row_stride, int64_t rows, int64_t head_stride, int64_t heads, int64_t bytes) {
     if (rows <= 0 || heads <= 0 || bytes <= 0) return;
     MHA_DASSERT(n_ < kMaxRanges);
-    bytes = std::min(bytes, kMaxPrefetchBytes);
+    if (bytes == row_stride && bytes <= kMaxPrefetchBytes) {
+      bytes *= rows;  // rows back to back: one span per head
+      rows = 1;
+    } else {
+      bytes = std::min(bytes, kMaxPrefetchBytes);
+    }
     ranges_[n_++] = {reinterpret_cast<uintptr_t>(row0), row_stride, rows, head_stride, heads, bytes};
     lines_ += heads * rows * ((bytes + 63) / 64 + 1);  // an upper bound: a row may straddle one more line
   }
@@ -1586,30 +1595,43 @@ class PrefetchDrip {
   int64_t lines() const { return lines_; }
   /// Asks for the next n lines.
   void step(int64_t n) {
-    for (; n > 0 && cur_ < n_; --n) {
-      const Range& r = ranges_[cur_];
-      const uintptr_t row = r.base + static_cast<uintptr_t>(head_ * r.head_stride + row_ * r.row_stride);
-      const uintptr_t line = (row & ~uintptr_t{63}) + static_cast<uintptr_t>(64 * line_);
-      asm volatile("");  // (keeps the loop: see prefetch_bytes in kernels/common.h)
-      __builtin_prefetch(reinterpret_cast<const char*>(line), 0, kLocality);
-      lines_ = std::max<int64_t>(0, lines_ - 1);
-      if (line + 64 < row + static_cast<uintptr_t>(r.bytes)) {
-        ++line_;
-        continue;
+    while (n > 0) {
+      if (left_ == 0 && !next_span()) return;
+      const int64_t k = std::min(n, left_);
+      uintptr_t line = line_;
+      for (int64_t i = 0; i < k; ++i, line += 64) {
+        asm volatile("");  // (keeps the loop: see prefetch_bytes in kernels/common.h)
+        __builtin_prefetch(reinterpret_cast<const char*>(line), 0, kLocality);
       }
-      line_ = 0;
-      if (++row_ < r.rows) continue;
-      row_ = 0;
-      if (++head_ < r.heads) continue;
-      head_ = 0;
-      ++cur_;
+      line_ = line;
+      left_ -= k;
+      n -= k;
+      lines_ = std::max<int64_t>(0, lines_ - k);
     }
-    if (cur_ == n_) clear();
+    if (left_ == 0 && cur_ == n_) clear();  // all asked for: the next add() starts a new queue
   }
   void finish() { step(lines_ + 1); }
-  void clear() { n_ = cur_ = 0, head_ = row_ = line_ = lines_ = 0; }
+  void clear() { n_ = cur_ = 0, head_ = row_ = left_ = lines_ = 0, line_ = 0; }
 
  private:
+  /// Sets line_ and left_ to the lines of the next span (row row_ of head head_ of range cur_)
+  /// and moves the counters past it; false, with the queue cleared, when none is left.
+  bool next_span() {
+    if (cur_ == n_) {
+      clear();
+      return false;
+    }
+    const Range& r = ranges_[cur_];
+    const uintptr_t row = r.base + static_cast<uintptr_t>(head_ * r.head_stride + row_ * r.row_stride);
+    line_ = row & ~uintptr_t{63};
+    left_ = static_cast<int64_t>((row + static_cast<uintptr_t>(r.bytes) - 1 - line_) / 64) + 1;
+    if (++row_ == r.rows) {
+      row_ = 0;
+      if (++head_ == r.heads) head_ = 0, ++cur_;
+    }
+    return true;
+  }
+
   static constexpr int kMaxRanges = 4;
   struct Range {
     uintptr_t base;
@@ -1617,7 +1639,8 @@ class PrefetchDrip {
   };
   Range ranges_[kMaxRanges];
   int n_ = 0, cur_ = 0;
-  int64_t head_ = 0, row_ = 0, line_ = 0, lines_ = 0;
+  int64_t head_ = 0, row_ = 0, left_ = 0, lines_ = 0;
+  uintptr_t line_ = 0;
 };
 
 /// Queues what item `u` reads from memory first: its Q rows (every head of the group), its output
