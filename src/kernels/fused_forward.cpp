@@ -1780,13 +1780,34 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     all_kept = tag[0] == b * p.kv_heads() + g && (static_cast<uint64_t>(tag[1]) & span) == span;
   }
   const int64_t chunk_rows = kF32 && !cx.prepacked && !all_kept ? kDripRows : kRowsPad;
-  const int64_t chunks = (nq + chunk_rows - 1) / chunk_rows;
-  const int64_t block_steps = group * 2 * chunks;
+  // The drip's steps a key block gives: one after each product (score and P·V) of each chunk of
+  // each run of rows that sees the block (as the loop below takes them), for every head of the
+  // group. Counted exactly, so that what is asked for spreads over the steps there are: a causal
+  // item at T = 128 skips a fifth of the chunks a whole-rows count assumed, and those lines came
+  // in one burst at the item's end.
+  const auto block_steps = [&](int64_t j0) {
+    const int64_t nk = std::min(kBk, j_end - j0);
+    RowRun runs[kMaxRuns];
+    int64_t n_runs = 1;
+    if (cx.weights_two_pass)
+      runs[0] = {0, nq, nk, TileVis::Partial};
+    else
+      n_runs = row_runs(cx.causal, i0, nq, j0, nk, runs);
+    int64_t steps = 0;
+    for (int64_t ri = 0; ri < n_runs; ++ri) {
+      if (runs[ri].vis == TileVis::None) continue;
+      const int64_t rows_run = (runs[ri].r1 == nq ? rows : runs[ri].r1) - runs[ri].r0;
+      steps += kDot ? 1 : (rows_run + chunk_rows - 1) / chunk_rows;
+    }
+    return group * 2 * steps;
+  };
   PrefetchDrip<3> next_block;
   PrefetchDrip<2> next_item;
   queue_upcoming(upcoming, next_item);
-  const int64_t item_steps = std::max<int64_t>(1, (j_end - j_begin + kBk - 1) / kBk) * block_steps;
-  const int64_t item_step = (next_item.lines() + item_steps - 1) / item_steps;
+  int64_t item_steps = 0;
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) item_steps += block_steps(j0);
+  const int64_t item_step =
+      (next_item.lines() + std::max<int64_t>(1, item_steps) - 1) / std::max<int64_t>(1, item_steps);
   int64_t block_step = 0;
   const auto drip = [&] {
     next_block.step(block_step);
@@ -1824,7 +1845,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
       else
         next_block.finish();  // the first of two weights passes: no tiles to spread them over
     }
-    block_step = (next_block.lines() + block_steps - 1) / block_steps;
+    const int64_t steps = std::max<int64_t>(1, block_steps(j0));
+    block_step = (next_block.lines() + steps - 1) / steps;
   };
   const auto pack_block = [&](int64_t j0, int64_t nk, bool with_v) {
     ldvp = ldv;
