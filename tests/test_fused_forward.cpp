@@ -444,7 +444,9 @@ Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {
 // From 8 query blocks (1024 queries) on the kernel packs each K/V block once per call
 // (prepacked) and every item reads it, unless a thread's kept blocks hold them (up to 1 MiB: here
 // d = 12 and 1099 keys); a single block packs per item. Each must give the same bits, including a
-// causal diagonal cutting a key block short, odd T_k, key padding and a key bias.
+// causal diagonal cutting a key block short, odd T_k, key padding and a key bias — and a NaN in
+// the V row of a key that rows of a causal run cannot see: which of them it reaches (those of its
+// own piece of P·V rows) is fixed by the shape and the mask, not by how the blocks were packed.
 TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
   for (bool causal : {false, true})
     for (int64_t d : {12, 64}) {
@@ -456,6 +458,13 @@ TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
       set_key_bias(c);
       const int64_t offset = c.Tk - c.Tq;  // bottom-right alignment
       c.opt.masks.causal = causal ? Causal::bottom_right() : Causal::none();
+      if (causal) {
+        // Row 394 is the first to see this key (neither padded nor biased away): rows 384–393
+        // hide it, in the same 16-row run; in the same piece of P·V rows only rows 390–393.
+        const int64_t key = offset + 3 * kQBlock + 10;
+        ASSERT_TRUE(key % 9 != 4 && key % 5 != 0 && key < c.Tk - 40);
+        for (int64_t x = 0; x < c.Dv; ++x) c.v.at({0, 0, key, x}) = kNaN;
+      }
       for_each_fused_target([&] {
         const Result whole = run(c, Backend::Fused);
         for (int64_t i0 = 0; i0 < c.Tq; i0 += kQBlock) {
@@ -611,7 +620,8 @@ TEST(FusedForward, FastSoftmaxIsBitwiseTheGeneralOne) {
 // Under a causal mask (and window) a query block's rows meet each key block in runs of 16: rows
 // that see none of its keys skip it, rows that see all take the unmasked softmax, and the rest
 // stop their products at the last key any of them sees. Every such split must give the bits of the
-// element-by-element path, which takes each row over the whole block.
+// element-by-element path, which scores each row over the whole block (P·V, there as here, stops
+// for each piece of 6 rows at the last key the piece sees).
 TEST(FusedForward, CausalRowRunsAreBitwiseTheMaskedPath) {
   const Causal kinds[] = {Causal::top_left(), Causal::bottom_right(), Causal::top_left().with_window(23),
                           Causal::bottom_right().with_window(70), Causal::with_offset(-40)};
@@ -633,8 +643,9 @@ TEST(FusedForward, CausalRowRunsAreBitwiseTheMaskedPath) {
 
 // A key hidden by the causal rule from a whole run of rows is not read for them: a NaN in its V
 // row reaches at most the rows of its own 16-row run (docs/semantics.md: keys hidden from some
-// queries may reach other rows of the same tile), never rows a run or more before it.
-// bf16 too: its products (vdpbf16ps pairs, AMX tiles of 32 keys) stop at the run's last key pair.
+// queries may reach other rows of the same tile), never rows a run or more before it; in float32
+// only those of its own piece of 6 P·V rows. bf16 too: its products (vdpbf16ps pairs, AMX tiles
+// of 32 keys) stop at the run's last key pair.
 TEST(FusedForward, CausalRowsBeforeAKeysRunNeverReadIt) {
   for (bool bf16 : {false, true})
     for (int64_t t : {100, 128, 200}) {
@@ -645,7 +656,8 @@ TEST(FusedForward, CausalRowsBeforeAKeysRunNeverReadIt) {
       c.make_inputs(static_cast<uint64_t>(t));
       const int64_t key = t - 3;  // V row of a late key: NaN
       for (int64_t x = 0; x < c.Dv; ++x) c.v.at({0, 0, key, x}) = kNaN;
-      const int64_t clean_rows = key / 16 * 16;  // rows of the runs before the key's own
+      // Rows of the runs before the key's own; in float32 of the pieces before its own.
+      const int64_t clean_rows = bf16 ? key / 16 * 16 : key / 16 * 16 + key % 16 / 6 * 6;
       const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
       for_each_fused_target([&] {
         Result r = run(c, Backend::Fused);
