@@ -494,6 +494,9 @@ TEST(FusedForward, KeptKeyBlocksGiveTheSameBitsAsPerItemPacking) {
       {2 * kKBlock + 3, 16, 16, false, Causal::top_left()},
       {Tq, 16, 32, true, Causal::top_left().with_window(150)},
       {Tq, 16, 16, false, Causal::bottom_right().with_window(70)},
+      // 1,100 keys: an item whose thread kept every one of its ≥ 16 blocks runs its products
+      // whole, without the drip's chunks (all_kept in run_group).
+      {1100, 16, 16, true, Causal::bottom_right()},
   };
   for (const Variant& var : variants) {
     Case c;
