@@ -1780,19 +1780,24 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     all_kept = tag[0] == b * p.kv_heads() + g && (static_cast<uint64_t>(tag[1]) & span) == span;
   }
   const int64_t chunk_rows = kF32 && !cx.prepacked && !all_kept ? kDripRows : kRowsPad;
+  // The block's rows in runs by causal visibility (RowRun). With weights in two passes, every
+  // row takes the whole block (the second pass writes each row's probabilities over it); blocks
+  // that straddle the causal diagonal or the window's lower edge are masked per element there.
+  // One-pass weights take the runs as the weights-free path does (keep_weights_block zeroes
+  // what a run does not see; a row skipped by a block keeps m_j = −inf there: zeros).
+  const auto block_runs = [&](int64_t j0, int64_t nk, RowRun* runs) -> int64_t {
+    if (!cx.weights_two_pass) return row_runs(cx.causal, i0, nq, j0, nk, runs);
+    runs[0] = {0, nq, nk, cx.causal.tile(i0, i0 + nq, j0, j0 + nk) == TileVis::All ? TileVis::All : TileVis::Partial};
+    return 1;
+  };
   // The drip's steps a key block gives: one after each product (score and P·V) of each chunk of
   // each run of rows that sees the block (as the loop below takes them), for every head of the
   // group. Counted exactly, so that what is asked for spreads over the steps there are: a causal
   // item at T = 128 skips a fifth of the chunks a whole-rows count assumed, and those lines came
   // in one burst at the item's end.
   const auto block_steps = [&](int64_t j0) {
-    const int64_t nk = std::min(kBk, j_end - j0);
     RowRun runs[kMaxRuns];
-    int64_t n_runs = 1;
-    if (cx.weights_two_pass)
-      runs[0] = {0, nq, nk, TileVis::Partial};
-    else
-      n_runs = row_runs(cx.causal, i0, nq, j0, nk, runs);
+    const int64_t n_runs = block_runs(j0, std::min(kBk, j_end - j0), runs);
     int64_t steps = 0;
     for (int64_t ri = 0; ri < n_runs; ++ri) {
       if (runs[ri].vis == TileVis::None) continue;
@@ -1806,8 +1811,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
   queue_upcoming(upcoming, next_item);
   int64_t item_steps = 0;
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBk) item_steps += block_steps(j0);
-  const int64_t item_step =
-      (next_item.lines() + std::max<int64_t>(1, item_steps) - 1) / std::max<int64_t>(1, item_steps);
+  item_steps = std::max<int64_t>(1, item_steps);
+  const int64_t item_step = (next_item.lines() + item_steps - 1) / item_steps;
   int64_t block_step = 0;
   const auto drip = [&] {
     next_block.step(block_step);
@@ -1920,17 +1925,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
     const int64_t nk = std::min(kBk, j_end - j0);
     pack_block(j0, nk, true);
     const int64_t block_at = (j0 - j_begin) / kBk;
-    // The block's rows in runs by causal visibility (RowRun). With weights in two passes, every
-    // row takes the whole block (the second pass writes each row's probabilities over it); blocks
-    // that straddle the causal diagonal or the window's lower edge are masked per element there.
-    // One-pass weights take the runs as the weights-free path does (keep_weights_block zeroes
-    // what a run does not see; a row skipped by a block keeps m_j = −inf there: zeros).
     RowRun runs[kMaxRuns];
-    int64_t n_runs = 1;
-    if (cx.weights_two_pass)
-      runs[0] = {0, nq, nk, cx.causal.tile(i0, i0 + nq, j0, j0 + nk) == TileVis::All ? TileVis::All : TileVis::Partial};
-    else
-      n_runs = row_runs(cx.causal, i0, nq, j0, nk, runs);
+    const int64_t n_runs = block_runs(j0, nk, runs);
     for (int64_t hh = 0; hh < group; ++hh) {
       const int64_t h = g * group + hh;
       for (int64_t ri = 0; ri < n_runs; ++ri) {
