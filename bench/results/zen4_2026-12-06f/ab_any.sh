@@ -1,5 +1,6 @@
 #!/bin/bash
-# Interleaved A/B of `mha bench ARGS` (see ab_core.sh): median of per-run best times, ratio, fraction of peak.
+# Interleaved A/B of `mha bench ARGS` (--core in ARGS for the core; ab_core.sh adds it): per binary
+# the median over rounds of each run's best time, its ratio to the first, the median fraction of peak.
 # Usage: ab_any.sh ROUNDS "ARGS" BINARY...   (each round: each binary once, keeps min of its times)
 R=$1; ARGS=$2; shift 2
 out=$(mktemp); : > $out
