@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -686,6 +687,45 @@ TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {
   for (int64_t t : kernels::fused_compiled_targets()) names += std::string(hwy::TargetName(t)) + " ";
   std::printf("compiled targets: %s; dispatching to %s; bf16 dot product: %s\n", names.c_str(),
               hwy::TargetName(kernels::fused_dispatch_target()), avx3_dl ? "yes" : "no");
+}
+
+// The bf16 path's exp (exp_before_bf16): within its stated error of exp(x − m) wherever the result
+// is a normal float, exactly 0 below that and for −inf, NaN kept. On every target: only AVX3_DL
+// runs it in the kernel, but the portable form is held to the same bound.
+TEST(FusedForward, Bf16ExpWithinItsErrorZeroBelowAndNaNKept) {
+  std::vector<float> x;
+  for (double z = -90.0; z <= 0.01; z += 1.0 / 1024 + 1e-7) x.push_back(static_cast<float>(z));
+  for (float z : {0.0f, -0.0f, 1e-7f, -1e-30f, -87.3f, -87.34f, -87.35f, -88.0f, -103.0f, -1e30f, -kInf, kNaN})
+    x.push_back(z);
+  for_each_fused_target([&] {
+    for (float m : {0.0f, 3.7f, -12.5f, 40.25f}) {
+      SCOPED_TRACE(::testing::Message() << "m " << m);
+      std::vector<float> xs(x.size()), got(x.size());
+      for (size_t i = 0; i < x.size(); ++i) xs[i] = x[i] + m;  // x − m ≈ the sweep (NaN, −inf kept)
+      kernels::fused_exp_before_bf16(xs.data(), m, got.data(), static_cast<int64_t>(xs.size()));
+      int bad = 0;
+      for (size_t i = 0; i < xs.size() && bad < 5; ++i) {
+        const double z = static_cast<double>(xs[i]) - m, want = std::exp(z);
+        // 3.0e-6 of the polynomial, plus what t = (x − m)·log2(e) gets wrong (times ln 2 < 1): the
+        // float log2(e)'s 1.9e-8 times |z| and half an ulp each of x − m and of t.
+        const double t = z * 1.4426950408889634;
+        const double tol = 3.0e-6 + 2e-8 * std::abs(z) + 0x1p-24 * (std::abs(z) + std::abs(t));
+        bool ok;
+        if (std::isnan(xs[i]))
+          ok = std::isnan(got[i]);
+        else if (xs[i] == m)
+          ok = got[i] == 1.0f;  // the row's max: exactly 1
+        else if (t < -126.01)
+          ok = got[i] == 0.0f && !std::signbit(got[i]);
+        else if (t > -125.99)
+          ok = std::abs(got[i] / want - 1.0) <= tol && std::fpclassify(got[i]) == FP_NORMAL;
+        else
+          ok = got[i] == 0.0f || std::abs(got[i] / want - 1.0) <= tol;  // at the edge: either
+        if (!ok) ++bad;
+        EXPECT_TRUE(ok) << "x − m = " << z << ": got " << got[i] << ", exp " << want;
+      }
+    }
+  });
 }
 
 // AMX where the CPU (and OS) have it, for head dims that fill its tiles; never without the dot

@@ -41,7 +41,9 @@
 //
 // bfloat16: on AVX3_DL when the CPU has AVX512_BF16, Q·Kᵀ and P·V use vdpbf16ps (pairs of bf16
 // multiplied and accumulated into float32 lanes), with P rounded to bf16 for P·V (the softmax
-// itself, m, l and O stay float32), in register tiles of 4 rows × 4 vectors. Where the CPU also
+// itself, m, l and O stay float32; P's exponentials come from exp_before_bf16, within 3.0e-6 of
+// exp, where the float32 path's exp_nonpositive is within float32's ε), in register tiles of 4
+// rows × 4 vectors. Where the CPU also
 // has AMX (Sapphire Rapids on) and d is a multiple of 32, the same packed pairs feed AMX tiles
 // instead (kernels/amx.h; cx.amx): S leaves the tiles unscaled and one vector pass scales and
 // masks it, O is rescaled where it lies and accumulated into by the tiles, rows go in whole tiles
@@ -423,6 +425,7 @@ HWY_INLINE void with_count(int64_t n, F&& f) {
   }
 }
 
+using kernels::HWY_NAMESPACE::exp_before_bf16;
 using kernels::HWY_NAMESPACE::exp_nonpositive;
 
 // ---- S = Q·Kᵀ (float32) --------------------------------------------------------------------
@@ -844,9 +847,10 @@ MHA_ROWS16 inline __m512 reduce_rows16(const __m512* v, Op op) {
 }
 
 /// s: rows × kBk scaled, masked scores (x = s·scale + kb); rmax: their rows' max vectors (16
-/// floats a row). Updates m, l and alpha for the rows < nq as softmax_block does, and writes the
-/// probabilities: kPairs, as bf16 pairs into p2 (rows ≥ nq zero); else as float32 over s.
-template <bool kPairs>
+/// floats a row). Updates m, l and alpha for the rows < nq as softmax_block<kBf16Exp> does, and
+/// writes the probabilities: kPairs, as bf16 pairs into p2 (rows ≥ nq zero); else as float32
+/// over s. kBf16Exp: the bf16 path's exp (exp_before_bf16), whose NaN reaches the row's sum.
+template <bool kPairs, bool kBf16Exp>
 MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m,
                                             float* l, float* alpha, uint32_t* p2, int64_t lds) {
   const DF df;
@@ -868,13 +872,19 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
       float* row = s + (r0 + r) * lds;
       const VF vm = hn::Set(df, m_use[r]);
       // Lanes whose scores were all ordered so far: one masked compare a vector (a compare, a
-      // move to a general register and an or per vector were 1.5% of a B=64, T=256 call).
+      // move to a general register and an or per vector were 1.5% of a B=64, T=256 call). The
+      // bf16 path's exp keeps a NaN, so its rows are flagged from their sums instead.
       __mmask16 ordered = 0xFFFF;
       __m512 vsum = _mm512_setzero_ps();
       const auto prob = [&](int64_t v) {
         const __m512 x = _mm512_loadu_ps(row + v * 16);
-        ordered = _mm512_mask_cmp_ps_mask(ordered, x, x, _CMP_ORD_Q);
-        const __m512 e = exp_nonpositive(df, hn::Sub(VF{x}, vm)).raw;
+        __m512 e;
+        if constexpr (kBf16Exp) {
+          e = exp_before_bf16(df, VF{x}, vm).raw;
+        } else {
+          ordered = _mm512_mask_cmp_ps_mask(ordered, x, x, _CMP_ORD_Q);
+          e = exp_nonpositive(df, hn::Sub(VF{x}, vm)).raw;
+        }
         vsum = _mm512_add_ps(vsum, e);
         return e;
       };
@@ -895,6 +905,7 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
     const __m512 la = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(live, l + r0), _mm512_maskz_loadu_ps(live, alpha + r0),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 l_new = _mm512_add_ps(la, reduce_rows16(red, vadd_op));
+    if constexpr (kBf16Exp) any_nan = _mm512_cmp_ps_mask(l_new, l_new, _CMP_UNORD_Q);  // one NaN: l is NaN
     _mm512_mask_storeu_ps(l + r0, live, _mm512_mask_blend_ps(any_nan, l_new, _mm512_set1_ps(kNaN)));
   }
   // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
@@ -907,7 +918,7 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
   }
 }
 #else
-template <bool kPairs>  // never called: the 16-row softmax is chosen on the AVX-512 targets only
+template <bool kPairs, bool kBf16Exp>  // never called: the 16-row softmax is chosen on the AVX-512 targets only
 inline void softmax_rows16(int64_t, int64_t, int64_t, float*, const float*, float*, float*, float*, uint32_t*,
                            int64_t) {}
 #endif
@@ -992,12 +1003,12 @@ inline void softmax_rows8(int64_t, int64_t, int64_t, float*, const float*, float
 
 /// The common online softmax on the target's rows (kFusedSoftmax): 16 at a time on AVX-512, 8 on
 /// AVX2.
-template <bool kPairs>
+template <bool kPairs, bool kBf16Exp = kPairs>
 inline void softmax_rows(int64_t nq, int64_t rows, int64_t nk, float* s, const float* rmax, float* m, float* l,
                          float* alpha, uint32_t* p2, int64_t lds = kBk) {
   if constexpr (kHaveRows16)
-    softmax_rows16<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2, lds);
-  else if constexpr (kHaveRows8 && !kPairs)
+    softmax_rows16<kPairs, kBf16Exp>(nq, rows, nk, s, rmax, m, l, alpha, p2, lds);
+  else if constexpr (kHaveRows8 && !kPairs && !kBf16Exp)
     softmax_rows8<kPairs>(nq, rows, nk, s, rmax, m, l, alpha, p2, lds);
 }
 
@@ -1033,7 +1044,8 @@ inline void cut_causal_rows(const CausalRule& causal, int64_t i0, int64_t nq, in
 // ---- online softmax over one block of scores ------------------------------------------------
 // Turns S (rows × kBk, raw dot products) into the unnormalised, dropout-masked probabilities and
 // updates m, l and alpha (the factor O must be rescaled by) for the rows < nq.
-template <class T>
+/// kBf16Exp: the probabilities are rounded to bf16 next (the bf16 path): exp_before_bf16.
+template <bool kBf16Exp, class T>
 void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t rows, int64_t j0, int64_t nk,
                    bool elementwise, float* s, const float* kb, float* m, float* l, float* alpha,
                    bool apply_dropout = true) {
@@ -1108,15 +1120,20 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
     auto any_nan = hn::MaskFromVec(hn::Zero(df));  // Max and exp_nonpositive may drop a NaN score: note it here
     for (int64_t v = 0; v < nvec; ++v) {
       const VF x = hn::LoadU(df, row + v * N);
-      any_nan = hn::Or(any_nan, hn::IsNaN(x));
-      const VF e = exp_nonpositive(df, hn::Sub(x, vm));
+      VF e;
+      if constexpr (kBf16Exp) {
+        e = exp_before_bf16(df, x, vm);  // keeps a NaN: the sum shows it
+      } else {
+        any_nan = hn::Or(any_nan, hn::IsNaN(x));
+        e = exp_nonpositive(df, hn::Sub(x, vm));
+      }
       vsum = hn::Add(vsum, e);
       hn::StoreU(e, df, row + v * N);
     }
     l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, vsum));
     // A visible NaN score makes the row NaN (docs/semantics.md, 'NaN is never hidden'): a NaN l
     // stays NaN through later blocks and turns out and lse into NaN; hidden scores are −inf here.
-    if (HWY_UNLIKELY(!hn::AllFalse(df, any_nan))) l[r] = kNaN;
+    if (HWY_UNLIKELY(!hn::AllFalse(df, any_nan)) || (kBf16Exp && std::isnan(l[r]))) l[r] = kNaN;
     m[r] = m_new;
     // Dropout acts on the normalised probabilities; l (the normaliser) keeps every term.
     if (apply_dropout && p.dropout.active())
@@ -1906,8 +1923,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
                                                       nullptr);
         else
           score_block(q_head(hh), ldq_use, rows, D, kt_use, nvec, s);
-        softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, ws + L.m + hh * kRowsPad,
-                      ws + L.l + hh * kRowsPad, ws + L.alpha, /*apply_dropout=*/false);
+        softmax_block<kDot>(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use,
+                            ws + L.m + hh * kRowsPad, ws + L.l + hh * kRowsPad, ws + L.alpha, /*apply_dropout=*/false);
       }
     }
   }
@@ -1974,7 +1991,8 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         if (cx.weights_two_pass) {
           // m is final: the block's max cannot exceed it, so alpha = 1 and exp(s − m) ≤ 1.
           std::fill(ws + L.l2, ws + L.l2 + kRowsPad, 0.0f);
-          softmax_block(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, m, ws + L.l2, alpha);
+          softmax_block<kDot>(cx, b, h, i0, nq, rows, j0, nk, partial || per_element_masks, s, kb_use, m, ws + L.l2,
+                              alpha);
           write_weights(cx, b, h, i0, nq, j0, nk, l, s);
           if constexpr (kDot) to_bf16_pairs(s, rows, nk, p2);
         } else if (rows16 && !(kDot && cx.weights_one_pass)) {
@@ -1982,11 +2000,11 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         } else if (rows16) {
           // One-pass weights keep P as float32; its bf16 pairs are then the words that
           // softmax_rows16<true> writes.
-          softmax_rows<false>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+          softmax_rows<false, true>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
           to_bf16_pairs(sr, rows_run, nk_run, p2r);
         } else {
-          softmax_block(cx, b, h, i0 + r0, nq_run, rows_run, j0, nk_run, partial || per_element_masks, sr, kb_use, m, l,
-                        alpha);
+          softmax_block<kDot>(cx, b, h, i0 + r0, nq_run, rows_run, j0, nk_run, partial || per_element_masks, sr, kb_use,
+                              m, l, alpha);
           if constexpr (kDot) to_bf16_pairs(sr, rows_run, nk_run, p2r);
         }
         if (cx.weights_one_pass)
@@ -2265,6 +2283,19 @@ void fused_bf16(const SdpaParams& p, float* workspace) {
 }
 int64_t dispatch_target() { return HWY_TARGET; }
 bool bf16_dot() { return kHaveDot && cpu_has_bf16_dot(); }
+void exp_before_bf16_of(const float* x, float m, float* out, int64_t n) {
+  const DF df;
+  const int64_t N = lanes();
+  const VF vm = hn::Set(df, m);
+  alignas(64) float lanes_in[kMaxLanes], lanes_out[kMaxLanes];
+  for (int64_t i = 0; i < n; i += N) {
+    const int64_t k = std::min(N, n - i);
+    std::fill(lanes_in, lanes_in + N, 0.0f);
+    std::copy(x + i, x + i + k, lanes_in);
+    hn::Store(exp_before_bf16(df, hn::Load(df, lanes_in), vm), df, lanes_out);
+    std::copy(lanes_out, lanes_out + k, out + i);
+  }
+}
 
 }  // namespace HWY_NAMESPACE
 }  // namespace mha::kernels::fused
@@ -2277,6 +2308,7 @@ HWY_EXPORT(fused_f32);
 HWY_EXPORT(fused_bf16);
 HWY_EXPORT(dispatch_target);
 HWY_EXPORT(bf16_dot);
+HWY_EXPORT(exp_before_bf16_of);
 }  // namespace fused
 
 bool fused_supports(const SdpaParams&, std::string*) { return true; }
@@ -2301,6 +2333,9 @@ const char* fused_bf16_products(int64_t d) {
   return d % 32 == 0 && amx::enabled() ? "amx" : "vdpbf16ps";
 }
 bool fused_weights_one_pass(const SdpaParams& p) { return fused::weights_one_pass(p); }
+void fused_exp_before_bf16(const float* x, float m, float* out, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(fused::exp_before_bf16_of)(x, m, out, n);
+}
 
 }  // namespace mha::kernels
 #endif  // HWY_ONCE

@@ -27,5 +27,8 @@ const char* fused_bf16_products(int64_t d);
 /// and normalised once at the end) rather than the two-pass one: false without weights, and
 /// when its scratch would exceed the bound (SdpaParams::weights_one_pass_max_bytes).
 bool fused_weights_one_pass(const SdpaParams& p);
+/// exp(x[i] − m) for i < n as the bf16 path forms its probabilities (exp_before_bf16 in
+/// kernels/exp-inl.h) on the target a call would dispatch to now: for the tests of its error.
+void fused_exp_before_bf16(const float* x, float m, float* out, int64_t n);
 
 }  // namespace mha::kernels
