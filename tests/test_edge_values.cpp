@@ -309,30 +309,83 @@ TEST(NaN, AdditiveMaskValue) {
   });
 }
 
-/// Decoding: NaN in the cached K row at position 2 reaches exactly the queries that see it, with
-/// one split and with several (the log-sum-exp merge must keep it).
-TEST(NaN, DecodeAgainstACache) {
+/// A +inf score that a query sees makes its row NaN (softmax takes e^{+inf − +inf}, as in
+/// PyTorch), not the zeros of a fully masked row: from a +inf key bias (key 150 of 200, under a
+/// causal mask, so rows before it stay finite and the rows that see it meet it in a later block),
+/// and from a +inf query entry against keys whose entry is positive (every score of that row +inf).
+TEST(Infinity, VisiblePlusInfScoreMakesTheRowNaNOnEveryPath) {
+  Case c(1, 1, 200, 200, 4, 29);
+  std::vector<float> bias(200, 0.0f);
+  bias[150] = kInf;
+  c.set_key_bias(bias);
+  c.opt.masks.causal = Causal::top_left();
+  for_each_forward(c, [&](const Fwd& f, Path) {
+    for (int64_t i : {0, 1, 100, 149}) EXPECT_TRUE(row_finite(f.out, 0, 0, i)) << i;
+    for (int64_t i : {150, 151, 199}) {
+      EXPECT_TRUE(row_nan(f.out, 0, 0, i)) << i;
+      EXPECT_TRUE(std::isnan(f.lse.at({0, 0, i, 0}))) << i;
+    }
+  });
+  Case d(1, 1, 3, 70, 4, 31);
+  for (int64_t j = 0; j < d.Tk; ++j) d.k.at({0, 0, j, 0}) = 0.5f + std::abs(d.k.at({0, 0, j, 0}));
+  d.q.at({0, 0, 1, 0}) = kInf;
+  for_each_forward(d, [&](const Fwd& f, Path) {
+    EXPECT_TRUE(row_nan(f.out, 0, 0, 1) && std::isnan(f.lse.at({0, 0, 1, 0})));
+    EXPECT_TRUE(row_finite(f.out, 0, 0, 0) && row_finite(f.out, 0, 0, 2));
+  });
+}
+
+/// A cache of one K/V head (d = 4) holding k and v, (1, 1, 40, 4) each.
+KvCache cache_of(const Tensor& k, const Tensor& v) {
   KvCacheConfig cc;
   cc.kv_heads = 1, cc.head_dim = 4, cc.capacity = 64;
   KvCache cache(cc);
+  cache.append(k.view4(), v.view4());
+  return cache;
+}
+
+/// Queries q (1, 1, 40, 4), query i at position i, against the cache: out, then lse.
+std::pair<Tensor, Tensor> decode_40(const Tensor& q, const KvCache& cache, int splits, int64_t window = 0) {
+  CacheAttentionOptions o;
+  o.splits = splits;
+  o.window = window;
+  Tensor out({1, 1, 40, 4}), lse({1, 1, 40, 1});
+  attend_cache(q.view4(), cache, std::vector<int64_t>{0}, o, out.view4(), lse.view4());
+  return {out, lse};
+}
+
+/// Decoding: NaN in the cached K row at position 2 reaches exactly the queries that see it, with
+/// one split and with several (the log-sum-exp merge must keep it).
+TEST(NaN, DecodeAgainstACache) {
   Tensor k = random_tensor({1, 1, 40, 4}, 21), v = random_tensor({1, 1, 40, 4}, 22);
   for (int64_t x = 0; x < 4; ++x) k.at({0, 0, 2, x}) = kNaN;
-  cache.append(k.view4(), v.view4());
+  const KvCache cache = cache_of(k, v);
   Tensor q = random_tensor({1, 1, 40, 4}, 23);
   for (int64_t x = 0; x < 4; ++x) q.at({0, 0, 1, x}) = kNaN;  // position 1: a NaN query
-  const std::vector<int64_t> start{0};
   for (int splits : {1, 3}) {
     SCOPED_TRACE("splits " + std::to_string(splits));
-    CacheAttentionOptions o;
-    o.splits = splits;
-    Tensor out({1, 1, 40, 4}), lse({1, 1, 40, 1});
-    attend_cache(q.view4(), cache, start, o, out.view4(), lse.view4());
+    const auto [out, lse] = decode_40(q, cache, splits);
     EXPECT_TRUE(row_finite(out, 0, 0, 0));
     for (int64_t i = 1; i < 40; ++i) EXPECT_TRUE(row_nan(out, 0, 0, i) && std::isnan(lse.at({0, 0, i, 0}))) << i;
     // A window that has left position 2 behind: those rows are finite again.
-    o.window = 4;
-    attend_cache(q.view4(), cache, start, o, out.view4(), lse.view4());
-    for (int64_t i = 6; i < 40; ++i) EXPECT_TRUE(row_finite(out, 0, 0, i)) << i;
+    const auto [windowed, windowed_lse] = decode_40(q, cache, splits, 4);
+    for (int64_t i = 6; i < 40; ++i) EXPECT_TRUE(row_finite(windowed, 0, 0, i)) << i;
+  }
+}
+
+/// Decoding: a cached key whose score is +inf (K entry +inf, query entries positive) makes every
+/// query that sees it NaN, as a NaN key does.
+TEST(Infinity, DecodePlusInfScoreMakesTheRowNaN) {
+  Tensor k = random_tensor({1, 1, 40, 4}, 41), v = random_tensor({1, 1, 40, 4}, 42);
+  k.at({0, 0, 5, 0}) = kInf;
+  const KvCache cache = cache_of(k, v);
+  Tensor q = random_tensor({1, 1, 40, 4}, 43);
+  for (int64_t i = 0; i < 40; ++i) q.at({0, 0, i, 0}) = 0.25f + std::abs(q.at({0, 0, i, 0}));
+  for (int splits : {1, 3}) {
+    SCOPED_TRACE("splits " + std::to_string(splits));
+    const auto [out, lse] = decode_40(q, cache, splits);
+    for (int64_t i = 0; i < 5; ++i) EXPECT_TRUE(row_finite(out, 0, 0, i)) << i;
+    for (int64_t i = 5; i < 40; ++i) EXPECT_TRUE(row_nan(out, 0, 0, i) && std::isnan(lse.at({0, 0, i, 0}))) << i;
   }
 }
 

@@ -1127,7 +1127,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       float m_new = std::max(m[rr], bmax);
       // A visible NaN score makes the row NaN (docs/semantics.md, 'NaN is never hidden'): l = NaN
       // stays NaN through later blocks and the merge; a finite m keeps the split from looking empty.
-      const bool saw_nan = HWY_UNLIKELY(!hn::AllFalse(df, any_nan));
+      // So does a visible +inf score (e^{+inf − +inf}, as in PyTorch).
+      const bool saw_nan = HWY_UNLIKELY(!hn::AllFalse(df, any_nan)) || m_new == -kNegInf;
       if (saw_nan && m_new == kNegInf) m_new = 0.0f;
       if (m_new == kNegInf) {  // nothing visible yet: probabilities 0, state unchanged
         corr[rr] = 1.0f;

@@ -796,13 +796,32 @@ HWY_INLINE VF rescale_factor(VF m_old, VF m_use) {
                         hn::IfThenElse(hn::IsNaN(diff), diff, exp_nonpositive(df, diff)));
 }
 
+/// x·y rounded on its own, never contracted with the add that follows into an FMA (which rounds
+/// once, differently): the online softmax's l·alpha, which every softmax rounds before adding the
+/// block's sum. GCC contracts across statements as it sees fit (a change elsewhere in
+/// softmax_block once made it fuse l·alpha + sum there, and the 8-row softmax's bits differed).
+inline float rounded_product(float x, float y) {
+  float p = x * y;
+#if HWY_ARCH_X86
+  asm("" : "+x"(p));
+#else
+  volatile float opaque = p;
+  p = opaque;
+#endif
+  return p;
+}
+
 /// The online softmax's step for n rows whose block maxima are row_max: m becomes max(m, row max),
 /// alpha the factor exp(m_old − m) for what was summed against m_old (1 where m did not move), and
 /// m_use the value the block's scores are taken against (0 while a row has seen nothing: then
 /// exp(−inf − 0) = 0, not NaN). softmax_block's arithmetic, shared by the row-batched softmaxes.
-inline void take_row_maxima(int64_t n, const float* row_max, float* m, float* alpha, float* m_use) {
+/// Returns the rows (bit r, n ≤ 32) whose max is now +inf: a visible +inf score makes its row NaN
+/// (e^{+inf − +inf}, as in PyTorch), where exp_nonpositive's 0 for that NaN would leave l = 0 and
+/// the zeros of a fully masked row.
+inline uint32_t take_row_maxima(int64_t n, const float* row_max, float* m, float* alpha, float* m_use) {
   const DF df;
   const int64_t N = lanes();
+  uint32_t inf_rows = 0;
   for (int64_t r0 = 0; r0 < n; r0 += N) {
     const auto live = hn::FirstN(df, static_cast<size_t>(n - r0));
     const VF m_old = hn::MaskedLoad(live, df, m + r0), row = hn::MaskedLoad(live, df, row_max + r0);
@@ -811,7 +830,13 @@ inline void take_row_maxima(int64_t n, const float* row_max, float* m, float* al
     hn::BlendedStore(use, live, df, m_use + r0);
     hn::BlendedStore(rescale_factor(m_old, use), live, df, alpha + r0);
     hn::BlendedStore(m_new, live, df, m + r0);
+    uint8_t bits[8] = {};
+    hn::StoreMaskBits(df, hn::And(live, hn::Eq(m_new, hn::Set(df, -kNegInf))), bits);
+    uint32_t word;
+    std::memcpy(&word, bits, sizeof(word));
+    inf_rows |= word << r0;
   }
+  return inf_rows;
 }
 
 // ---- the common online softmax, 16 rows at a time (AVX-512) --------------------------------
@@ -865,8 +890,8 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
     for (int64_t r = 0; r < n; ++r) red[r] = _mm512_loadu_ps(rmax + (r0 + r) * 16);
     for (int64_t r = n; r < 16; ++r) red[r] = _mm512_set1_ps(kNegInf);
     _mm512_store_ps(row_max, reduce_rows16(red, vmax_op));
-    take_row_maxima(n, row_max, m + r0, alpha + r0, m_use);
-    __mmask16 any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
+    // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it) or a +inf one
+    __mmask16 any_nan = static_cast<__mmask16>(take_row_maxima(n, row_max, m + r0, alpha + r0, m_use));
     for (int64_t r = n; r < 16; ++r) red[r] = _mm512_setzero_ps();  // (not all 16 first: a memset)
     for (int64_t r = 0; r < n; ++r) {
       float* row = s + (r0 + r) * lds;
@@ -905,7 +930,7 @@ MHA_ROWS16 HWY_NOINLINE void softmax_rows16(int64_t nq, int64_t rows, int64_t nk
     const __m512 la = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(live, l + r0), _mm512_maskz_loadu_ps(live, alpha + r0),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 l_new = _mm512_add_ps(la, reduce_rows16(red, vadd_op));
-    if constexpr (kBf16Exp) any_nan = _mm512_cmp_ps_mask(l_new, l_new, _CMP_UNORD_Q);  // one NaN: l is NaN
+    if constexpr (kBf16Exp) any_nan |= _mm512_cmp_ps_mask(l_new, l_new, _CMP_UNORD_Q);  // one NaN: l is NaN
     _mm512_mask_storeu_ps(l + r0, live, _mm512_mask_blend_ps(any_nan, l_new, _mm512_set1_ps(kNaN)));
   }
   // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
@@ -963,8 +988,8 @@ HWY_NOINLINE void softmax_rows8(int64_t nq, int64_t rows, int64_t nk, float* s, 
     for (int64_t r = 0; r < n; ++r) red[r] = _mm256_loadu_ps(rmax + (r0 + r) * kMaxLanes);
     for (int64_t r = n; r < 8; ++r) red[r] = _mm256_set1_ps(kNegInf);
     _mm256_store_ps(row_max, reduce_rows8(red, vmax_op));
-    take_row_maxima(n, row_max, m + r0, alpha + r0, m_use);
-    unsigned any_nan = 0;  // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it)
+    // bit r: row r saw a NaN score (Max and exp_nonpositive may drop it) or a +inf one
+    unsigned any_nan = take_row_maxima(n, row_max, m + r0, alpha + r0, m_use);
     for (int64_t r = n; r < 8; ++r) red[r] = _mm256_setzero_ps();
     for (int64_t r = 0; r < n; ++r) {
       float* row = s + (r0 + r) * lds;
@@ -982,11 +1007,8 @@ HWY_NOINLINE void softmax_rows8(int64_t nq, int64_t rows, int64_t nk, float* s, 
     }
     _mm256_store_ps(row_sum, reduce_rows8(red, vadd_op));
     for (int64_t r = 0; r < n; ++r) {
-      // l·alpha rounded before the sum is added, as softmax_block's scalar l·alpha + sum: the empty
-      // asm keeps GCC from contracting the two into an FMA (it does here, not there).
-      float la = l[r0 + r] * alpha[r0 + r];
-      asm("" : "+x"(la));
-      l[r0 + r] = any_nan >> r & 1u ? kNaN : la + row_sum[r];
+      // l·alpha rounded before the sum is added, as in softmax_block.
+      l[r0 + r] = any_nan >> r & 1u ? kNaN : rounded_product(l[r0 + r], alpha[r0 + r]) + row_sum[r];
     }
   }
   // Padding rows of the register tiles: zero probabilities and no rescaling keep them inert.
@@ -1130,10 +1152,11 @@ void softmax_block(const Ctx<T>& cx, int64_t b, int64_t h, int64_t i0, int64_t n
       vsum = hn::Add(vsum, e);
       hn::StoreU(e, df, row + v * N);
     }
-    l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, vsum));
+    l[r] = rounded_product(l[r], alpha[r]) + hn::GetLane(hn::SumOfLanes(df, vsum));
     // A visible NaN score makes the row NaN (docs/semantics.md, 'NaN is never hidden'): a NaN l
     // stays NaN through later blocks and turns out and lse into NaN; hidden scores are −inf here.
-    if (HWY_UNLIKELY(!hn::AllFalse(df, any_nan)) || (kBf16Exp && std::isnan(l[r]))) l[r] = kNaN;
+    // So does a visible +inf score (m_new = +inf: take_row_maxima says why).
+    if (HWY_UNLIKELY(!hn::AllFalse(df, any_nan)) || m_new == -kNegInf || (kBf16Exp && std::isnan(l[r]))) l[r] = kNaN;
     m[r] = m_new;
     // Dropout acts on the normalised probabilities; l (the normaliser) keeps every term.
     if (apply_dropout && p.dropout.active())
@@ -2000,7 +2023,7 @@ HWY_NOINLINE void run_group(const Ctx<T>& cx, int64_t b, int64_t g, int64_t qb, 
         } else if (rows16) {
           // One-pass weights keep P as float32; its bf16 pairs are then the words that
           // softmax_rows16<true> writes.
-          softmax_rows<false, true>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
+          softmax_rows<false, kDot>(nq_run, rows_run, nk_run, sr, rmax, m, l, alpha, p2r);
           to_bf16_pairs(sr, rows_run, nk_run, p2r);
         } else {
           softmax_block<kDot>(cx, b, h, i0 + r0, nq_run, rows_run, j0, nk_run, partial || per_element_masks, sr, kb_use,
