@@ -695,6 +695,9 @@ TEST(FusedForward, Bf16UsesTheDotProductWhereTheCpuHasIt) {
 TEST(FusedForward, Bf16ExpWithinItsErrorZeroBelowAndNaNKept) {
   std::vector<float> x;
   for (double z = -90.0; z <= 0.01; z += 1.0 / 1024 + 1e-7) x.push_back(static_cast<float>(z));
+  // One period of the polynomial (t = (x − m)·log2 e in [−1, 0]) densely: 2²⁰ points find its
+  // largest error to within a hair of the fitted 2.97e-6.
+  for (int64_t i = 0; i <= (1 << 20); ++i) x.push_back(static_cast<float>(-0.6931471805599453 * i / (1 << 20)));
   for (float z : {0.0f, -0.0f, 1e-7f, -1e-30f, -87.3f, -87.34f, -87.35f, -88.0f, -103.0f, -1e30f, -kInf, kNaN})
     x.push_back(z);
   for_each_fused_target([&] {
@@ -704,6 +707,7 @@ TEST(FusedForward, Bf16ExpWithinItsErrorZeroBelowAndNaNKept) {
       for (size_t i = 0; i < x.size(); ++i) xs[i] = x[i] + m;  // x − m ≈ the sweep (NaN, −inf kept)
       kernels::fused_exp_before_bf16(xs.data(), m, got.data(), static_cast<int64_t>(xs.size()));
       int bad = 0;
+      double worst = 0.0;  // over one period (|x − m| ≤ ln 2), where forming t adds next to nothing
       for (size_t i = 0; i < xs.size() && bad < 5; ++i) {
         const double z = static_cast<double>(xs[i]) - m, want = std::exp(z);
         // 3.0e-6 of the polynomial, plus what t = (x − m)·log2(e) gets wrong (times ln 2 < 1): the
@@ -720,10 +724,14 @@ TEST(FusedForward, Bf16ExpWithinItsErrorZeroBelowAndNaNKept) {
         else if (t > -125.99)
           ok = std::abs(got[i] / want - 1.0) <= tol && std::fpclassify(got[i]) == FP_NORMAL;
         else
-          ok = got[i] == 0.0f || std::abs(got[i] / want - 1.0) <= tol;  // at the edge: either
+          ok = got[i] == 0.0f || (std::abs(got[i] / want - 1.0) <= tol && std::fpclassify(got[i]) == FP_NORMAL);
         if (!ok) ++bad;
         EXPECT_TRUE(ok) << "x − m = " << z << ": got " << got[i] << ", exp " << want;
+        if (std::abs(z) <= 0.6931471805599453) worst = std::max(worst, std::abs(got[i] / want - 1.0));
       }
+      if (m == 0.0f)
+        std::printf("%s: largest relative error over a period %.3g\n",
+                    hwy::TargetName(kernels::fused_dispatch_target()), worst);
     }
   });
 }

@@ -1,8 +1,11 @@
-// kernels/exp-inl.h — the one vectorised exp of the softmax kernels, compiled per SIMD target.
+// kernels/exp-inl.h — the vectorised exps of the softmax kernels, compiled per SIMD target:
+// exp_nonpositive (float32-accurate, every softmax) and exp_before_bf16 (for probabilities rounded
+// to bf16 next: the bf16 dot-product path).
 //
 // Include after hwy/highway.h in a file compiled with foreach_target.h (Highway's -inl.h
 // convention: the guard flips with HWY_TARGET_TOGGLE, so every target gets its own copy). Kernels
-// name it kernels::HWY_NAMESPACE::exp_nonpositive (or bring it in with a using-declaration).
+// name them kernels::HWY_NAMESPACE::exp_nonpositive and so on (or bring them in with
+// using-declarations).
 #if defined(MHA_KERNELS_EXP_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MHA_KERNELS_EXP_INL_H_
 #undef MHA_KERNELS_EXP_INL_H_
@@ -94,10 +97,12 @@ HWY_INLINE VF poly_exp2_unit(DF df, VF f) {
 
 /// exp(x − m) for the probabilities of the bf16 path, which rounds them to bf16 next (8
 /// significant bits: a relative change of up to u = 2⁻⁹ ≈ 2e-3). t = (x − m)·log2(e), 2^t =
-/// 2^⌊t⌋ · 2^f with f = t − ⌊t⌋ in [0, 1) and 2^f by poly_exp2_unit: relative error at most 3.0e-6,
-/// 650 times under u, and exactly 1 at x = m (the row's max), as exp_nonpositive. Four fewer
-/// operations a vector than exp_nonpositive (its degree-6 polynomial on [−½, ½], 2ⁿ formed apart,
-/// and the compare that notes a NaN): at T = 4096, d = 64 the bf16 core 4–5% faster on a Zen 4.
+/// 2^⌊t⌋ · 2^f with f = t − ⌊t⌋ in [0, 1) and 2^f by poly_exp2_unit: within 3.0e-6 of 2^t at the
+/// same t (what forming t adds, up to about 1e-5 of exp(x − m) near x − m = −87, exp_nonpositive
+/// shares), 650 times under u, and exactly 1 at x = m (the row's max), as exp_nonpositive. Four
+/// fewer operations a vector than exp_nonpositive (its degree-6 polynomial on [−½, ½], 2ⁿ formed
+/// apart, and the compare that notes a NaN): at T = 4096, d = 64 the bf16 core 3.5% faster on a
+/// Zen 4.
 /// Exactly 0 for t < −126 (x − m below about −87.3, so no subnormal is ever formed) and for −inf;
 /// NaN stays NaN, so a NaN score reaches its row's sum (callers flag NaN rows from the sum).
 template <class DF, class VF = hn::Vec<DF>>
@@ -115,8 +120,9 @@ HWY_INLINE VF exp_before_bf16(DF df, VF x, VF m) {
   }
 #endif
   // Portable operations (never run by a kernel, which takes this exp on AVX3_DL only; tested to the
-  // same bound): n = ⌊t⌋ in [−126, 88] wherever the result is kept, f = t − n rounded to nearest,
-  // 2ⁿ from its exponent bits (p·2ⁿ is exact, as vscalefps's).
+  // same bound): n = ⌊t⌋ in [−126, 127] wherever the result is kept, f = t − n rounded to
+  // nearest, 2ⁿ from its exponent bits (p·2ⁿ is exact, as vscalefps's; t = +inf, which no softmax
+  // forms, gives NaN here where vscalefps gives +inf).
   const hn::RebindToSigned<DF> di;
   const auto kept = hn::Not(hn::Lt(t, hn::Set(df, -126.0f)));
   const VF n = hn::Floor(hn::Max(t, hn::Set(df, -126.0f)));
