@@ -22,6 +22,9 @@ namespace hn = hwy::HWY_NAMESPACE;
 /// 1.5·2²³: added to a float t with |t| < 2²², the sum is the nearest integer to t plus this.
 constexpr float kRoundMagic = 12582912.0f;
 
+/// log2(e), as the float both exps multiply by.
+constexpr float kLog2e = 1.44269504088896341f;
+
 /// 2^f for |f| ≤ ½: the degree-6 Taylor polynomial of e^(f·ln 2), Horner's rule.
 template <class DF, class VF = hn::Vec<DF>>
 HWY_INLINE VF poly_exp2(DF df, VF f) {
@@ -43,7 +46,7 @@ HWY_INLINE VF poly_exp2(DF df, VF f) {
 template <class DF, class VF = hn::Vec<DF>>
 HWY_INLINE VF exp_nonpositive(DF df, VF x) {
   const hn::RebindToSigned<DF> di;
-  const VF t0 = hn::Mul(x, hn::Set(df, 1.44269504088896341f));
+  const VF t0 = hn::Mul(x, hn::Set(df, kLog2e));
   const auto visible = hn::Ge(x, hn::Set(df, -87.0f));
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   if constexpr (hn::MaxLanes(DF()) == 16) {
@@ -79,9 +82,6 @@ HWY_INLINE VF exp_nonpositive(DF df, VF x) {
 #endif
   return hn::IfThenElseZero(visible, hn::Mul(p, hn::BitCast(df, scale_bits)));
 }
-
-/// log2(e), as the float the kernels multiply by.
-constexpr float kLog2e = 1.44269504088896341f;
 
 /// 2^f for 0 ≤ f < 1: a degree-4 polynomial with p(0) = 1 exactly (so 2ⁿ and e⁰ come out exact:
 /// a row of equal scores keeps probabilities of exactly 1) and float32 coefficients fitted for the
