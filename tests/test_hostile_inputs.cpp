@@ -16,6 +16,8 @@
 #include "mha/kv_cache.h"
 #include "mha/module.h"
 #include "mha/safetensors.h"
+#include "mha/sdpa.h"
+#include "mha/training.h"
 #include "mha/weights.h"
 #include "support/test_support.h"
 
@@ -183,6 +185,52 @@ TEST(HostileIndices, KvCacheElementAccessChecksHeadAndFeature) {
   EXPECT_MENTIONS(error_of([&] { (void)cache.v_at(0, 0, 0, -1); }), "feature -1");
   EXPECT_MENTIONS(error_of([&] { (void)cache.v_at(2, 0, 0, 0); }), "sequence 2");
   EXPECT_MENTIONS(error_of([&] { (void)cache.k_at(0, 0, 1, 0); }), "position 1");
+}
+
+// Causal offsets and windows bound the positions i + offset − window the masks form: outside
+// ±2⁴⁰ they are errors, INT64_MIN included (whose absolute value an llabs check once took, and
+// passed), on every entry that takes them.
+TEST(HostileIndices, CausalOffsetAndWindowOutsideTwoToTheFortyAreErrors) {
+  const Tensor q = testing::random_tensor({1, 1, 2, 4}, 1);
+  const View4<const float> v(q.view4());
+  const auto call = [&](Causal causal) {
+    SdpaOptions o;
+    o.masks.causal = causal;
+    (void)sdpa(q, q, q, o);
+  };
+  const int64_t edge = int64_t{1} << 40, kMin = std::numeric_limits<int64_t>::min();
+  for (const int64_t offset : {kMin, kMin + 1, -edge - 1, edge + 1, kMax}) {
+    SCOPED_TRACE(offset);
+    const std::string msg = error_of([&] { call(Causal::with_offset(offset).with_window(3)); });
+    EXPECT_MENTIONS(msg,
+                    "causal offset " + std::to_string(offset) + " is out of range [-1099511627776, 1099511627776]");
+  }
+  for (const int64_t window : {edge + 1, kMax}) {
+    SCOPED_TRACE(window);
+    const std::string msg = error_of([&] { call(Causal::with_offset(-edge).with_window(window)); });
+    EXPECT_MENTIONS(msg, "sliding window " + std::to_string(window) + " is out of range [0, 1099511627776]");
+  }
+  // The edges themselves are valid: every key hidden (zeros), every key visible (the plain mean).
+  EXPECT_NO_THROW(call(Causal::with_offset(-edge).with_window(edge)));
+  EXPECT_NO_THROW(call(Causal::with_offset(edge).with_window(edge)));
+  // The backward checks the same way.
+  SdpaOptions o;
+  o.masks.causal = Causal::with_offset(kMin);
+  Tensor out({1, 1, 2, 4}), lse({1, 1, 2, 1}), dq({1, 1, 2, 4}), dk({1, 1, 2, 4}), dv({1, 1, 2, 4});
+  const View4<const float> cout(out.view4()), clse(lse.view4());
+  EXPECT_MENTIONS(error_of([&] {
+                    sdpa_backward(v, v, v, cout, v, clse, o, {dq.view4(), dk.view4(), dv.view4(), {}});
+                  }),
+                  "is out of range");
+}
+
+TEST(HostileConfig, RopeOverAnOddHeadDimNamesTheHeadDim) {
+  MhaConfig c;
+  c.embed_dim = 15, c.num_heads = 1, c.rope = Rope::half_split();
+  const std::string msg = error_of([&] { MultiheadAttention m(c); });
+  EXPECT_MENTIONS(msg, "the head dim 15 is odd");
+  c.rope.dims = 3;
+  EXPECT_MENTIONS(error_of([&] { MultiheadAttention m(c); }), "got 3");
 }
 
 // ---- item 9: outputs too large are refused up front ---------------------------------------------

@@ -10,6 +10,9 @@ namespace mha {
 void Rope::validate(int64_t head_dim) const {
   if (!(theta > 0.0) || !std::isfinite(theta)) fail("Rope: theta must be finite and > 0, got ", theta);
   const int64_t r = rotary_dims(head_dim);
+  if (dims == 0 && head_dim % 2 != 0)
+    fail("Rope: dims = 0 rotates the whole head, but the head dim ", head_dim,
+         " is odd (dimensions rotate in pairs): give an even dims below it");
   if (dims < 0 || r % 2 != 0 || r > head_dim)
     fail("Rope: rotary dims must be even and ≤ the head dim ", head_dim, " (0 = all), got ", dims);
 }
