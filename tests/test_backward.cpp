@@ -875,6 +875,57 @@ void expect_same_gradients(const MhaGradients& got, const MhaGradients& want) {
   for (size_t i = 0; i < g.size(); ++i) EXPECT_TRUE(bitwise_equal(*g[i], *w[i])) << "parameter " << i;
 }
 
+// A padded key enters no product, forward or backward (SEMANTICS 5): NaN or inf in its rows of the
+// key and value inputs reaches no output and no gradient — the projection weights' included, where
+// dW_K = dKᵀ · key would otherwise multiply its zero dK row by the NaN. Boolean and −inf float key
+// padding, the packed in_proj weight (kdim = vdim = E) and separate k/v weights, both layouts,
+// with bias_k / zero attention positions after the real keys: the step's every result is the one
+// it gives with finite values there, bit for bit.
+TEST(ModuleBackward, PaddedKeyRowsHoldingNaNReachNoGradient) {
+  for (const bool separate : {false, true})
+    for (const bool float_mask : {false, true})
+      for (const Layout layout : {Layout::SeqFirst, Layout::BatchFirst}) {
+        SCOPED_TRACE(std::string(separate ? "kdim/vdim" : "in_proj") + (float_mask ? ", float" : ", bool") +
+                     (layout == Layout::BatchFirst ? ", batch first" : ", seq first"));
+        MhaConfig cfg = config(8, 2);
+        cfg.layout = layout, cfg.add_bias_kv = cfg.add_zero_attn = float_mask;
+        if (separate) cfg.kdim = 6, cfg.vdim = 5;
+        const MultiheadAttention m(cfg, 3);
+        const int64_t B = 2, Tq = 3, Tk = 5;
+        const Tensor query = make_input(cfg, B, Tq, 8, 21);
+        const Tensor key = make_input(cfg, B, Tk, cfg.key_dim(), 22),
+                     value = make_input(cfg, B, Tk, cfg.value_dim(), 23);
+        MhaForwardOptions o;
+        o.mode = Mode::Training, o.dropout_seed = 9;
+        // Sequence 1's keys 3 and 4 are padding.
+        const auto padded = [&](int64_t b, int64_t t) { return b == 1 && t >= 3; };
+        if (float_mask) {
+          o.key_padding_mask.additive = Tensor({B, Tk}, 0.25f);
+          for (int64_t t = 0; t < Tk; ++t)
+            if (padded(1, t)) o.key_padding_mask.additive.at({1, t}) = -std::numeric_limits<float>::infinity();
+        } else {
+          o.key_padding_mask.is_padding = BoolTensor({B, Tk}, 0);
+          for (int64_t t = 0; t < Tk; ++t) o.key_padding_mask.is_padding.at({1, t}) = padded(1, t) ? 1 : 0;
+        }
+        Tensor bad_key = key, bad_value = value;
+        for (Tensor* x : {&bad_key, &bad_value})
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t t = 0; t < Tk; ++t)
+              if (padded(b, t))
+                for (int64_t c = 0; c < x->shape().back(); ++c)
+                  (layout == Layout::BatchFirst ? x->at({b, t, c}) : x->at({t, b, c})) =
+                      c % 2 ? std::numeric_limits<float>::infinity() : std::nanf("");
+        const Tensor G = random_tensor(query.shape(), 24);
+        const MhaTrainOutput good = forward_train(m, query, key, value, o);
+        const MhaTrainOutput bad = forward_train(m, query, bad_key, bad_value, o);
+        EXPECT_TRUE(bitwise_equal(bad.output, good.output));
+        const MhaGradients g = backward(m, bad.context, G);
+        expect_same_gradients(g, backward(m, good.context, G));
+        for (const Tensor* t : parameter_tensors(g.params))
+          for (const float x : t->values()) ASSERT_TRUE(std::isfinite(x));
+      }
+}
+
 // One training step's shapes: self-attention (one packed GEMM) or cross-attention (three).
 struct TrainStep {
   Shape q, kv;

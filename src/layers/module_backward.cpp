@@ -12,7 +12,9 @@
 //   dW_Q = dQᵀ · query, db_Q = Σ_rows dQ, d query = dQ · W_Q     (same for K and V)
 // Memory: the saved context holds Q/K/V, the attention output and lse; nothing of size T_q × T_k
 // (the attention backward recomputes the probabilities from lse).
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -34,6 +36,42 @@ namespace {
 
 constexpr const char* kTrain = "forward_train";
 constexpr const char* kBack = "backward";
+
+/// The key or value input (`width` floats a row, placed as `rows` says) as the weight gradient
+/// dW_K = dKᵀ · key (dW_V alike) may read it. A padded key — boolean key padding, or a −inf key
+/// bias — enters no product (SEMANTICS 5), so its dK / dV rows are exactly 0; but 0 · NaN is NaN,
+/// so a NaN or inf in its input row would still make the whole weight gradient NaN. Returns x itself
+/// when no padded row holds a non-finite value (the usual case: a scan, no copy), else a copy in
+/// `copy` with those rows zero — the products the finite rows give, bit for bit.
+const float* padded_rows_finite(const float* x, int64_t width, const detail::RowPlacement& rows, const MhaContext& ctx,
+                                Tensor& copy) {
+  const bool by_flag = ctx.key_padding.defined(), by_bias = ctx.key_bias.defined();
+  if (!by_flag && !by_bias) return x;
+  // (1, B, S): S key positions, the real T_k first.
+  const int64_t S = by_flag ? ctx.key_padding.shape().back() : ctx.key_bias.shape().back();
+  const auto padded = [&](int64_t b, int64_t t) {
+    return (by_flag && ctx.key_padding.data()[b * S + t] != 0) ||
+           (by_bias && ctx.key_bias.data()[b * S + t] == -std::numeric_limits<float>::infinity());
+  };
+  const auto row_of = [&](int64_t b, int64_t t) { return b * rows.per_batch + t * rows.per_step; };
+  const auto finite_row = [&](const float* r) {
+    for (int64_t c = 0; c < width; ++c)
+      if (!std::isfinite(r[c])) return false;
+    return true;
+  };
+  float* out = nullptr;
+  for (int64_t b = 0; b < rows.batch; ++b)
+    for (int64_t t = 0; t < rows.steps; ++t) {
+      if (!padded(b, t) || finite_row(x + row_of(b, t) * width)) continue;
+      if (!out) {
+        copy = Tensor::uninitialized({rows.rows(), width});
+        out = copy.data();
+        std::copy(x, x + rows.rows() * width, out);
+      }
+      std::fill(out + row_of(b, t) * width, out + (row_of(b, t) + 1) * width, 0.0f);
+    }
+  return out ? out : x;
+}
 
 }  // namespace
 
@@ -203,10 +241,14 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
     // One input for all three: the packed weight's gradient is one GEMM over the whole block.
     kernels::linear_backward_params(dqkv, Nq, c.in_proj_rows(), ldq, query.data(), E, E, dwq, E, db);
   } else {
+    // (Self-attention's packed block above takes no such care: there a padded position's input row
+    // is also a query's, and a NaN in it reaches that query's output and its gradients anyway.)
+    Tensor key_copy, value_copy;
+    const float* key_x = padded_rows_finite(key.data(), kdim, call.k_rows, ctx, key_copy);
+    const float* value_x = padded_rows_finite(value.data(), vdim, call.k_rows, ctx, value_copy);
     kernels::linear_backward_params(dq_rows, Nq, H * d, ldq, query.data(), E, E, dwq, lddq, db);
-    kernels::linear_backward_params(dk_rows, Nk, KV * d, ldkv, key.data(), kdim, kdim, dwk, lddk,
-                                    db ? db + H * d : nullptr);
-    kernels::linear_backward_params(dv_rows, Nk, KV * d, ldkv, value.data(), vdim, vdim, dwv, lddv,
+    kernels::linear_backward_params(dk_rows, Nk, KV * d, ldkv, key_x, kdim, kdim, dwk, lddk, db ? db + H * d : nullptr);
+    kernels::linear_backward_params(dv_rows, Nk, KV * d, ldkv, value_x, vdim, vdim, dwv, lddv,
                                     db ? db + (H + KV) * d : nullptr);
   }
   // Each input gradient is written whole by its GEMM (beta = 0): no zero-fill first.
