@@ -189,7 +189,7 @@ TEST(HostileIndices, KvCacheElementAccessChecksHeadAndFeature) {
 
 // Causal offsets and windows bound the positions i + offset − window the masks form: outside
 // ±2⁴⁰ they are errors, INT64_MIN included (whose absolute value an llabs check once took, and
-// passed), on every entry that takes them.
+// passed), forward and backward. (The MPI schemes check their own: tests/dist/test_dist.cpp.)
 TEST(HostileIndices, CausalOffsetAndWindowOutsideTwoToTheFortyAreErrors) {
   const Tensor q = testing::random_tensor({1, 1, 2, 4}, 1);
   const View4<const float> v(q.view4());
@@ -210,7 +210,8 @@ TEST(HostileIndices, CausalOffsetAndWindowOutsideTwoToTheFortyAreErrors) {
     const std::string msg = error_of([&] { call(Causal::with_offset(-edge).with_window(window)); });
     EXPECT_MENTIONS(msg, "sliding window " + std::to_string(window) + " is out of range [0, 1099511627776]");
   }
-  // The edges themselves are valid: every key hidden (zeros), every key visible (the plain mean).
+  // The edges themselves are valid (the first hides every key; the second lets query i see the
+  // keys after it, within the window).
   EXPECT_NO_THROW(call(Causal::with_offset(-edge).with_window(edge)));
   EXPECT_NO_THROW(call(Causal::with_offset(edge).with_window(edge)));
   // The backward checks the same way.

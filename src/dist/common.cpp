@@ -67,6 +67,21 @@ int comm_rank(MPI_Comm comm) {
   return r;
 }
 
+std::string causal_range_error(const char* fn, const Causal& causal, int64_t seq_q, int64_t seq_k) {
+  constexpr int64_t kMax = int64_t{1} << 40;  // sdpa's own bound on an offset and a window
+  const std::string f = fn;
+  if (causal.window < 0) return f + ": causal window must be ≥ 0, got " + std::to_string(causal.window);
+  if (causal.window > kMax)
+    return f + ": sliding window " + std::to_string(causal.window) + " is out of range [0, " + std::to_string(kMax) +
+           "] (0 = unlimited)";
+  if (!causal.enabled()) return {};
+  const int64_t offset = causal.offset_for(seq_q, seq_k), reach = std::max(seq_q, seq_k);
+  if (reach > kMax || offset < reach - kMax || offset > kMax - reach)
+    return f + ": causal offset " + std::to_string(offset) + " is out of range for seq_q " + std::to_string(seq_q) +
+           ", seq_k " + std::to_string(seq_k) + ": |offset| + max(seq_q, seq_k) must be ≤ " + std::to_string(kMax);
+  return {};
+}
+
 int mpi_count(int64_t n, const char* what) {
   if (n < 0 || n > std::numeric_limits<int>::max())
     fail(what, ": a message of ", n, " elements does not fit MPI's int count; use more ranks or smaller blocks");

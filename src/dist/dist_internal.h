@@ -5,7 +5,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 
+#include "mha/masks.h"
 #include "mha/tensor.h"
 
 namespace mha::dist {
@@ -14,6 +16,13 @@ int comm_size(MPI_Comm comm);
 int comm_rank(MPI_Comm comm);
 /// n as MPI's int count; mha::Error naming `what` when it does not fit.
 int mpi_count(int64_t n, const char* what);
+
+/// Empty when `causal` (for global lengths seq_q, seq_k ≥ 0) is in range for every rank's inner
+/// sdpa, else the message: a window in [0, 2⁴⁰], and an offset whose blocks' local offsets
+/// q0 − k0 + offset (|q0 − k0| < max(seq_q, seq_k)) stay within sdpa's ±2⁴⁰. Checked before
+/// any exchange and shared with check_collectively, so that no rank throws alone from inside
+/// the ring while the others wait on it.
+std::string causal_range_error(const char* fn, const Causal& causal, int64_t seq_q, int64_t seq_k);
 
 /// Rows [first, first + count) of a (B, H, T, D) view along axis 2.
 template <class T>

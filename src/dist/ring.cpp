@@ -67,7 +67,7 @@ std::string check_local(const char* fn, const Tensor& q, const Tensor& k, const 
     return f + ": key_padding must be (B, T_k_local) = " + shape_str({q.size(0), want_k}) + ", got " +
            shape_str(pad.shape());
   if (scale && !(std::isfinite(*scale))) return f + ": scale must be finite";
-  if (causal.window < 0) return f + ": causal window must be ≥ 0, got " + std::to_string(causal.window);
+  if (std::string err = causal_range_error(fn, causal, seq_q, seq_k); !err.empty()) return err;
   if (threads < 0) return f + ": threads must be ≥ 0, got " + std::to_string(threads);
   return {};
 }

@@ -114,6 +114,8 @@ RingResult ulysses_attention(MPI_Comm comm, const Tensor& q, const Tensor& k, co
            (key_padding.dim() != 2 || key_padding.size(0) != q.size(0) || key_padding.size(1) != k.size(2)))
     err = "ulysses_attention: key_padding must be (B, T_k_local) = " + shape_str({q.size(0), k.size(2)}) + ", got " +
           shape_str(key_padding.shape());
+  else
+    err = causal_range_error("ulysses_attention", options.causal, seq_q, seq_k);
   check_collectively(comm, err);
   int64_t scale_bits = -1;
   if (options.scale) {

@@ -369,6 +369,37 @@ TEST(BadUse, MismatchedGlobalShapesAcrossRanks) {
   EXPECT_NE(err.find("rank "), std::string::npos) << err;
 }
 
+// Causal offsets and windows out of range are refused on every rank before any exchange: an inner
+// sdpa that threw on one rank alone (a local block's offset q0 − k0 + offset past sdpa's ±2⁴⁰, or
+// a window past 2⁴⁰) would leave the others waiting in the ring.
+TEST(BadUse, CausalOffsetOrWindowOutOfRangeFailsOnEveryRank) {
+  Case c;
+  const Inputs in = make_inputs(c, 1);
+  const int P = ranks(), me = rank();
+  dist::RingOptions o;
+  const Tensor q = dist::take_sequence(in.q, P, me, o.layout), k = dist::take_sequence(in.k, P, me, o.layout),
+               v = dist::take_sequence(in.v, P, me, o.layout);
+  const int64_t edge = int64_t{1} << 40;
+  for (const Causal causal : {Causal::with_offset(std::numeric_limits<int64_t>::min()),
+                              Causal::with_offset(edge),  // |offset| + max(seq_q, seq_k) > 2^40
+                              Causal::with_offset(-edge + c.tk - 1), Causal::top_left().with_window(edge + 1)}) {
+    SCOPED_TRACE(causal.offset);
+    o.causal = causal;
+    std::string err = mha::testing::error_of([&] { dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o); });
+    EXPECT_NE(err.find("out of range"), std::string::npos) << err;
+    dist::UlyssesOptions u;
+    u.causal = causal;
+    err = mha::testing::error_of([&] { dist::ulysses_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, u); });
+    if (c.kv % P == 0) {
+      EXPECT_NE(err.find("out of range"), std::string::npos) << err;
+    }
+  }
+  // At the edge it runs: every key hidden from every query (lse −inf).
+  o.causal = Causal::with_offset(-edge + c.tk);
+  const dist::RingResult r = dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o);
+  for (const float x : r.lse.values()) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+}
+
 }  // namespace
 }  // namespace mha
 
