@@ -33,4 +33,14 @@ for r in 1 2; do
       --threads $th --json 2>/dev/null
   done
 done > "$out/decode.jsonl"
+echo "weights vs weights-free module $(stamp)" >&2
+for r in 1 2 3; do
+  for th in 1 2; do
+    for w in none averaged; do
+      printf 't%s %s: ' $th $w
+      "$mha" bench --batch 1 --seq 2048 --embed-dim 512 --heads 8 --threads $th --need-weights $w --repeat 4 --json \
+        2>/dev/null | python3 -c "import json,sys,statistics as s; d=json.load(sys.stdin); print(round(s.median(d['times_ms']),1), round(d['fraction_of_peak'],3))"
+    done
+  done
+done > "$out/weights_vs_free.txt"
 echo "done $(stamp)" >&2
