@@ -117,6 +117,35 @@ def test_swap_into_transformer_encoder_layer():
     torch.testing.assert_close(x.grad, gx, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kdim", [None, 10])
+def test_nan_in_padded_key_rows_reaches_no_gradient(kdim):
+    """Cross-attention over a memory whose padded positions hold NaN (SEMANTICS 5): the output and
+    every gradient, the projection weights' included, are those of finite values there, bit for bit
+    (torch 1.13's own module gives a NaN output and NaN gradients here: PyTorch issue #101967)."""
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(16, 4, kdim=kdim, vdim=kdim, batch_first=True)
+    g = torch.Generator().manual_seed(3)
+    kd = kdim or 16
+    q = torch.randn(2, 5, 16, generator=g)
+    k, v = torch.randn(2, 6, kd, generator=g), torch.randn(2, 6, kd, generator=g)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    results = []
+    for poison in (False, True):
+        kk, vv = k.clone(), v.clone()
+        if poison:
+            kk[1, 4:] = float("nan")
+            vv[1, 4:] = float("inf")
+        kk.requires_grad_(), vv.requires_grad_()
+        out, _ = m(q, kk, vv, key_padding_mask=kpm, need_weights=False)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
+        results.append([out.detach(), kk.grad, vv.grad] + [p.grad.clone() for _, p in m.named_parameters()])
+        m.zero_grad()
+    for clean, poisoned in zip(*results):
+        assert torch.isfinite(poisoned).all()
+        assert torch.equal(clean, poisoned)
+
+
 def test_errors():
     m = mt.MultiheadAttention(16, 4)
     with pytest.raises(TypeError, match="float32"):
