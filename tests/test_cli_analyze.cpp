@@ -191,6 +191,38 @@ TEST(CliPrune, ImportanceAndErrors) {
   expect_one_line_failure(
       run_command(kCli + " prune --weights " + f.weights + " --heads 0 --output " + out + " --importance"),
       "--importance needs --inputs");
+  // An empty list is an error (CLI11 once read --heads "" as head 0 and removed it); empty items
+  // between commas are skipped, anything else must be a whole integer.
+  std::filesystem::remove(out);
+  const std::pair<const char*, const char*> bad_heads[] = {
+      {"\"\"", "--heads lists no head index"}, {"1,x", "--heads item 'x' is not a head index"}, {"1.0", "'1.0'"}};
+  for (const auto& [heads, needle] : bad_heads)
+    expect_one_line_failure(
+        run_command(kCli + " prune --weights " + f.weights + " --heads " + heads + " --output " + out), needle);
+  EXPECT_FALSE(std::filesystem::exists(out));
+  // A file that cannot be written: one line on stderr, and nothing on stdout (the importance and
+  // output-change lines wait for the file).
+  const auto unwritable = run_command(kCli + " prune --weights " + f.weights + " --heads 0 --output " + dir +
+                                      "/no/such/dir/p.safetensors --importance --inputs " + f.inputs);
+  EXPECT_EQ(unwritable.exit_code, 1);
+  EXPECT_EQ(std::count(unwritable.err.begin(), unwritable.err.end(), '\n'), 1) << unwritable.err;
+  EXPECT_EQ(unwritable.out, "");
+}
+
+// A picture that cannot be written fails the command before the report reaches stdout: a script
+// never reads a whole table or JSON object from a call that exits 1.
+TEST(CliAnalyze, UnwritablePictureFailsBeforeAnyOutput) {
+  const std::string dir = mha::testing::temp_dir();
+  const Files f = write_known_heads(dir);
+  for (const char* flag : {" --image ", " --svg "})
+    for (const char* json : {"", " --json"}) {
+      SCOPED_TRACE(std::string(flag) + json);
+      const auto r = run_command(kCli + " analyze --weights " + f.weights + " --inputs " + f.inputs + json + flag +
+                                 dir + "/no/such/dir/x.png");
+      EXPECT_EQ(r.exit_code, 1);
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+      EXPECT_EQ(r.out, "");
+    }
 }
 
 }  // namespace

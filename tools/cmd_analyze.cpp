@@ -94,6 +94,10 @@ void run_analyze(const AnalyzeArgs& a) {
     }
   }
   const Tensor panel = drawing ? batch_slice(w, a.batch) : Tensor();
+  // Pictures first: a path that cannot be written fails the command before anything reaches
+  // stdout, so a script never reads a whole report from a call that exits 1.
+  if (!a.image.empty()) write_heatmap_png(a.image, panel, hopt);
+  if (!a.svg.empty()) write_heatmap_svg(a.svg, panel, hopt);
 
   if (a.json) {
     nlohmann::json j;
@@ -141,15 +145,9 @@ void run_analyze(const AnalyzeArgs& a) {
     if (a.importance) std::printf("importance: ‖y − y without head‖ / ‖y‖ on these inputs\n");
   }
 
-  if (!drawing) return;
-  if (!a.image.empty()) {
-    write_heatmap_png(a.image, panel, hopt);
-    if (!a.json) std::printf("wrote %s\n", a.image.c_str());
-  }
-  if (!a.svg.empty()) {
-    write_heatmap_svg(a.svg, panel, hopt);
-    if (!a.json) std::printf("wrote %s\n", a.svg.c_str());
-  }
+  if (a.json) return;
+  if (!a.image.empty()) std::printf("wrote %s\n", a.image.c_str());
+  if (!a.svg.empty()) std::printf("wrote %s\n", a.svg.c_str());
 }
 
 }  // namespace

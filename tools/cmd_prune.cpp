@@ -1,7 +1,10 @@
 // `mha prune`: remove heads from saved weights; optionally score every head by ablation first.
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "load_inputs.h"
@@ -17,10 +20,19 @@ namespace {
 
 struct PruneArgs {
   std::string weights, output, inputs;
-  std::vector<int64_t> heads;
+  std::vector<std::string> heads;  ///< --heads items as given (parsed by head_indices)
   bool importance = false, duplicate_kv = false;
   int threads = 0;
 };
+
+/// printf into a string.
+template <class... Args>
+std::string format(const char* fmt, Args... args) {
+  const int n = std::snprintf(nullptr, 0, fmt, args...);
+  std::string out(static_cast<size_t>(std::max(n, 0)), '\0');
+  std::snprintf(out.data(), out.size() + 1, fmt, args...);
+  return out;
+}
 
 double relative_l2(const Tensor& got, const Tensor& want) {
   double num = 0, den = 0;
@@ -32,15 +44,34 @@ double relative_l2(const Tensor& got, const Tensor& want) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+/// --heads as indices: every non-empty item a whole decimal integer ("0," and "1,,2" skip the empty
+/// ones), and at least one of them. (Parsed here rather than by CLI11, which read an empty
+/// --heads "" as head 0 and removed it.)
+std::vector<int64_t> head_indices(const std::vector<std::string>& items) {
+  std::vector<int64_t> heads;
+  for (const std::string& item : items) {
+    if (item.empty()) continue;
+    int64_t h = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), h);
+    if (ec != std::errc() || end != item.data() + item.size())
+      fail("prune: --heads item '", item, "' is not a head index");
+    heads.push_back(h);
+  }
+  if (heads.empty()) fail("prune: --heads lists no head index (give them comma-separated, e.g. 0,3)");
+  return heads;
+}
+
 void run_prune(const PruneArgs& a) {
   if (a.importance && a.inputs.empty()) fail("prune: --importance needs --inputs (the inputs to measure on)");
+  const std::vector<int64_t> heads = head_indices(a.heads);
   const io::SafetensorsFile file = io::SafetensorsFile::open(a.weights);
   const MultiheadAttention module = io::load_module(file);
   const io::WeightNames names = io::detect_weight_names(file);
   PruneOptions po;
   po.uneven_groups = a.duplicate_kv ? UnevenGroups::DuplicateKV : UnevenGroups::Refuse;
-  const MultiheadAttention pruned = prune_heads(module, a.heads, po);
+  const MultiheadAttention pruned = prune_heads(module, heads, po);
 
+  std::string report;
   if (!a.inputs.empty()) {
     const LoadedInputs in = load_inputs(file, a.inputs);
     MhaForwardOptions opt = in.options;
@@ -51,19 +82,21 @@ void run_prune(const PruneArgs& a) {
           "so its effect cannot be measured with the same mask");
     if (a.importance) {
       const std::vector<double> imp = head_importance(module, in.query, in.key, in.value, opt);
-      std::printf("head importance by ablation (‖y − y without head‖ / ‖y‖):\n");
-      for (size_t h = 0; h < imp.size(); ++h) std::printf("  head %2zu  %.6f\n", h, imp[h]);
+      report += "head importance by ablation (‖y − y without head‖ / ‖y‖):\n";
+      for (size_t h = 0; h < imp.size(); ++h) report += format("  head %2zu  %.6f\n", h, imp[h]);
     }
     const Tensor y = module.forward(in.query, in.key, in.value, opt).output;
     const Tensor yp = pruned.forward(in.query, in.key, in.value, opt).output;
-    std::printf("output change from pruning on these inputs: ‖y − y_pruned‖ / ‖y‖ = %.6f\n", relative_l2(yp, y));
+    report += format("output change from pruning on these inputs: ‖y − y_pruned‖ / ‖y‖ = %.6f\n", relative_l2(yp, y));
   }
+  // The report goes out once the file is written: a save that fails prints one line and nothing else.
   io::save_module(a.output, pruned, names);
+  std::fputs(report.c_str(), stdout);
   const MhaConfig& c = module.config();
   const MhaConfig& p = pruned.config();
   std::printf(
       "pruned %zu of %lld heads: %lld heads (kv_heads %lld → %lld, d = %lld), parameters %lld → %lld; wrote %s\n",
-      a.heads.size(), static_cast<long long>(c.num_heads), static_cast<long long>(p.num_heads),
+      heads.size(), static_cast<long long>(c.num_heads), static_cast<long long>(p.num_heads),
       static_cast<long long>(c.kv_heads()), static_cast<long long>(p.kv_heads()), static_cast<long long>(p.head_dim()),
       static_cast<long long>(module.parameter_count()), static_cast<long long>(pruned.parameter_count()),
       a.output.c_str());
