@@ -168,6 +168,16 @@ TEST(HeadMetrics, RejectsBadInput) {
     EXPECT_NE(std::string(e.what()).find("head_metrics"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("(1, 2, 2)"), std::string::npos) << e.what();
   }
+  // Offsets past ±2⁴⁰ (where i + offset and the key before it would overflow near ±2⁶³) are errors;
+  // the edge itself is valid and puts every query's own key outside the row.
+  MetricsOptions far;
+  for (const int64_t offset : {std::numeric_limits<int64_t>::min(), -(int64_t{1} << 40) - 1, (int64_t{1} << 40) + 1,
+                               std::numeric_limits<int64_t>::max()}) {
+    far.query_offset = offset;
+    EXPECT_THROW(head_metrics(Tensor({1, 2, 2}, 0.5f), far), Error) << offset;
+  }
+  far.query_offset = int64_t{1} << 40;
+  EXPECT_EQ(head_metrics(Tensor({1, 2, 2}, 0.5f), far)[0].self, 0.0);
 }
 
 }  // namespace

@@ -368,6 +368,15 @@ TEST(SafetensorsMalformed, InvalidJson) {
   expect_header_rejected("", 0, {"not valid JSON"});
   expect_header_rejected("{\"\xff\xfe\":1}", 0, {"not valid JSON"});  // invalid UTF-8
   expect_header_rejected("{} trailing", 0, {"not valid JSON"});
+  // The JSON error quotes the header where it stopped: bytes that are not printable ASCII come
+  // out as \xNN, so the message is text (a raw 0xFF reached the terminal, and Python raised an
+  // empty ValueError for it).
+  expect_header_rejected("{\"\xff\xfe\":1}", 0, {"\\xff"});
+  const std::string msg = error_of([] { (void)SafetensorsFile::from_bytes(image("{\"\xff\x01\":1}", 0), "bad"); });
+  for (const char ch : msg) {
+    const auto b = static_cast<unsigned char>(ch);
+    EXPECT_TRUE(b >= 0x20 && b < 0x7F) << msg;  // this message is all ASCII
+  }
 }
 
 TEST(SafetensorsMalformed, NonObjectJson) {

@@ -534,6 +534,8 @@ def analyze(weights: Any, *, query_offset: Optional[int] = None, png: Optional[P
     w = _f32("weights", weights, "analyze")
     result = _core.analyze(w, query_offset)
     if png is not None:
+        if w.ndim == 4 and w.shape[0] == 0:
+            raise ValueError(f"analyze: weights {tuple(w.shape)} hold no sequence: nothing to draw")
         _core.write_heatmap_png(os.fspath(png), w[0] if w.ndim == 4 else w)
     return result
 

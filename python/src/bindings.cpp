@@ -449,7 +449,18 @@ PYBIND11_MODULE(_core, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const mha::Error& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      // A message may quote bytes of a hostile input that are not UTF-8 (a safetensors header's
+      // JSON error shows where it stopped): PyErr_SetString would then raise an empty ValueError.
+      // Such bytes come out as \xNN escapes instead.
+      const std::string msg = e.what();
+      PyObject* text = PyUnicode_DecodeUTF8(msg.data(), static_cast<Py_ssize_t>(msg.size()), "backslashreplace");
+      if (!text) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "mha error (its message could not be decoded)");
+        return;
+      }
+      PyErr_SetObject(PyExc_ValueError, text);
+      Py_DECREF(text);
     }
   });
 

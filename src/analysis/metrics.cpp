@@ -46,6 +46,11 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
            " at flat index ", n);
   }
   const int64_t offset = options.query_offset.value_or(Tk - Tq);
+  // Query i's own key is i + offset: bounded as sdpa bounds a causal offset, so that it and the
+  // key before it are formed without overflow (any offset past ±2⁴⁰ puts both outside every row).
+  constexpr int64_t kMaxOffset = int64_t{1} << 40;
+  if (offset < -kMaxOffset || offset > kMaxOffset)
+    fail(kFn, ": query_offset ", offset, " is out of range [", -kMaxOffset, ", ", kMaxOffset, "]");
 
   std::vector<HeadMetrics> result(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) {

@@ -19,6 +19,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <string>
+#include <string_view>
 #include <utility>
 
 namespace mha::io {
@@ -31,6 +33,26 @@ namespace {
 using json = nlohmann::json;
 
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // a real header is kilobytes; this bounds a hostile one
+
+/// `s` with every byte outside printable ASCII written as \xNN. nlohmann's parse errors quote the
+/// header where they stopped, which in a hostile file need not be text: raw, such bytes reached
+/// the terminal, and Python raised an empty ValueError for a message that was not UTF-8.
+std::string printable(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (const char ch : s) {
+    const auto b = static_cast<unsigned char>(ch);
+    if (b >= 0x20 && b < 0x7F) {
+      out += ch;
+    } else {
+      constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[b >> 4];
+      out += kHex[b & 15];
+    }
+  }
+  return out;
+}
 
 struct DTypeEntry {
   DType dtype;
@@ -201,7 +223,7 @@ void SafetensorsFile::Impl::parse(const std::byte* base, uint64_t size) {
     // nlohmann rejects invalid UTF-8 inside strings and any non-JSON byte outside them.
     header = json::parse(text, text + n, std::ref(dups));
   } catch (const json::exception& e) {
-    fail(where, "header (", n, " bytes) is not valid JSON: ", e.what());
+    fail(where, "header (", n, " bytes) is not valid JSON: ", printable(e.what()));
   }
   if (dups.duplicate()) {
     const auto& [key, owner] = *dups.duplicate();

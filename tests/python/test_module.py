@@ -173,6 +173,8 @@ def test_analyze_and_prune(rng, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError):
         mha.analyze(-w)
+    with pytest.raises(ValueError, match="nothing to draw"):  # no sequence to draw (was an IndexError)
+        mha.analyze(w[:0], png=tmp_path / "none.png")
     p = mha.prune_heads(m, [1, 3])
     assert p.num_heads == 2 and p.parameter_count() < m.parameter_count()
     sd = m.state_dict()
@@ -221,3 +223,12 @@ def test_tensor_cache_keeps_and_releases_large_blocks():
     finally:
         mha.release_cached_tensors()
         mha.set_tensor_cache_limit(before)
+
+
+def test_error_quoting_bytes_that_are_not_utf8_keeps_its_message(tmp_path):
+    # A hostile header's JSON error quotes its bytes: they arrive escaped, never as an empty message.
+    header = b'{"\xff\xfe":1}'
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match=r"not valid JSON.*\\xff"):
+        mha.load_safetensors(path)
