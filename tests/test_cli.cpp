@@ -44,9 +44,9 @@ TEST(Cli, MalformedFilesFailWithOneLineAndNoOutput) {
   const std::string truncated = dir + "/truncated.safetensors";
   fs::copy_file(kCase, truncated);
   fs::resize_file(truncated, fs::file_size(truncated) / 2);
-  expect_one_line_failure(run_command(kCli + " forward --weights " + truncated + " --inputs " + truncated +
-                                      " --output " + out),
-                          "truncated.safetensors");
+  expect_one_line_failure(
+      run_command(kCli + " forward --weights " + truncated + " --inputs " + truncated + " --output " + out),
+      "truncated.safetensors");
   EXPECT_FALSE(fs::exists(out));
   // Garbage: not even a header length.
   const std::string garbage = dir + "/garbage.safetensors";
@@ -55,9 +55,9 @@ TEST(Cli, MalformedFilesFailWithOneLineAndNoOutput) {
       run_command(kCli + " forward --weights " + garbage + " --inputs " + garbage + " --output " + out), "mha:");
   EXPECT_FALSE(fs::exists(out));
   // Missing file.
-  expect_one_line_failure(run_command(kCli + " forward --weights " + dir + "/nope.safetensors --inputs " + kCase +
-                                      " --output " + out),
-                          "nope.safetensors");
+  expect_one_line_failure(
+      run_command(kCli + " forward --weights " + dir + "/nope.safetensors --inputs " + kCase + " --output " + out),
+      "nope.safetensors");
   EXPECT_FALSE(fs::exists(out));
 }
 
@@ -124,6 +124,18 @@ TEST(Cli, HelpEverywhereAndUnknownFlagsFail) {
   }
   expect_one_line_failure(run_command(kCli + " params --embed-dim 8 --heads 2 --frobnicate"), "frobnicate");
   expect_one_line_failure(run_command(kCli), "mha:");
+}
+
+// --threads takes a whole number ≥ 0 on every subcommand that has it, and says so in a short line
+// (the check it had printed its range as a double with a 300-digit bound).
+TEST(Cli, ThreadsMustBeAWholeNumberAtLeastZero) {
+  for (const char* sub : {"forward", "analyze", "prune"})
+    for (const char* bad : {"abc", "-1", "1.5", "\"\""}) {
+      SCOPED_TRACE(std::string(sub) + " --threads " + bad);
+      const auto r = run_command(kCli + " " + sub + " --weights " + kCase + " --threads " + bad);
+      expect_one_line_failure(r, "--threads: expected a whole number ≥ 0");
+      EXPECT_LT(r.err.size(), 120u) << r.err;
+    }
 }
 
 }  // namespace

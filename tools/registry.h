@@ -2,8 +2,11 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <charconv>
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace mha::cli {
@@ -21,6 +24,20 @@ inline std::vector<CommandEntry>& command_registry() {
 /// Thrown by a subcommand that has already printed its one-line error (e.g. every MPI rank of
 /// `bench --parallel`, which must print before MPI_Finalize lets any rank exit): main exits 1 quietly.
 struct AlreadyReported {};
+
+/// A count ≥ 0 (--threads): a whole decimal number, refused in one short line otherwise.
+/// (CLI::NonNegativeNumber checks a double: for "abc" it printed its range with a 300-digit bound.)
+inline CLI::Validator whole_number_at_least_zero() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        int64_t v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (ec != std::errc() || end != s.data() + s.size() || v < 0)
+          return "expected a whole number ≥ 0, got '" + s + "'";
+        return {};
+      },
+      "");
+}
 
 /// At namespace scope in a tools/cmd_*.cpp:  static const CommandRegistrar reg{30, add_my_command};
 struct CommandRegistrar {
