@@ -23,6 +23,9 @@ struct Causal {
   /// Sliding window: when > 0, key k is visible only if q + offset − window < k ≤ q + offset, i.e.
   /// the last `window` positions up to and including the query's own. 0 = unlimited.
   int64_t window = 0;
+  /// The largest |offset| and window accepted (2⁴⁰; beyond, an error): positions q + offset −
+  /// window are then formed far inside int64.
+  static constexpr int64_t kMaxPosition = int64_t{1} << 40;
 
   static Causal none() { return {}; }
   static Causal top_left() { return {Align::TopLeft, 0}; }

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "mha/analysis.h"
+#include "mha/masks.h"
 
 namespace mha {
 
@@ -48,7 +49,7 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
   const int64_t offset = options.query_offset.value_or(Tk - Tq);
   // Query i's own key is i + offset: bounded as sdpa bounds a causal offset, so that it and the
   // key before it are formed without overflow (any offset past ±2⁴⁰ puts both outside every row).
-  constexpr int64_t kMaxOffset = int64_t{1} << 40;
+  constexpr int64_t kMaxOffset = Causal::kMaxPosition;
   if (offset < -kMaxOffset || offset > kMaxOffset)
     fail(kFn, ": query_offset ", offset, " is out of range [", -kMaxOffset, ", ", kMaxOffset, "]");
 

@@ -68,7 +68,7 @@ int comm_rank(MPI_Comm comm) {
 }
 
 std::string causal_range_error(const char* fn, const Causal& causal, int64_t seq_q, int64_t seq_k) {
-  constexpr int64_t kMax = int64_t{1} << 40;  // sdpa's own bound on an offset and a window
+  constexpr int64_t kMax = Causal::kMaxPosition;  // sdpa's own bound on an offset and a window
   const std::string f = fn;
   if (causal.window < 0) return f + ": causal window must be ≥ 0, got " + std::to_string(causal.window);
   if (causal.window > kMax)

@@ -76,9 +76,8 @@ void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const 
   if (causal.window < 0) fail(fn, ": sliding window must be ≥ 0 (0 = unlimited), got ", causal.window);
   if (causal.window > 0 && !causal.enabled())
     fail(fn, ": a sliding window of ", causal.window, " needs a causal alignment (Causal::bottom_right() etc.)");
-  // Positions i + offset − window must stay far inside int64 (std::llabs would pass INT64_MIN: its
-  // absolute value does not exist, and llabs of it is undefined).
-  constexpr int64_t kMaxPosition = int64_t{1} << 40;
+  // Both bounds compared (std::llabs would pass INT64_MIN: its absolute value does not exist).
+  constexpr int64_t kMaxPosition = Causal::kMaxPosition;
   if (causal.align == Causal::Align::Offset && (causal.offset < -kMaxPosition || causal.offset > kMaxPosition))
     fail(fn, ": causal offset ", causal.offset, " is out of range [", -kMaxPosition, ", ", kMaxPosition, "]");
   if (causal.window > kMaxPosition)
