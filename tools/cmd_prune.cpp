@@ -1,10 +1,9 @@
 // `mha prune`: remove heads from saved weights; optionally score every head by ablation first.
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
-#include <system_error>
 #include <vector>
 
 #include "load_inputs.h"
@@ -51,11 +50,9 @@ std::vector<int64_t> head_indices(const std::vector<std::string>& items) {
   std::vector<int64_t> heads;
   for (const std::string& item : items) {
     if (item.empty()) continue;
-    int64_t h = 0;
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), h);
-    if (ec != std::errc() || end != item.data() + item.size())
-      fail("prune: --heads item '", item, "' is not a head index");
-    heads.push_back(h);
+    const std::optional<int64_t> h = whole_number(item);
+    if (!h) fail("prune: --heads item '", item, "' is not a head index");
+    heads.push_back(*h);
   }
   if (heads.empty()) fail("prune: --heads lists no head index (give them comma-separated, e.g. 0,3)");
   return heads;

@@ -5,7 +5,9 @@
 #include <charconv>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -25,15 +27,21 @@ inline std::vector<CommandEntry>& command_registry() {
 /// `bench --parallel`, which must print before MPI_Finalize lets any rank exit): main exits 1 quietly.
 struct AlreadyReported {};
 
+/// `s` as a whole decimal number (an optional '-' and digits, nothing else), if it is one.
+inline std::optional<int64_t> whole_number(std::string_view s) {
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
 /// A count ≥ 0 (--threads): a whole decimal number, refused in one short line otherwise.
 /// (CLI::NonNegativeNumber checks a double: for "abc" it printed its range with a 300-digit bound.)
 inline CLI::Validator whole_number_at_least_zero() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
-        int64_t v = 0;
-        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-        if (ec != std::errc() || end != s.data() + s.size() || v < 0)
-          return "expected a whole number ≥ 0, got '" + s + "'";
+        const std::optional<int64_t> v = whole_number(s);
+        if (!v || *v < 0) return "expected a whole number ≥ 0, got '" + s + "'";
         return {};
       },
       "");
