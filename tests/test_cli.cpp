@@ -138,4 +138,25 @@ TEST(Cli, ThreadsMustBeAWholeNumberAtLeastZero) {
     }
 }
 
+// 0 used to mean "the default" silently (--kv-heads 0 counted h heads); leaving the option out
+// means that now, and 0, negatives and non-integers fail in one line.
+TEST(Cli, HeadAndWidthCountsMustBeWholeNumbersAtLeastOne) {
+  const std::vector<std::string> commands = {kCli + " params -E 64 -H 4 --kv-heads ",
+                                             kCli + " params -E 64 -H 4 --kdim ", kCli + " params -E 64 -H 4 --vdim ",
+                                             kCli + " bench --core --seq 8 --embed-dim 64 --heads 4 --kv-heads "};
+  for (const std::string& cmd : commands)
+    for (const char* bad : {"0", "-2", "1.5", "x"}) {
+      SCOPED_TRACE(cmd + bad);
+      const auto r = run_command(cmd + bad);
+      expect_one_line_failure(r, ": expected a whole number ≥ 1, got '");
+      EXPECT_LT(r.err.size(), 120u) << r.err;
+    }
+  const auto ok = run_command(kCli + " params -E 64 -H 4 --kv-heads 1 --kdim 32 --vdim 16 --json");
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  const auto j = nlohmann::json::parse(ok.out);
+  EXPECT_EQ(j.at("num_kv_heads"), 1);
+  EXPECT_EQ(j.at("kdim"), 32);
+  EXPECT_EQ(j.at("vdim"), 16);
+}
+
 }  // namespace

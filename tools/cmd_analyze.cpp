@@ -172,7 +172,7 @@ static void add_analyze_command(CLI::App& app) {
   cmd->add_option("--batch", a->batch, "which batch element to draw (default 0)");
   cmd->add_flag("--causal", a->causal, "apply a causal mask (top-left), as if the metadata said is_causal");
   cmd->add_flag("--importance", a->importance, "also score each head by ablation (relative change of the output)");
-  cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(whole_number_at_least_zero());
+  cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(whole_number_at_least(0));
   cmd->callback([a] { run_analyze(*a); });
 }
 

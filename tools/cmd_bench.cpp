@@ -396,7 +396,8 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--kv-seq,-S", c.kv_seq, "key/value length S (default T: self-attention)");
   cmd->add_option("--embed-dim,-E", c.embed_dim, "model width E (required)");
   cmd->add_option("--heads,-H", c.heads, "query heads h (must divide E) (required)");
-  cmd->add_option("--kv-heads", c.kv_heads, "key/value heads (GQA; must divide h; default h)");
+  cmd->add_option("--kv-heads", c.kv_heads, "key/value heads (GQA; must divide h; default h)")
+      ->check(whole_number_at_least(1));
   cmd->add_flag("--causal", c.causal, "top-left causal mask (PyTorch's is_causal)");
   cmd->add_flag("--alibi", c.alibi, "ALiBi with the standard slopes for h heads");
   cmd->add_option("--softcap", c.softcap, "logit softcap C > 0: scores s -> C*tanh(s/C) (0 = off)");

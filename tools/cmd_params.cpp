@@ -112,9 +112,10 @@ static void add_params_command(CLI::App& app) {
       "params", "Parameter count and bytes per dtype, by projection, and the KV-cache bytes per token.");
   cmd->add_option("--embed-dim,-E", a->embed_dim, "model width E")->required();
   cmd->add_option("--heads,-H", a->heads, "query heads h (must divide E)")->required();
-  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (GQA; 1 = MQA; default h)");
-  cmd->add_option("--kdim", a->kdim, "feature size of the key input (default E)");
-  cmd->add_option("--vdim", a->vdim, "feature size of the value input (default E)");
+  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (GQA; 1 = MQA; default h)")
+      ->check(whole_number_at_least(1));
+  cmd->add_option("--kdim", a->kdim, "feature size of the key input (default E)")->check(whole_number_at_least(1));
+  cmd->add_option("--vdim", a->vdim, "feature size of the value input (default E)")->check(whole_number_at_least(1));
   cmd->add_flag("--no-bias", a->no_bias, "no in_proj / out_proj biases");
   cmd->add_flag("--add-bias-kv", a->add_bias_kv, "count bias_k and bias_v");
   cmd->add_flag("--json", a->json, "one JSON object on stdout");

@@ -117,7 +117,7 @@ static void add_prune_command(CLI::App& app) {
   cmd->add_flag("--duplicate-kv", a->duplicate_kv,
                 "grouped-query weights: when groups keep different numbers of heads, copy K/V heads to stay exact "
                 "(instead of refusing)");
-  cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(whole_number_at_least_zero());
+  cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(whole_number_at_least(0));
   cmd->callback([a] { run_prune(*a); });
 }
 

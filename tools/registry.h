@@ -35,13 +35,14 @@ inline std::optional<int64_t> whole_number(std::string_view s) {
   return v;
 }
 
-/// A count ≥ 0 (--threads): a whole decimal number, refused in one short line otherwise.
-/// (CLI::NonNegativeNumber checks a double: for "abc" it printed its range with a 300-digit bound.)
-inline CLI::Validator whole_number_at_least_zero() {
+/// A whole decimal number ≥ `least` (--threads ≥ 0; --kv-heads, --kdim, --vdim ≥ 1, where leaving
+/// the option out means the default), refused in one short line otherwise. (CLI::NonNegativeNumber
+/// checks a double: for "abc" it printed its range with a 300-digit bound, and took "1.5".)
+inline CLI::Validator whole_number_at_least(int64_t least) {
   return CLI::Validator(
-      [](std::string& s) -> std::string {
+      [least](std::string& s) -> std::string {
         const std::optional<int64_t> v = whole_number(s);
-        if (!v || *v < 0) return "expected a whole number ≥ 0, got '" + s + "'";
+        if (!v || *v < least) return "expected a whole number ≥ " + std::to_string(least) + ", got '" + s + "'";
         return {};
       },
       "");

@@ -288,6 +288,18 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] 
     return tuple(result)
 
 
+def _i64(fn: str, name: str, value: Any) -> int:
+    """``value`` as a Python int for a 64-bit C++ argument: a TypeError or ValueError naming the
+    argument, where pybind11 would raise a TypeError that prints every argument of the call (whole
+    arrays included)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    v = int(value)
+    if not -2**63 <= v < 2**63:
+        raise ValueError(f"{fn}: {name} must fit in 64 bits, got {v}")
+    return v
+
+
 def _offsets(name: str, x: Any, fn: str) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 1 or a.dtype.kind not in "iu":

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core
-from ._functional import _offsets
+from ._functional import _i64, _offsets
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -83,7 +83,7 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     args.need_weights = need
     args.training = training
     args.seed = int(seed)
-    args.threads = int(threads)
+    args.threads = _i64(fn, "threads", threads)
     return args
 
 
@@ -148,7 +148,7 @@ class KvCache:
         va = _f32_contiguous("v", v, fn)
         if ka.ndim != 4 or va.ndim != 4:
             raise ValueError(f"{fn}: k and v must be 4-D (B, kv_heads, T, d), got shapes {ka.shape} and {va.shape}")
-        self._c.append(ka, va, [int(n) for n in (counts if counts is not None else [])])
+        self._c.append(ka, va, [_i64(fn, "counts", n) for n in (counts if counts is not None else [])])
 
     def k_at(self, b: int, g: int, p: int, x: int) -> float:
         """Element x of the key of sequence b, K/V head g, position p, as stored (int8 and bf16:
@@ -221,7 +221,7 @@ class PagedKvCache:
         if ka.ndim != 4 or va.ndim != 4:
             raise ValueError(f"{fn}: k and v must be (kv_heads, T, d) or (1, kv_heads, T, d), "
                              f"got shapes {ka.shape} and {va.shape}")
-        self._c.append(int(seq), ka, va)
+        self._c.append(_i64(fn, "seq", seq), ka, va)
 
     def k_at(self, seq: int, g: int, p: int, x: int) -> float:
         """Element x of the key of sequence ``seq``, K/V head g, position p, as stored."""
@@ -277,9 +277,11 @@ def attend_cache(q: Any, cache: KvCache, *, q_start: Optional[Sequence[int]] = N
     sequence's positions into that many parts merged exactly (0: chosen from the shapes); the
     result never depends on ``threads``. Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``; a
     row that sees no key gives zeros and lse = −inf."""
-    a = _cache_query("attend_cache", q, cache, KvCache)
-    return _core.attend_cache(a, cache._c, [int(p) for p in (q_start or [])], None if scale is None else float(scale),
-                              int(window), int(splits), int(threads))
+    fn = "attend_cache"
+    a = _cache_query(fn, q, cache, KvCache)
+    return _core.attend_cache(a, cache._c, [_i64(fn, "q_start", p) for p in (q_start or [])],
+                              None if scale is None else float(scale), _i64(fn, "window", window),
+                              _i64(fn, "splits", splits), _i64(fn, "threads", threads))
 
 
 def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_start: Optional[Sequence[int]] = None,
@@ -289,9 +291,12 @@ def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_st
     mha::attend_paged_cache): row t of batch b is at position ``q_start[b] + t`` (default: the
     sequence's length, right after the cache) and sees cached positions ≤ it (and > it − window).
     Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``."""
-    a = _cache_query("attend_paged_cache", q, cache, PagedKvCache)
-    return _core.attend_paged_cache(a, cache._c, [int(s) for s in seqs], [int(p) for p in (q_start or [])],
-                                    None if scale is None else float(scale), int(window), int(splits), int(threads))
+    fn = "attend_paged_cache"
+    a = _cache_query(fn, q, cache, PagedKvCache)
+    return _core.attend_paged_cache(a, cache._c, [_i64(fn, "seqs", s) for s in seqs],
+                                    [_i64(fn, "q_start", p) for p in (q_start or [])],
+                                    None if scale is None else float(scale), _i64(fn, "window", window),
+                                    _i64(fn, "splits", splits), _i64(fn, "threads", threads))
 
 
 class MultiheadAttention:
@@ -491,17 +496,19 @@ class MultiheadAttention:
         Returns the output only (no weights)."""
         fn = "MultiheadAttention.forward_incremental"
         q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
-        lens = [int(n) for n in (new_lengths or [])]
+        lens = [_i64(fn, "new_lengths", n) for n in (new_lengths or [])]
         if isinstance(cache, PagedKvCache):
             if seqs is None:
                 raise ValueError(f"{fn}: a PagedKvCache needs seqs=[…], one sequence id per batch row")
-            ids = [int(s) for s in seqs]
-            return self._m.forward_incremental_paged(q, k, v, cache._c, ids, lens, int(window), int(threads))
+            ids = [_i64(fn, "seqs", s) for s in seqs]
+            return self._m.forward_incremental_paged(q, k, v, cache._c, ids, lens, _i64(fn, "window", window),
+                                                     _i64(fn, "threads", threads))
         if not isinstance(cache, KvCache):
             raise TypeError(f"{fn}: cache must be an mha.KvCache or mha.PagedKvCache, got {type(cache).__name__}")
         if seqs is not None:
             raise ValueError(f"{fn}: seqs= is for a PagedKvCache; a KvCache's batch row b is sequence b")
-        return self._m.forward_incremental(q, k, v, cache._c, lens, int(window), int(threads))
+        return self._m.forward_incremental(q, k, v, cache._c, lens, _i64(fn, "window", window),
+                                           _i64(fn, "threads", threads))
 
 
 def prune_heads(module: MultiheadAttention, heads: Sequence[int], *, duplicate_kv: bool = False) -> MultiheadAttention:
@@ -532,7 +539,7 @@ def analyze(weights: Any, *, query_offset: Optional[int] = None, png: Optional[P
     also writes a heat map of the first sequence's heads there.
     """
     w = _f32("weights", weights, "analyze")
-    result = _core.analyze(w, query_offset)
+    result = _core.analyze(w, None if query_offset is None else _i64("analyze", "query_offset", query_offset))
     if png is not None:
         if w.ndim == 4 and w.shape[0] == 0:
             raise ValueError(f"analyze: weights {tuple(w.shape)} hold no sequence: nothing to draw")

@@ -179,3 +179,35 @@ def test_own_projections_into_a_cache_give_the_modules_decoding(rng):
         np.testing.assert_allclose(step(tok, mine, t), m.forward_incremental(tok, tok, tok, theirs),
                                    atol=1e-5, rtol=1e-5)
     assert mine.lengths() == theirs.lengths() == [9]
+
+
+def test_integer_arguments_out_of_range_name_themselves(rng):
+    """An int beyond 64 bits (or a float where an int goes) beside arrays in a call: a short error
+    naming the argument, where pybind11's TypeError printed every argument, whole arrays included."""
+    cache = mha.KvCache(batch=1, kv_heads=2, head_dim=4, capacity=8)
+    paged = mha.PagedKvCache(kv_heads=2, head_dim=4, block_size=4, num_blocks=4)
+    k, v = x(rng, 1, 2, 3, 4), x(rng, 1, 2, 3, 4)
+    cache.append(k, v)
+    q = x(rng, 1, 4, 1, 4)
+    m = mha.MultiheadAttention(16, 4, num_kv_heads=2, batch_first=True).eval()
+    tok = x(rng, 1, 1, 16)
+    w = np.full((2, 3, 3), 1 / 3, np.float32)
+    huge = 10**19
+    calls = {
+        "query_offset": lambda: mha.analyze(w, query_offset=huge),
+        "window": lambda: mha.attend_cache(q, cache, window=huge),
+        "splits": lambda: mha.attend_cache(q, cache, splits=-huge),
+        "threads": lambda: mha.attend_cache(q, cache, threads=huge),
+        "q_start": lambda: mha.attend_cache(q, cache, q_start=[huge]),
+        "counts": lambda: cache.append(k, v, counts=[huge]),
+        "new_lengths": lambda: m.forward_incremental(tok, tok, tok, mha.KvCache(1, 2, 4, 8), new_lengths=[huge]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"{name} must fit in 64 bits, got -?{huge}$"):
+            call()
+    with pytest.raises(TypeError, match="window must be an int, got float"):
+        mha.attend_cache(q, cache, window=2.5)
+    with pytest.raises(ValueError, match="seq must fit in 64 bits"):
+        paged.append(huge, k[0], v[0])
+    with pytest.raises(ValueError, match="threads must fit in 64 bits"):
+        m(tok, tok, tok, threads=huge)
