@@ -680,6 +680,40 @@ TEST(DecodeKernel, BadArguments) {
   EXPECT_THROW(attend_cache(c.q.view4(), c.cache, starts, {}, out.view4()), Error);
 }
 
+// A first query position near INT64_MAX overflowed q_start + T_q in the kernel and hid every key
+// (zeros, lse −inf) instead of failing: q_start is bounded by Causal::kMaxPosition − T_q, as
+// sdpa bounds its causal offset, and the edge itself still sees every cached key.
+TEST(DecodeKernel, FirstQueryPositionBeyondTwoToTheFortyIsAnError) {
+  KvCache cache(KvCacheConfig{.batch = 1, .kv_heads = 1, .head_dim = 4, .capacity = 8});
+  const Tensor kv = random_tensor({1, 1, 5, 4}, 2);
+  cache.append(kv.view4(), kv.view4());
+  const Tensor q = random_tensor({1, 1, 3, 4}, 1);
+  Tensor out({1, 1, 3, 4}), lse({1, 1, 3});
+  const auto lse_view = contiguous_view(lse.data(), 1, 1, 3, 1);
+  const int64_t edge = Causal::kMaxPosition - 3;
+  for (const int64_t start : {edge + 1, std::numeric_limits<int64_t>::max() - 2, std::numeric_limits<int64_t>::max()}) {
+    const std::vector<int64_t> starts{start};
+    const std::string msg = testing::error_of([&] { attend_cache(q.view4(), cache, starts, {}, out.view4()); });
+    EXPECT_NE(msg.find("attend_cache: q_start[0] = " + std::to_string(start) + " is outside [0, 2^40 − T_q]"),
+              std::string::npos)
+        << msg;
+  }
+  const std::vector<int64_t> at_edge{edge}, at_zero{5};
+  Tensor out_zero({1, 1, 3, 4}), lse_zero({1, 1, 3});
+  attend_cache(q.view4(), cache, at_edge, {}, out.view4(), lse_view);
+  attend_cache(q.view4(), cache, at_zero, {}, out_zero.view4(), contiguous_view(lse_zero.data(), 1, 1, 3, 1));
+  EXPECT_TRUE(bitwise_equal(out, out_zero));  // every row sees all 5 keys either way
+  EXPECT_TRUE(bitwise_equal(lse, lse_zero));
+}
+
+TEST(KvCacheIndex, EachAccessorNamesItself) {
+  KvCache cache(KvCacheConfig{.batch = 2, .kv_heads = 1, .head_dim = 4, .capacity = 5});
+  EXPECT_NE(testing::error_of([&] { (void)cache.stored(7); }).find("KvCache::stored: sequence 7"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { (void)cache.remaining(-3); }).find("KvCache::remaining: sequence -3"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] { (void)cache.first(2); }).find("KvCache::first: sequence 2"), std::string::npos);
+}
+
 // ---- RoPE against PyTorch --------------------------------------------------------------------
 
 Rope rope_from(const io::SafetensorsFile& f) {

@@ -238,10 +238,44 @@ TEST(PagedKvCache, BlockTableOutsideThePoolIsAnError) {
               attend_paged_blocks(q.view4(), cache, table, 2, too_long, {}, {}, out.view4());
             }).find("lengths[0] = 5 is outside [0, 4]"),
             std::string::npos);
+  EXPECT_NE(error_of([&] {
+              attend_paged_blocks(q.view4(), cache, {}, -1, len, {}, {}, out.view4());
+            }).find("table_width must be ≥ 0, got -1"),
+            std::string::npos);
   // Entries past a sequence's length are not read, so they may hold anything.
   const std::vector<int32_t> tail_garbage{0, 99};
   const std::vector<int64_t> short_len{2};
   EXPECT_NO_THROW(attend_paged_blocks(q.view4(), cache, tail_garbage, 2, short_len, {}, {}, out.view4()));
+}
+
+// attend_paged_cache named PagedKvCache::block_table for a dead id; it checks its ids first now.
+// The same id twice is fine there (it only reads), and a first position beyond 2⁴⁰ fails as in
+// attend_cache.
+TEST(PagedKvCache, AttendNamesItsBadSequenceIds) {
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 4;
+  PagedKvCache cache(pc);
+  const int64_t s = cache.add_sequence();
+  const Tensor kv = random_tensor({1, 1, 3, 4}, 2);
+  cache.append(s, kv.view4(), kv.view4());
+  const Tensor q = random_tensor({1, 2, 1, 4}, 1);
+  Tensor out({1, 2, 1, 4});
+  for (const int64_t id : {int64_t{5}, int64_t{-1}}) {
+    const std::vector<int64_t> seqs{id};
+    const std::string err = error_of([&] { attend_paged_cache(q.view4(), cache, seqs, {}, {}, out.view4()); });
+    EXPECT_NE(err.find("attend_paged_cache: seqs[0] = " + std::to_string(id) + " is not a live sequence"),
+              std::string::npos)
+        << err;
+  }
+  const Tensor q2 = random_tensor({2, 2, 1, 4}, 1);
+  Tensor out2({2, 2, 1, 4});
+  const std::vector<int64_t> twice{s, s};
+  EXPECT_NO_THROW(attend_paged_cache(q2.view4(), cache, twice, {}, {}, out2.view4()));
+  const std::vector<int64_t> one{s}, far{Causal::kMaxPosition};
+  EXPECT_NE(error_of([&] {
+              attend_paged_cache(q.view4(), cache, one, far, {}, out.view4());
+            }).find("q_start[0] = 1099511627776 is outside"),
+            std::string::npos);
 }
 
 // ---- StreamingLLM: a sliding-window cache that keeps the first n_sink positions --------------

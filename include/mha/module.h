@@ -190,7 +190,8 @@ class MultiheadAttention {
   /// applies RoPE at absolute positions cache.length(b) + t, attends causally by absolute position
   /// to everything the cache holds plus the new tokens, then appends the new K/V to the cache.
   /// Prefill followed by token-by-token decoding equals forward() with Causal::top_left(), row
-  /// for row. Not supported with add_bias_kv / add_zero_attn.
+  /// for row. Not supported with add_bias_kv / add_zero_attn. Decoding is inference: no dropout
+  /// (there is no training flag here; equal to forward() without it).
   MhaOutput forward_incremental(const Tensor& query_new, const Tensor& key_new, const Tensor& value_new, KvCache& cache,
                                 const IncrementalOptions& options = {}) const;
   /// The same over a paged cache (mha/paged_kv_cache.h): batch row b reads and extends sequence

@@ -300,6 +300,14 @@ def _i64(fn: str, name: str, value: Any) -> int:
     return v
 
 
+def _threads(fn: str, threads: Any) -> int:
+    """A per-call thread count: an int ≥ 0 (0 = the library default), as :func:`_i64` says."""
+    v = _i64(fn, "threads", threads)
+    if v < 0:
+        raise ValueError(f"{fn}: threads must be >= 0 (0 = the library default), got {v}")
+    return v
+
+
 def _offsets(name: str, x: Any, fn: str) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 1 or a.dtype.kind not in "iu":

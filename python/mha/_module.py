@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core
-from ._functional import _i64, _offsets
+from ._functional import _i64, _offsets, _threads
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -83,7 +83,7 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     args.need_weights = need
     args.training = training
     args.seed = int(seed)
-    args.threads = _i64(fn, "threads", threads)
+    args.threads = _threads(fn, threads)
     return args
 
 
@@ -281,7 +281,7 @@ def attend_cache(q: Any, cache: KvCache, *, q_start: Optional[Sequence[int]] = N
     a = _cache_query(fn, q, cache, KvCache)
     return _core.attend_cache(a, cache._c, [_i64(fn, "q_start", p) for p in (q_start or [])],
                               None if scale is None else float(scale), _i64(fn, "window", window),
-                              _i64(fn, "splits", splits), _i64(fn, "threads", threads))
+                              _i64(fn, "splits", splits), _threads(fn, threads))
 
 
 def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_start: Optional[Sequence[int]] = None,
@@ -296,7 +296,7 @@ def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_st
     return _core.attend_paged_cache(a, cache._c, [_i64(fn, "seqs", s) for s in seqs],
                                     [_i64(fn, "q_start", p) for p in (q_start or [])],
                                     None if scale is None else float(scale), _i64(fn, "window", window),
-                                    _i64(fn, "splits", splits), _i64(fn, "threads", threads))
+                                    _i64(fn, "splits", splits), _threads(fn, threads))
 
 
 class MultiheadAttention:
@@ -492,7 +492,8 @@ class MultiheadAttention:
         tokens. ``new_lengths`` (B entries) lets sequence b take only its first tokens (right padding).
         Prefill followed by one-token steps equals ``forward(…, is_causal=True)`` row for row.
         With a :class:`PagedKvCache`, batch row b reads and extends sequence ``seqs[b]`` (distinct
-        live ids); the result equals the contiguous cache's bitwise.
+        live ids); the result equals the contiguous cache's bitwise. Decoding is inference: no
+        dropout, whatever the module's training mode.
         Returns the output only (no weights)."""
         fn = "MultiheadAttention.forward_incremental"
         q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
@@ -502,13 +503,13 @@ class MultiheadAttention:
                 raise ValueError(f"{fn}: a PagedKvCache needs seqs=[…], one sequence id per batch row")
             ids = [_i64(fn, "seqs", s) for s in seqs]
             return self._m.forward_incremental_paged(q, k, v, cache._c, ids, lens, _i64(fn, "window", window),
-                                                     _i64(fn, "threads", threads))
+                                                     _threads(fn, threads))
         if not isinstance(cache, KvCache):
             raise TypeError(f"{fn}: cache must be an mha.KvCache or mha.PagedKvCache, got {type(cache).__name__}")
         if seqs is not None:
             raise ValueError(f"{fn}: seqs= is for a PagedKvCache; a KvCache's batch row b is sequence b")
         return self._m.forward_incremental(q, k, v, cache._c, lens, _i64(fn, "window", window),
-                                           _i64(fn, "threads", threads))
+                                           _threads(fn, threads))
 
 
 def prune_heads(module: MultiheadAttention, heads: Sequence[int], *, duplicate_kv: bool = False) -> MultiheadAttention:

@@ -71,19 +71,22 @@ int64_t KvCache::length(int64_t b) const {
   return lengths_[static_cast<size_t>(b)];
 }
 int64_t KvCache::first(int64_t b) const {
-  const int64_t len = length(b);
+  check_batch_index(b, "first");
+  const int64_t len = lengths_[static_cast<size_t>(b)];
   if (!config_.ring) return 0;
   if (len <= config_.capacity) return 0;
   return len - (config_.capacity - config_.sinks);  // ≥ sinks once anything was evicted
 }
 int64_t KvCache::stored(int64_t b) const {
-  const int64_t len = length(b);
+  check_batch_index(b, "stored");
+  const int64_t len = lengths_[static_cast<size_t>(b)];
   return len - first(b) + (first(b) > 0 ? config_.sinks : 0);
 }
 bool KvCache::holds(int64_t b, int64_t p) const {
   return p >= 0 && p < length(b) && (p >= first(b) || p < config_.sinks);
 }
 int64_t KvCache::remaining(int64_t b) const {
+  check_batch_index(b, "remaining");
   return config_.ring ? std::numeric_limits<int64_t>::max() : config_.capacity - length(b);
 }
 
@@ -263,7 +266,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
     first[i] = cache.first(b);
     end[i] = cache.length(b);
     start[i] = q_start.empty() ? end[i] : q_start[i];
-    if (start[i] < 0) fail("attend_cache: q_start[", b, "] = ", start[i], " is negative");
+    detail::check_q_start("attend_cache", b, start[i], Tq);
     longest = std::max(longest, end[i] - first[i]);
   }
   kernels::DecodeParams p;

@@ -191,7 +191,8 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
     fail(fn, ": lengths has ", lengths.size(), " entries, expected one per sequence (", B, ")");
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
     fail(fn, ": q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
-  if (table_width < 0 || static_cast<int64_t>(block_tables.size()) != B * table_width)
+  if (table_width < 0) fail(fn, ": table_width must be ≥ 0, got ", table_width);
+  if (static_cast<int64_t>(block_tables.size()) != B * table_width)
     fail(fn, ": block_tables has ", block_tables.size(), " entries, expected B × table_width = ", B, " × ",
          table_width);
   if (options.window < 0) fail(fn, ": window must be ≥ 0 (0 = unlimited), got ", options.window);
@@ -213,7 +214,7 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
     }
     end[i] = len;
     start[i] = q_start.empty() ? len : q_start[i];
-    if (start[i] < 0) fail(fn, ": q_start[", b, "] = ", start[i], " is negative");
+    detail::check_q_start(fn, b, start[i], Tq);
     longest = std::max(longest, len);
   }
   if (B * H * Tq == 0) return;
@@ -254,7 +255,12 @@ void attend_paged_cache(View4<const float> q, const PagedKvCache& cache, std::sp
   if (static_cast<int64_t>(seqs.size()) != B)
     fail("attend_paged_cache: ", seqs.size(), " sequence ids for a query batch of ", B);
   int64_t width = 0;
-  for (int64_t id : seqs) width = std::max<int64_t>(width, static_cast<int64_t>(cache.block_table(id).size()));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t id = seqs[static_cast<size_t>(b)];
+    if (!cache.alive(id))
+      fail("attend_paged_cache: seqs[", b, "] = ", id, " is not a live sequence of the paged cache");
+    width = std::max<int64_t>(width, static_cast<int64_t>(cache.block_table(id).size()));
+  }
   std::vector<int32_t> tables(static_cast<size_t>(B * width), 0);
   std::vector<int64_t> lengths(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {

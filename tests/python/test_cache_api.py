@@ -211,3 +211,29 @@ def test_integer_arguments_out_of_range_name_themselves(rng):
         paged.append(huge, k[0], v[0])
     with pytest.raises(ValueError, match="threads must fit in 64 bits"):
         m(tok, tok, tok, threads=huge)
+
+
+def test_negative_threads_and_far_first_positions_are_refused(rng):
+    """threads < 0 was taken as the default on the cache paths (sdpa refused it); a q_start near
+    2**63 overflowed in the kernel and hid every key. Both are errors now."""
+    cache = mha.KvCache(1, 1, 4, 8)
+    cache.append(x(rng, 1, 1, 5, 4), x(rng, 1, 1, 5, 4))
+    q = x(rng, 1, 1, 1, 4)
+    with pytest.raises(ValueError, match="attend_cache: threads must be >= 0"):
+        mha.attend_cache(q, cache, threads=-1)
+    m = mha.MultiheadAttention(8, 2, batch_first=True).eval()
+    tok = x(rng, 1, 1, 8)
+    with pytest.raises(ValueError, match="forward_incremental: threads must be >= 0"):
+        m.forward_incremental(tok, tok, tok, m.new_cache(1, 4), threads=-1)
+    with pytest.raises(ValueError, match=r"q_start\[0\] = 9223372036854775807 is outside"):
+        mha.attend_cache(q, cache, q_start=[2**63 - 1])
+    out, lse = mha.attend_cache(q, cache, q_start=[2**40 - 1])  # the edge sees all 5 keys
+    np.testing.assert_array_equal(lse, mha.attend_cache(q, cache, q_start=[5])[1])
+
+
+def test_decoding_applies_no_dropout_in_training_mode(rng):
+    m = mha.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)  # training mode
+    X = x(rng, 1, 4, 8)
+    a = m.forward_incremental(X, X, X, m.new_cache(1, 4))
+    m.eval()
+    np.testing.assert_array_equal(a, m.forward_incremental(X, X, X, m.new_cache(1, 4)))
