@@ -74,12 +74,28 @@ std::string causal_range_error(const char* fn, const Causal& causal, int64_t seq
   if (causal.window > kMax)
     return f + ": sliding window " + std::to_string(causal.window) + " is out of range [0, " + std::to_string(kMax) +
            "] (0 = unlimited)";
-  if (!causal.enabled()) return {};
+  if (!causal.enabled()) {
+    if (causal.window > 0)  // sdpa's rule: a window is measured from a causal diagonal
+      return f + ": a sliding window of " + std::to_string(causal.window) +
+             " needs a causal alignment (Causal::bottom_right() etc.)";
+    return {};
+  }
   const int64_t offset = causal.offset_for(seq_q, seq_k), reach = std::max(seq_q, seq_k);
   if (reach > kMax || offset < reach - kMax || offset > kMax - reach)
     return f + ": causal offset " + std::to_string(offset) + " is out of range for seq_q " + std::to_string(seq_q) +
            ", seq_k " + std::to_string(seq_k) + ": |offset| + max(seq_q, seq_k) must be ≤ " + std::to_string(kMax);
   return {};
+}
+
+std::vector<int64_t> causal_signature(const Causal& causal) {
+  return {static_cast<int64_t>(causal.align), causal.align == Causal::Align::Offset ? causal.offset : 0, causal.window};
+}
+
+int64_t float_bits(std::optional<float> x) {
+  if (!x) return -1;
+  uint32_t u = 0;
+  std::memcpy(&u, &*x, sizeof u);
+  return u;
 }
 
 int mpi_count(int64_t n, const char* what) {

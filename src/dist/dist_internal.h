@@ -5,7 +5,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "mha/masks.h"
 #include "mha/tensor.h"
@@ -23,6 +25,14 @@ int mpi_count(int64_t n, const char* what);
 /// any exchange and shared with check_collectively, so that no rank throws alone from inside
 /// the ring while the others wait on it.
 std::string causal_range_error(const char* fn, const Causal& causal, int64_t seq_q, int64_t seq_k);
+
+/// What of `causal` must agree between ranks, as check_same_everywhere's values: the alignment,
+/// the offset where Align::Offset uses it (top_left's and bottom_right's raw field is unused and
+/// may differ) and the window.
+std::vector<int64_t> causal_signature(const Causal& causal);
+
+/// A float's bits for check_same_everywhere (−1 for none): ranks must agree to the bit.
+int64_t float_bits(std::optional<float> x);
 
 /// Rows [first, first + count) of a (B, H, T, D) view along axis 2.
 template <class T>

@@ -24,12 +24,17 @@ MultiheadAttention make_shard(MPI_Comm comm, const MultiheadAttention& full, int
     err = "TensorParallelAttention: " + std::to_string(P) + " ranks must divide the K/V head count " +
           std::to_string(c.kv_heads()) + " (num_heads " + std::to_string(c.num_heads) + ")";
   check_collectively(comm, err);
-  check_same_everywhere(comm,
-                        {c.embed_dim, c.num_heads, c.kv_heads(), c.head_dim(), c.key_dim(), c.value_dim(),
-                         c.bias ? 1 : 0, c.add_bias_kv ? 1 : 0, c.add_zero_attn ? 1 : 0, static_cast<int64_t>(c.layout),
-                         static_cast<int64_t>(c.rope.enabled ? 1 : 0)},
-                        "TensorParallelAttention: module configuration (E, h, kv, d, kdim, vdim, bias, bias_kv, "
-                        "zero_attn, layout, rope)");
+  // The slopes by their bits, summed: a rank with other slopes (or none) disagrees.
+  int64_t slope_bits = 0;
+  for (const float s : c.alibi_slopes) slope_bits += float_bits(s);
+  check_same_everywhere(
+      comm,
+      {c.embed_dim, c.num_heads, c.kv_heads(), c.head_dim(), c.key_dim(), c.value_dim(), c.bias ? 1 : 0,
+       c.add_bias_kv ? 1 : 0, c.add_zero_attn ? 1 : 0, static_cast<int64_t>(c.layout),
+       static_cast<int64_t>(c.rope.enabled ? 1 : 0), float_bits(c.scale), float_bits(c.softcap), float_bits(c.dropout),
+       static_cast<int64_t>(c.alibi_slopes.size()), slope_bits, c.attention_sinks ? 1 : 0},
+      "TensorParallelAttention: module configuration (E, h, kv, d, kdim, vdim, bias, bias_kv, "
+      "zero_attn, layout, rope, scale, softcap, dropout, ALiBi slopes, sinks)");
   const int64_t per = c.num_heads / P;
   *first_head = me * per;
   std::vector<int64_t> drop;
@@ -39,6 +44,23 @@ MultiheadAttention make_shard(MPI_Comm comm, const MultiheadAttention& full, int
   if (me != 0 && shard.params().out_proj_bias.defined())
     std::fill(shard.params().out_proj_bias.values().begin(), shard.params().out_proj_bias.values().end(), 0.0f);
   return shard;
+}
+
+/// Every rank's (B, h/P, T_q) log-sum-exp ((h/P, T_q) unbatched), rank r's heads being r·h/P on,
+/// as the whole (B, h, T_q): what the single-process module returns.
+Tensor gather_heads(MPI_Comm comm, const Tensor& local) {
+  const int P = comm_size(comm);
+  const bool batched = local.dim() == 3;
+  const int64_t B = batched ? local.size(0) : 1, Hp = local.size(batched ? 1 : 0), T = local.size(batched ? 2 : 1);
+  const int64_t n = local.numel();
+  Tensor all({P * n});
+  MPI_Allgather(local.data(), mpi_count(n, "TensorParallelAttention::forward: lse"), MPI_FLOAT, all.data(),
+                static_cast<int>(n), MPI_FLOAT, comm);
+  Tensor out(batched ? Shape{B, P * Hp, T} : Shape{P * Hp, T});
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(all.data() + r * n + b * Hp * T, Hp * T, out.data() + (b * P * Hp + r * Hp) * T);
+  return out;
 }
 
 }  // namespace
@@ -67,6 +89,25 @@ MhaOutput TensorParallelAttention::forward(const Tensor& query, const Tensor& ke
     for (int64_t i = 0; i < 4; ++i) shapes.push_back(i < t->dim() ? t->size(i) : -1);
   }
   check_same_everywhere(comm_, shapes, "TensorParallelAttention::forward: input shapes (query, key, value)");
+  // Every rank computes its heads' share of one attention: the options that shape it must agree
+  // (a rank alone with a causal mask summed into the others' output gave neither answer).
+  const auto mask_signature = [](const Tensor& a, const BoolTensor& b, std::vector<int64_t>* out) {
+    out->push_back(a.defined() ? 1 : b.defined() ? 2 : 0);
+    const int64_t rank = a.defined() ? a.dim() : b.defined() ? b.dim() : 0;
+    out->push_back(rank);
+    for (int64_t i = 0; i < 4; ++i)  // a fixed count (masks have at most 3 dims): a count that differs is its own error
+      out->push_back(i >= rank ? -1 : a.defined() ? a.size(i) : b.size(i));
+  };
+  std::vector<int64_t> same;
+  mask_signature(options.attn_mask.additive, options.attn_mask.allowed, &same);
+  mask_signature(options.key_padding_mask.additive, options.key_padding_mask.is_padding, &same);
+  for (const int64_t x : causal_signature(options.causal)) same.push_back(x);
+  for (const int64_t x :
+       {int64_t{options.need_lse ? 1 : 0}, static_cast<int64_t>(options.mode), int64_t{options.packed ? 1 : 0}})
+    same.push_back(x);
+  check_same_everywhere(comm_, same,
+                        "TensorParallelAttention::forward: options (attn_mask, key_padding_mask, causal, offset, "
+                        "window, need_lse, mode, packed)");
   MhaOutput out;
   err.clear();
   try {
@@ -77,6 +118,7 @@ MhaOutput TensorParallelAttention::forward(const Tensor& query, const Tensor& ke
   check_collectively(comm_, err);
   MPI_Allreduce(MPI_IN_PLACE, out.output.data(), mpi_count(out.output.numel(), "TensorParallelAttention::forward"),
                 MPI_FLOAT, MPI_SUM, comm_);
+  if (options.need_lse) out.lse = gather_heads(comm_, out.lse);
   return out;
 }
 

@@ -61,6 +61,8 @@ std::string check_local(const char* fn, const Tensor& q, const Tensor& k, const 
   if (k.size(0) != q.size(0) || v.size(0) != q.size(0) || v.size(1) != k.size(1) || k.size(3) != q.size(3))
     return f + ": shapes do not match: q " + shape_str(q.shape()) + ", k " + shape_str(k.shape()) + ", v " +
            shape_str(v.shape());
+  if (q.size(3) < 1 || v.size(3) < 1)  // sdpa's rule, checked before the exchange: see causal_range_error
+    return f + ": head dims d and d_v must be ≥ 1; got q " + shape_str(q.shape()) + ", v " + shape_str(v.shape());
   if (k.size(1) <= 0 || q.size(1) % k.size(1) != 0)
     return f + ": k/v heads " + std::to_string(k.size(1)) + " must divide q heads " + std::to_string(q.size(1));
   if (pad.defined() && (pad.dim() != 2 || pad.size(0) != q.size(0) || pad.size(1) != want_k))
@@ -72,23 +74,17 @@ std::string check_local(const char* fn, const Tensor& q, const Tensor& k, const 
   return {};
 }
 
-int64_t float_bits(const std::optional<float>& s) {
-  if (!s) return -1;
-  uint32_t u = 0;
-  std::memcpy(&u, &*s, sizeof u);
-  return u;
-}
-
 Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, const Tensor& v, const BoolTensor& pad,
               int64_t seq_q, int64_t seq_k, SeqLayout layout, const Causal& causal, const std::optional<float>& scale,
               int threads, int64_t extra) {
   const int P = comm_size(comm), me = comm_rank(comm);
   check_collectively(comm, check_local(fn, q, k, v, pad, seq_q, seq_k, P, me, layout, causal, scale, threads));
   Dims d{q.size(0), q.size(1), k.size(1), q.size(3), v.size(3), q.size(2), k.size(2)};
+  std::vector<int64_t> same{d.B, d.h, d.kv, d.d, d.dv, seq_q, seq_k, static_cast<int64_t>(layout)};
+  for (const int64_t x : causal_signature(causal)) same.push_back(x);
+  for (const int64_t x : {int64_t{pad.defined() ? 1 : 0}, float_bits(scale), extra}) same.push_back(x);
   check_same_everywhere(
-      comm,
-      {d.B, d.h, d.kv, d.d, d.dv, seq_q, seq_k, static_cast<int64_t>(layout), static_cast<int64_t>(causal.align),
-       causal.offset, causal.window, pad.defined() ? 1 : 0, float_bits(scale), extra},
+      comm, same,
       std::string(fn) + ": (B, h, kv, d, d_v, seq_q, seq_k, layout, causal, offset, window, padding, scale, mode)");
   return d;
 }

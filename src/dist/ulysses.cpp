@@ -98,6 +98,16 @@ RingResult ulysses_attention(MPI_Comm comm, const Tensor& q, const Tensor& k, co
           shape_str(k.shape()) + ", " + shape_str(v.shape());
   else if (seq_q < 0 || seq_k < 0)
     err = "ulysses_attention: negative global length";
+  else if (k.size(1) <= 0 || q.size(1) % k.size(1) != 0)
+    err = "ulysses_attention: k/v heads " + std::to_string(k.size(1)) + " must divide q heads " +
+          std::to_string(q.size(1));
+  else if (q.size(3) < 1 || v.size(3) < 1)
+    err = "ulysses_attention: head dims d and d_v must be ≥ 1; got q " + shape_str(q.shape()) + ", v " +
+          shape_str(v.shape());
+  else if (options.scale && !std::isfinite(*options.scale))
+    err = "ulysses_attention: scale must be finite";
+  else if (options.threads < 0)
+    err = "ulysses_attention: threads must be ≥ 0, got " + std::to_string(options.threads);
   else if (k.size(1) % P != 0)
     err = "ulysses_attention: " + std::to_string(P) + " ranks must divide the K/V head count " +
           std::to_string(k.size(1)) + " (each rank takes kv/P K/V heads and their query heads)";
@@ -117,17 +127,11 @@ RingResult ulysses_attention(MPI_Comm comm, const Tensor& q, const Tensor& k, co
   else
     err = causal_range_error("ulysses_attention", options.causal, seq_q, seq_k);
   check_collectively(comm, err);
-  int64_t scale_bits = -1;
-  if (options.scale) {
-    uint32_t u = 0;
-    std::memcpy(&u, &*options.scale, sizeof u);
-    scale_bits = u;
-  }
-  check_same_everywhere(
-      comm,
-      {q.size(0), q.size(1), k.size(1), q.size(3), v.size(3), seq_q, seq_k, static_cast<int64_t>(options.causal.align),
-       options.causal.offset, options.causal.window, key_padding.defined() ? 1 : 0, scale_bits},
-      "ulysses_attention: (B, h, kv, d, d_v, seq_q, seq_k, causal, offset, window, padding, scale)");
+  std::vector<int64_t> same{q.size(0), q.size(1), k.size(1), q.size(3), v.size(3), seq_q, seq_k};
+  for (const int64_t x : causal_signature(options.causal)) same.push_back(x);
+  for (const int64_t x : {int64_t{key_padding.defined() ? 1 : 0}, float_bits(options.scale)}) same.push_back(x);
+  check_same_everywhere(comm, same,
+                        "ulysses_attention: (B, h, kv, d, d_v, seq_q, seq_k, causal, offset, window, padding, scale)");
 
   const Tensor qh = sequence_to_heads(comm, q, seq_q), kh = sequence_to_heads(comm, k, seq_k),
                vh = sequence_to_heads(comm, v, seq_k);

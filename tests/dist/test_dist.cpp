@@ -400,6 +400,87 @@ TEST(BadUse, CausalOffsetOrWindowOutOfRangeFailsOnEveryRank) {
   for (const float x : r.lse.values()) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
 }
 
+// Found by a randomized sweep of the schemes (2026-12-07): each was a hang, a crash or a silent
+// answer where the single-process library refuses. Now an error on every rank, before any exchange.
+TEST(BadUse, WhatSdpaRefusesFailsOnEveryRankBeforeTheExchange) {
+  const int P = ranks(), me = rank();
+  // Head dim 0 with T = 2: on 3 or 4 ranks some rank holds no rows and never called the inner sdpa,
+  // which threw on the others with the exchange posted (a hang, forward and backward).
+  for (const bool zero_value_dim : {false, true}) {
+    Case c;
+    c.tq = c.tk = 2;
+    (zero_value_dim ? c.dv : c.d) = 0;
+    const Inputs in = make_inputs(c, 3);
+    dist::RingOptions o;
+    const Tensor q = dist::take_sequence(in.q, P, me, o.layout), k = dist::take_sequence(in.k, P, me, o.layout),
+                 v = dist::take_sequence(in.v, P, me, o.layout);
+    std::string err = mha::testing::error_of([&] { dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, 2, 2, o); });
+    EXPECT_NE(err.find("head dims d and d_v must be ≥ 1"), std::string::npos) << err;
+    const Tensor out({q.size(0), q.size(1), q.size(2), v.size(3)}), lse({q.size(0), q.size(1), q.size(2)});
+    err = mha::testing::error_of(
+        [&] { dist::ring_attention_backward(MPI_COMM_WORLD, q, k, v, out, out, lse, {}, 2, 2, o); });
+    EXPECT_NE(err.find("head dims d and d_v must be ≥ 1"), std::string::npos) << err;
+  }
+  Case c;
+  const Inputs in = make_inputs(c, 1);
+  const Tensor q = dist::take_sequence(in.q, P, me, SeqLayout::Contiguous),
+               k = dist::take_sequence(in.k, P, me, SeqLayout::Contiguous),
+               v = dist::take_sequence(in.v, P, me, SeqLayout::Contiguous);
+  // Ulysses with no K/V heads divided by zero (SIGFPE on every rank).
+  const Tensor k0({c.B, 0, k.size(2), c.d}), v0({c.B, 0, k.size(2), c.dv});
+  std::string err = mha::testing::error_of([&] { dist::ulysses_attention(MPI_COMM_WORLD, q, k0, v0, {}, c.tq, c.tk); });
+  EXPECT_NE(err.find("k/v heads 0 must divide q heads 4"), std::string::npos) << err;
+  // A sliding window without a causal alignment: the ring computed plain attention (sdpa refuses).
+  dist::RingOptions o;
+  o.causal = Causal::none().with_window(3);
+  err = mha::testing::error_of([&] { dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o); });
+  EXPECT_NE(err.find("a sliding window of 3 needs a causal alignment"), std::string::npos) << err;
+  // top_left's offset field is unused: ranks that leave different values there still agree.
+  o.causal = Causal::top_left();
+  o.causal.offset = me;
+  const Tensor ring_out = dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o).out;
+  o.causal.offset = 0;
+  EXPECT_TRUE(bitwise_equal(ring_out, dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o).out));
+}
+
+// Each rank computes its heads' share of one attention: options that differ between ranks (one rank
+// alone causal gave neither the causal nor the plain answer, silently) are an error on every rank,
+// and need_lse returns every head's lse, as the single-process module does (it returned the rank's
+// own h/P heads).
+TEST(Heads, OptionsAgreeAcrossRanksAndLseCoversEveryHead) {
+  MhaConfig cfg;
+  cfg.embed_dim = 48;
+  cfg.num_heads = 12;
+  cfg.num_kv_heads = 12;
+  cfg.layout = Layout::BatchFirst;
+  if (12 % ranks() != 0) GTEST_SKIP() << "the ranks must divide 12 heads";
+  const MultiheadAttention full(cfg, 3);
+  const dist::TensorParallelAttention tp(MPI_COMM_WORLD, full);
+  const Tensor x = mha::testing::random_tensor({2, 7, 48}, 8);
+  MhaForwardOptions fo;
+  fo.causal = Causal::top_left();
+  fo.need_lse = true;
+  const MhaOutput want = full.forward(x, x, x, fo);
+  const MhaOutput got = tp.forward(x, x, x, fo);
+  EXPECT_TRUE(close(got.output, want.output));
+  EXPECT_TRUE(close(got.lse, want.lse));
+  const Tensor x1 = mha::testing::random_tensor({7, 48}, 9);  // unbatched: lse (h, T_q)
+  EXPECT_TRUE(close(tp.forward(x1, x1, x1, fo).lse, full.forward(x1, x1, x1, fo).lse));
+  if (ranks() == 1) return;
+  MhaForwardOptions lone = fo;
+  if (rank() == ranks() - 1) lone.causal = Causal::none();
+  std::string err = mha::testing::error_of([&] { tp.forward(x, x, x, lone); });
+  EXPECT_NE(err.find("TensorParallelAttention::forward: options"), std::string::npos) << err;
+  lone = fo;
+  if (rank() == 0) lone.key_padding_mask.is_padding = BoolTensor({2, 7}, 0);
+  err = mha::testing::error_of([&] { tp.forward(x, x, x, lone); });
+  EXPECT_NE(err.find("differ across ranks"), std::string::npos) << err;
+  MhaConfig other = cfg;
+  if (rank() == 0) other.softcap = 30.0f;
+  err = mha::testing::error_of([&] { dist::TensorParallelAttention(MPI_COMM_WORLD, MultiheadAttention(other, 3)); });
+  EXPECT_NE(err.find("softcap"), std::string::npos) << err;
+}
+
 }  // namespace
 }  // namespace mha
 
