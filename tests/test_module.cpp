@@ -508,4 +508,15 @@ TEST(Module, BitwiseIdenticalForAnyThreadCount) {
   EXPECT_TRUE(mha::testing::bitwise_equal(outputs[2], outputs[0]));
 }
 
+// A request for a million threads sized a million workspaces (std::bad_alloc): at most
+// kMaxThreads are used, whatever is asked, and the result is the one of any other count.
+TEST(Module, AbsurdThreadCountsAreCapped) {
+  EXPECT_EQ(mha::resolve_threads(1 << 20), mha::kMaxThreads);
+  EXPECT_EQ(mha::resolve_threads(3), 3);
+  mha::set_num_threads(1 << 20);
+  EXPECT_EQ(mha::num_threads(), mha::kMaxThreads);
+  mha::set_num_threads(0);
+  EXPECT_LE(mha::num_threads(), mha::kMaxThreads);
+}
+
 }  // namespace

@@ -298,14 +298,19 @@ TEST(ScoreEdits, FullyMaskedRowWithSinkGivesZerosAndSinkLse) {
     for (float x : r.out.values()) EXPECT_EQ(x, 0.0f);
     for (int64_t h = 0; h < c.H; ++h)
       for (int64_t i = 0; i < c.Tq; ++i) EXPECT_EQ(r.lse.at({0, h, i, 0}), c.sinks[static_cast<size_t>(h)]);
-    // Gradient: out is a constant, so everything is 0 (the sink's included).
-    const Tensor d_out = random_tensor(r.out.shape(), 9);
+    // Gradient: out is a constant, so everything is 0 (the sink's included), also with a NaN in
+    // d out (the fused d sinks once summed 0 · NaN over such rows).
+    Tensor d_out = random_tensor(r.out.shape(), 9);
     SdpaOptions opt = c.opt;
     opt.backend = backend;
     const Tensor lse3 = Tensor({c.B, c.H, c.Tq}, std::vector<float>(r.lse.values().begin(), r.lse.values().end()));
-    const SdpaGradTensors g = sdpa_backward(c.q, c.k, c.v, r.out, d_out, lse3, opt);
-    for (const Tensor* t : {&g.dq, &g.dk, &g.dv, &g.dsinks})
-      for (float x : t->values()) EXPECT_EQ(x, 0.0f);
+    for (const bool nan_in_d_out : {false, true}) {
+      SCOPED_TRACE(nan_in_d_out);
+      if (nan_in_d_out) d_out.data()[0] = std::numeric_limits<float>::quiet_NaN();
+      const SdpaGradTensors g = sdpa_backward(c.q, c.k, c.v, r.out, d_out, lse3, opt);
+      for (const Tensor* t : {&g.dq, &g.dk, &g.dv, &g.dsinks})
+        for (float x : t->values()) EXPECT_EQ(x, 0.0f);
+    }
   }
 }
 

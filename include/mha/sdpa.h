@@ -17,8 +17,9 @@
 // One documented limit (docs/semantics.md, 'Padded keys are never read'): a key hidden only from
 // some queries (causal, window, AllowedMask, −inf in AdditiveMask) may still be loaded by the fused
 // kernels, so a NaN or ±inf in its V row (fused forward and decode) or K row (fused backward's dQ)
-// can make other rows of the same tile NaN; the reference kernels never read it for a query
-// that cannot see it. With finite K and V every path gives the same answer.
+// can make other rows of the same tile NaN, as can a NaN in d out reach dV of keys hidden from
+// its row (fused backward); the reference kernels never read it for a query that cannot see it.
+// With finite K, V and d out every path gives the same answer.
 #pragma once
 
 #include <cstdint>

@@ -6,11 +6,15 @@
 
 namespace mha {
 
+/// The most threads any call uses, whatever is asked: a request for a million threads sized a
+/// million workspaces (std::bad_alloc); results never depend on the count.
+constexpr int kMaxThreads = 1024;
+
 /// Library-wide default thread count (0 = hardware concurrency).
 void set_num_threads(int threads);
 /// The default in force: the value set above, else the hardware concurrency (at least 1).
 int num_threads();
-/// A per-call request resolved: `requested` when > 0, else num_threads().
+/// A per-call request resolved: `requested` when > 0, else num_threads(); at most kMaxThreads.
 int resolve_threads(int requested);
 
 }  // namespace mha

@@ -39,7 +39,8 @@ struct SdpaGrads {
 /// Gradients of sdpa() with respect to q, k and v, given d_out = ∂loss/∂out.
 /// `out` and `lse` (B, h, T_q, 1) are what sdpa() wrote for the same inputs and the same options
 /// (ask for lse in SdpaOutputs); dropout uses opt.dropout's seed, so pass the forward's options.
-/// The reference backend recomputes everything in double and does not read out/lse.
+/// The reference backend recomputes everything in double and does not read out/lse's values (their
+/// views are still required and checked).
 void sdpa_backward(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
                    View4<const float> d_out, View4<const float> lse, const SdpaOptions& opt, const SdpaGrads& grads);
 

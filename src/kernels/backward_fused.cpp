@@ -799,12 +799,19 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
     cx.dense_dout = dout;
   }
   // The sink z_h: dz_h = −Σ_{b,i} exp(z_h − lse_i) · D_i, summed in a fixed order (any thread
-  // count gives the same bits). A fully masked row has D = 0; a NaN row gives NaN.
+  // count gives the same bits); a NaN row gives NaN. A row that saw no key (lse = z_h, out = 0: a
+  // constant) adds nothing, as in the reference, also where its dO holds a NaN (0 · NaN).
+  const auto saw_no_key = [&](int64_t b, int64_t h, int64_t i) {
+    if (p.lse(b, h, i, 0) != f.edits.sinks[h]) return false;
+    const float* o = p.out.row(b, h, i);
+    return std::all_of(o, o + f.d_v(), [](float x) { return x == 0.0f; });
+  };
   if (f.edits.sinks && p.dsinks)
     for (int64_t h = 0; h < H; ++h) {
       double acc = 0.0;
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Tq; ++i) {
+          if (saw_no_key(b, h, i)) continue;
           const double pz = std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(b, h, i, 0));
           acc -= pz * rowdot[(b * H + h) * Tq + i];
         }

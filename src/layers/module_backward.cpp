@@ -42,15 +42,16 @@ constexpr const char* kBack = "backward";
 /// bias — enters no product (SEMANTICS 5), so its dK / dV rows are exactly 0; but 0 · NaN is NaN,
 /// so a NaN or inf in its input row would still make the whole weight gradient NaN. Returns x itself
 /// when no padded row holds a non-finite value (the usual case: a scan, no copy), else a copy in
-/// `copy` with those rows zero — the products the finite rows give, bit for bit.
+/// `copy` with those rows zero — the products the finite rows give, bit for bit. With no query
+/// rows (`no_queries`) no key is read at all, and every row counts as padded.
 const float* padded_rows_finite(const float* x, int64_t width, const detail::RowPlacement& rows, const MhaContext& ctx,
-                                Tensor& copy) {
+                                bool no_queries, Tensor& copy) {
   const bool by_flag = ctx.key_padding.defined(), by_bias = ctx.key_bias.defined();
-  if (!by_flag && !by_bias) return x;
+  if (!by_flag && !by_bias && !no_queries) return x;
   // (1, B, S): S key positions, the real T_k first.
-  const int64_t S = by_flag ? ctx.key_padding.shape().back() : ctx.key_bias.shape().back();
+  const int64_t S = by_flag ? ctx.key_padding.shape().back() : by_bias ? ctx.key_bias.shape().back() : 0;
   const auto padded = [&](int64_t b, int64_t t) {
-    return (by_flag && ctx.key_padding.data()[b * S + t] != 0) ||
+    return no_queries || (by_flag && ctx.key_padding.data()[b * S + t] != 0) ||
            (by_bias && ctx.key_bias.data()[b * S + t] == -std::numeric_limits<float>::infinity());
   };
   const auto row_of = [&](int64_t b, int64_t t) { return b * rows.per_batch + t * rows.per_step; };
@@ -244,8 +245,8 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
     // (Self-attention's packed block above takes no such care: there a padded position's input row
     // is also a query's, and a NaN in it reaches that query's output and its gradients anyway.)
     Tensor key_copy, value_copy;
-    const float* key_x = padded_rows_finite(key.data(), kdim, call.k_rows, ctx, key_copy);
-    const float* value_x = padded_rows_finite(value.data(), vdim, call.k_rows, ctx, value_copy);
+    const float* key_x = padded_rows_finite(key.data(), kdim, call.k_rows, ctx, Nq == 0, key_copy);
+    const float* value_x = padded_rows_finite(value.data(), vdim, call.k_rows, ctx, Nq == 0, value_copy);
     kernels::linear_backward_params(dq_rows, Nq, H * d, ldq, query.data(), E, E, dwq, lddq, db);
     kernels::linear_backward_params(dk_rows, Nk, KV * d, ldkv, key_x, kdim, kdim, dwk, lddk, db ? db + H * d : nullptr);
     kernels::linear_backward_params(dv_rows, Nk, KV * d, ldkv, value_x, vdim, vdim, dwv, lddv,

@@ -1,6 +1,7 @@
 // layers/threads.cpp — the library-wide default thread count (mha/threads.h).
 #include "mha/threads.h"
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 
@@ -20,11 +21,11 @@ void set_num_threads(int threads) {
 int num_threads() { return resolve_threads(0); }
 
 int resolve_threads(int requested) {
-  if (requested > 0) return requested;
+  if (requested > 0) return std::min(requested, kMaxThreads);
   const int global = g_default_threads.load();
-  if (global > 0) return global;
+  if (global > 0) return std::min(global, kMaxThreads);
   const unsigned hw = std::thread::hardware_concurrency();
-  return hw > 0 ? static_cast<int>(hw) : 1;
+  return hw > 0 ? static_cast<int>(std::min<unsigned>(hw, kMaxThreads)) : 1;
 }
 
 }  // namespace mha

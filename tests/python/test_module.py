@@ -232,3 +232,16 @@ def test_error_quoting_bytes_that_are_not_utf8_keeps_its_message(tmp_path):
     path.write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(ValueError, match=r"not valid JSON.*\\xff"):
         mha.load_safetensors(path)
+
+
+def test_no_queries_leave_nan_key_inputs_out_of_the_weight_gradients():
+    """With T_q = 0 no key is read: dK and dV are 0, and a NaN in the key/value inputs no longer
+    reaches dW_K / dW_V through 0 · NaN (as for padded keys)."""
+    m = mha.MultiheadAttention(8, 2, kdim=6, vdim=6, batch_first=True).eval()
+    kx = np.random.default_rng(3).standard_normal((2, 5, 6)).astype(np.float32)
+    kx[:, 3] = np.nan
+    out, g = m.gradients(np.zeros((2, 0, 8), np.float32), kx, kx, np.ones((2, 0, 8), np.float32))
+    assert out.shape == (2, 0, 8)
+    for name in ("k_proj_weight", "v_proj_weight", "q_proj_weight", "in_proj_bias"):
+        np.testing.assert_array_equal(g[name], 0.0)
+    np.testing.assert_array_equal(g["key"], 0.0)
