@@ -132,9 +132,9 @@ RingResult ulysses_attention(MPI_Comm comm, const Tensor& q, const Tensor& k, co
 /// Rank r keeps query heads [r·h/P, (r+1)·h/P) and their K/V heads (kv/P of them): its rows of W_Q,
 /// W_K, W_V and of the input bias, its columns of W_O; rank 0 alone keeps out_proj.bias. forward()
 /// sums the ranks' partial outputs with one MPI_Allreduce, so every rank returns the full output
-/// (and with need_lse every head's lse, gathered). P must divide the K/V head count. Not supported: attention weights,
-/// dropout in training mode and per-head (B·h, T_q, T_k) attention masks (each is refused with mha::Error on every
-/// rank).
+/// (and with need_lse every head's lse, gathered). P must divide the K/V head count. Not
+/// supported: attention weights, dropout in training mode and per-head (B·h, T_q, T_k) attention
+/// masks (each is refused with mha::Error on every rank).
 class TensorParallelAttention {
  public:
   /// Collective: every rank passes the same full module (e.g. loaded from one checkpoint).

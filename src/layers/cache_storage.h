@@ -46,7 +46,6 @@ inline void size_cache_storage(const std::string& what, int64_t n0, int64_t n1, 
   size(v, v_dim, n2);
 }
 
-/// The element type the decode kernel reads.
 /// A query row's first position q_start (its T_q rows at q_start … q_start + T_q − 1) within
 /// [0, Causal::kMaxPosition − T_q], as sdpa bounds its causal offset: the decode kernel forms
 /// q_start + T_q and position − window, which near INT64_MAX overflowed and hid every key.
@@ -56,6 +55,7 @@ inline void check_q_start(const char* fn, int64_t b, int64_t start, int64_t tq) 
     fail(fn, ": q_start[", b, "] = ", start, " is outside [0, 2^40 − T_q] = [0, ", most, "]");
 }
 
+/// The element type the decode kernel reads.
 inline kernels::DType kernel_dtype(CacheDtype dtype) {
   if (dtype == CacheDtype::BF16) return kernels::DType::BF16;
   if (dtype == CacheDtype::I8) return kernels::DType::I8;
