@@ -189,10 +189,7 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
                             f"or None, got {type(causal).__name__}")
         a.causal = causal.align
         a.causal_offset = causal.value
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
-        raise TypeError(f"{fn}: window must be an int, got {type(window).__name__}")
-    if window >= 2**63:
-        raise ValueError(f"{fn}: window must be < 2**63, got {window}")
+    window = _i64(fn, "window", window)
     if window < 0:
         raise ValueError(f"{fn}: window must be >= 0, got {window}")
     if window and (causal is None or causal.align == "none"):
