@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 # python3 for the conformance checker, and what the Python package builds and tests with
 # (python3-dev, pybind11-dev, python3-numpy, python3-pytest). PyTorch is not needed to build or test
 # (the golden data is committed; the mha.torch tests skip without it); regenerating goldens,
-# bench/compare.py and the mha.torch tests need `apt-get install python3-torch`. clang-14 with its
+# bench/compare.py and the mha.torch tests need Debian's python3-torch, which MHA_REQUIRE_TORCH=1
+# installs here (scripts/test.sh sets it), with the OpenMP build of OpenBLAS (libopenblas0-openmp:
+# the pthread build starts a second thread pool inside torch's OpenMP regions). clang-14 with its
 # sanitizer/libFuzzer runtime (libclang-rt-14-dev) and OpenMP (libomp-14-dev) builds the fuzzer of
 # scripts/fuzz.sh. OpenMPI (libopenmpi-dev, openmpi-bin: mpirun) builds and tests mha::dist, the
 # distributed attention of include/mha/dist.h.
@@ -17,6 +19,7 @@ packages=(g++ cmake ninja-build pkg-config git libdnnl-dev libhwy-dev libcairo2-
           fontconfig libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev python3
           python3-dev pybind11-dev python3-numpy python3-pytest clang-14 libclang-rt-14-dev libomp-14-dev
           libopenmpi-dev openmpi-bin)
+if [[ ${MHA_REQUIRE_TORCH:-0} == 1 ]]; then packages+=(python3-torch libopenblas0-openmp); fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Every test: a Release build (unit, property, golden, CLI, conformance, CLI mutation, soak,
+# Every test: a Release build (unit, property, golden, PyTorch, CLI, conformance, CLI mutation, soak,
 # install) and the same suite again under AddressSanitizer + UndefinedBehaviorSanitizer; then the
 # concurrency test under ThreadSanitizer and the safetensors/weights fuzzer for a bounded time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 fuzz_seconds=${MHA_FUZZ_SECONDS:-60}
+# PyTorch is installed and its tests must run (not skip): the mha.torch drop-in against
+# torch.nn.MultiheadAttention, and the goldens recomputed from their files (tests/golden/verify.py).
+export MHA_REQUIRE_TORCH=1
 
 echo "== Release build and tests ==" >&2
 scripts/setup.sh build-test -DCMAKE_BUILD_TYPE=Release -DMHA_BUILD_BENCH=OFF

@@ -1,8 +1,14 @@
-"""mha.torch against torch.nn.MultiheadAttention (skipped with a message when torch is not installed)."""
+"""mha.torch against torch.nn.MultiheadAttention (skipped with a message when torch is not installed,
+unless MHA_REQUIRE_TORCH=1, as scripts/test.sh sets: then a missing torch fails the run)."""
+import os
+
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed: the mha.torch tests need python3-torch")
+if os.environ.get("MHA_REQUIRE_TORCH") == "1":
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed: the mha.torch tests need python3-torch")
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
 
