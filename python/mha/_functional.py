@@ -200,15 +200,9 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
     a.dropout_p = float(dropout_p)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise TypeError(f"{fn}: seed must be a non-negative int, got {seed!r}")
-    if seed >= 2**64:
-        raise ValueError(f"{fn}: seed must be < 2**64, got {seed}")
-    a.seed = int(seed)
+    a.seed = _seed(fn, "seed", seed)
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
-            raise TypeError(f"{fn}: threads must be a non-negative int or None, got {threads!r}")
-        a.threads = int(threads)
+        a.threads = _threads(fn, threads)
     return a
 
 
@@ -302,6 +296,17 @@ def _threads(fn: str, threads: Any) -> int:
     v = _i64(fn, "threads", threads)
     if v < 0:
         raise ValueError(f"{fn}: threads must be >= 0 (0 = the library default), got {v}")
+    return v
+
+
+def _seed(fn: str, name: str, value: Any) -> int:
+    """A seed (dropout's, or a module's initialisation): an int in [0, 2**64), as :func:`_i64` names
+    a wrong type (TypeError) or value (ValueError)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    v = int(value)
+    if not 0 <= v < 2**64:
+        raise ValueError(f"{fn}: {name} must be in [0, 2**64), got {v}")
     return v
 
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core
-from ._functional import _i64, _offsets, _threads
+from ._functional import _i64, _offsets, _seed, _threads
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -82,7 +82,7 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     args.is_causal = bool(is_causal)
     args.need_weights = need
     args.training = training
-    args.seed = int(seed)
+    args.seed = _seed(fn, "dropout_seed", seed)
     args.threads = _threads(fn, threads)
     return args
 
@@ -329,11 +329,13 @@ class MultiheadAttention:
             raise TypeError(f"MultiheadAttention: parameters are float32; dtype={dtype!r} is not supported")
         if rope is not None and not isinstance(rope, Rope):
             raise TypeError(f"MultiheadAttention: rope must be an mha.Rope or None, got {type(rope).__name__}")
-        self._m = _core.Module(int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0),
-                               int(vdim or 0), bool(bias), bool(add_bias_kv), bool(add_zero_attn), float(dropout),
+        fn = "MultiheadAttention"
+        widths = [0 if val is None else _i64(fn, name, val)
+                  for name, val in (("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim))]
+        self._m = _core.Module(int(embed_dim), int(num_heads), *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn), float(dropout),
                                bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
                                int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
-                               int(seed))
+                               _seed(fn, "seed", seed))
         if scale is not None or alibi_slopes is not None or softcap or attention_sinks:
             # Softmax scale (default 1/sqrt(d)), ALiBi slopes (mha.alibi_slopes(h) for the standard
             # schedule), logit softcap c > 0, learned sink logits (parameter "sinks", zeros at init).
@@ -458,7 +460,8 @@ class MultiheadAttention:
                 args.cu_seqlens_k = [int(x) for x in _offsets("cu_seqlens_k", cu_seqlens_k, fn)]
         args.need_lse = bool(need_lse)
         if training:
-            self.dropout_seed += 1  # a fresh dropout mask per call, reproducible from the module's seed
+            # A fresh dropout mask per call, reproducible from the module's seed (mod 2**64, its range).
+            self.dropout_seed = (self.dropout_seed + 1) % 2**64
         out, weights, lse = self._m.forward(q, k, v, args)
         return (out, weights, lse) if need_lse else (out, weights)
 

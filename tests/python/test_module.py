@@ -101,6 +101,26 @@ def test_forward_errors(rng):
         mha.MultiheadAttention(16, 4, rope=mha.Rope(pairing="x"))
 
 
+def test_seeds_and_widths_are_checked_not_truncated(rng):
+    """Seeds and widths were passed through int(): 1.5 became 1 and a negative seed reached the
+    binding, whose TypeError listed every constructor argument. Each now names itself."""
+    with pytest.raises(TypeError, match="MultiheadAttention: seed must be an int, got float"):
+        mha.MultiheadAttention(16, 4, seed=1.5)
+    with pytest.raises(ValueError, match=r"MultiheadAttention: seed must be in \[0, 2\*\*64\), got -1"):
+        mha.MultiheadAttention(16, 4, seed=-1)
+    for name in ("kdim", "vdim", "num_kv_heads"):
+        with pytest.raises(TypeError, match=f"MultiheadAttention: {name} must be an int, got float"):
+            mha.MultiheadAttention(16, 4, **{name: 2.0})
+    m = mha.MultiheadAttention(16, 4, dropout=0.5, batch_first=True, seed=2**64 - 1)
+    q = x(rng, 1, 3, 16)
+    m.dropout_seed = -1
+    with pytest.raises(ValueError, match=r"forward: dropout_seed must be in \[0, 2\*\*64\), got -1"):
+        m(q, q, q)
+    m.dropout_seed = 2**64 - 1  # the per-call step wraps around instead of leaving the range
+    m(q, q, q)
+    assert m.dropout_seed == 0
+
+
 def test_save_load(rng, tmp_path):
     m = mha.MultiheadAttention(16, 4, num_kv_heads=2, batch_first=True, seed=3).eval()
     q = x(rng, 2, 5, 16)

@@ -238,10 +238,16 @@ def test_type_errors(rng):
         mha.sdpa(q, k, v, scale="x")
     with pytest.raises(TypeError, match="window"):
         mha.sdpa(q, k, v, window=1.5)
-    with pytest.raises(TypeError, match="seed"):
+    with pytest.raises(TypeError, match="seed must be an int"):
+        mha.sdpa(q, k, v, seed="1")
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\), got -1"):
         mha.sdpa(q, k, v, seed=-1)
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\), got 18446744073709551616"):
+        mha.sdpa(q, k, v, seed=2**64)
     with pytest.raises(TypeError, match="threads"):
         mha.sdpa(q, k, v, threads="4")
+    with pytest.raises(ValueError, match=r"sdpa: threads must be >= 0 \(0 = the library default\), got -1"):
+        mha.sdpa(q, k, v, threads=-1)
     with pytest.raises(TypeError, match="dropout_p"):
         mha.sdpa(q, k, v, dropout_p=None)
     with pytest.raises(TypeError):
