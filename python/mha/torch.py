@@ -7,7 +7,11 @@
 * :func:`scaled_dot_product_attention`: ``torch.nn.functional.scaled_dot_product_attention``'s
   signature and semantics (boolean mask True = take part), with autograd.
 
-Float32 CPU tensors only; anything else raises TypeError. Works with torch 1.13 and 2.x.
+Float32 CPU tensors only; anything else raises TypeError. Works with torch 1.13 and 2.x. Both
+give first derivatives (not double backward), none for a float mask (a mask that requires grad is
+refused), and dropout masks drawn from torch's generator (``torch.manual_seed`` reproduces them;
+they differ from PyTorch's own). The module deep-copies and pickles (nn.TransformerEncoder stacks
+copies of its layer).
 """
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch as _torch
+from torch.autograd.function import once_differentiable as _once_differentiable
 
 from . import _core
-from ._functional import _args, _in_place
+from ._functional import _args, _i64, _in_place
 from ._module import Rope, _forward_args
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
@@ -45,12 +50,24 @@ def _np3(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor):
     return q, k, v
 
 
-def _mask_np(m: Optional[_torch.Tensor]) -> Optional[np.ndarray]:
+def _mask_np(m: Optional[_torch.Tensor], name: str, fn: str) -> Optional[np.ndarray]:
     if m is None:
         return None
     if not isinstance(m, _torch.Tensor):
         return np.asarray(m)
+    if m.requires_grad and _torch.is_grad_enabled():
+        # Its gradient would be dL/dS (T_q × T_k per head), which mha's fused backward never forms:
+        # refused rather than silently left at None.
+        raise ValueError(f"{fn}: {name} requires grad, but mha gives no gradient for masks; pass "
+                         f"{name}.detach() (or compute a learned bias with torch's own attention)")
     return m.detach().cpu().numpy()
+
+
+def _dropout_seed(p: float) -> int:
+    """A dropout seed from torch's generator: torch.manual_seed reproduces the masks, and every call
+    (every layer, every step) draws its own."""
+    takes = isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0  # else _args names the type
+    return int(_torch.randint(0, 2**62, (1,)).item()) if takes else 0
 
 
 class _ModuleFunction(_torch.autograd.Function):
@@ -60,12 +77,19 @@ class _ModuleFunction(_torch.autograd.Function):
     def forward(ctx, core, args, names, query, key, value, *params):  # type: ignore[override]
         out, saved = core.forward_train(*_np3(query, key, value), args)
         ctx.core, ctx.saved, ctx.names = core, saved, names
+        # The parameters this output was computed with: backward puts them back into the core (a
+        # later forward, e.g. torch.func.functional_call with other tensors, may have replaced
+        # them), and torch checks they were not modified in place in between.
+        ctx.save_for_backward(*params)
         return _torch.from_numpy(out)
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, d_output):  # type: ignore[override]
+        for n, p in zip(ctx.names, ctx.saved_tensors):
+            ctx.core.set(n, p.detach().numpy())
+        # ctx.saved stays: a graph kept with retain_graph=True may run this again.
         g = ctx.core.backward(ctx.saved, _np(d_output))
-        ctx.saved = None
         t = lambda a: None if a is None else _torch.from_numpy(a)  # noqa: E731
         return (None, None, None, t(g["query"]), t(g["key"]), t(g["value"]), *[t(g.get(n)) for n in ctx.names])
 
@@ -100,11 +124,16 @@ class MultiheadAttention(_torch.nn.Module):
         self.batch_first = batch_first
         self.add_zero_attn = add_zero_attn
         self.rope = rope
+        fn = "mha.torch.MultiheadAttention"
+        widths = [0 if val is None else _i64(fn, name, val)
+                  for name, val in (("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim))]
+        # The core's constructor arguments: __setstate__ rebuilds it from them (a deep copy, a pickle).
+        self._core_args = (_i64(fn, "embed_dim", embed_dim), _i64(fn, "num_heads", num_heads), *widths, bool(bias),
+                           bool(add_bias_kv), bool(add_zero_attn), float(dropout), bool(batch_first),
+                           rope is not None, float(rope.theta if rope else 10000.0), int(rope.dims if rope else 0),
+                           str(rope.pairing if rope else "half_split"), 0, 0)
         # Validates everything (raises ValueError with the library's message) and gives the shapes.
-        self._core = _core.Module(int(embed_dim), int(num_heads), int(num_kv_heads or 0), int(kdim or 0),
-                                  int(vdim or 0), bool(bias), bool(add_bias_kv), bool(add_zero_attn), float(dropout),
-                                  bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
-                                  int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0, 0)
+        self._core = _core.Module(*self._core_args)
         cfg = self._core.config()
         self.num_kv_heads = cfg["num_kv_heads"]
         self.head_dim = cfg["head_dim"]
@@ -131,8 +160,18 @@ class MultiheadAttention(_torch.nn.Module):
             self.bias_v = P("bias_v")
         else:
             self.bias_k = self.bias_v = None
-        self._dropout_seed = 0
         self._reset_parameters()
+
+    # The core holds no state of its own between calls (each forward copies the parameters into it),
+    # so a copy or a pickle carries its constructor arguments and builds a fresh one.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_core"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._core = _core.Module(*self._core_args)
 
     def _reset_parameters(self) -> None:
         """PyTorch's initialisation: Xavier-uniform input projections, zero biases, Xavier-normal bias_k/v."""
@@ -162,7 +201,16 @@ class MultiheadAttention(_torch.nn.Module):
         return new
 
     def _param_items(self):
-        return [(n, p) for n, p in self.named_parameters() if n in set(self._core.param_names())]
+        """(name, tensor) of the core's parameters, read as torch's module reads them (attributes,
+        not named_parameters()): so pruning, parametrizations and torch.func.functional_call, which
+        put other tensors in those attributes, reach the computation and their gradients."""
+        items = []
+        for n in self._core.param_names():
+            owner, _, attr = n.rpartition(".")
+            t = getattr(self.get_submodule(owner) if owner else self, attr, None)
+            if t is not None:
+                items.append((n, t))
+        return items
 
     def forward(self, query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor,
                 key_padding_mask: Optional[_torch.Tensor] = None, need_weights: bool = True,
@@ -183,10 +231,8 @@ class MultiheadAttention(_torch.nn.Module):
             _check(n, p, fn)
             self._core.set(n, p.detach().numpy())
         training = self.training and self.dropout > 0.0
-        seed = self._dropout_seed
-        if training:
-            self._dropout_seed += 1
-        kpm, am = _mask_np(key_padding_mask), _mask_np(attn_mask)
+        seed = _dropout_seed(self.dropout) if training else 0
+        kpm, am = _mask_np(key_padding_mask, "key_padding_mask", fn), _mask_np(attn_mask, "attn_mask", fn)
         needs_grad = _torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
                                                    or any(p.requires_grad for _, p in items))
         weights = None
@@ -206,16 +252,19 @@ class MultiheadAttention(_torch.nn.Module):
 class _SdpaFunction(_torch.autograd.Function):
     @staticmethod
     def forward(ctx, args, q, k, v):  # type: ignore[override]
-        qn, kn, vn = _np(q), _np(k), _np(v)
-        out, _, lse = _core.sdpa(qn, kn, vn, args, False, True, False)
-        ctx.args, ctx.arrays = args, (qn, kn, vn, out, lse)
-        return _torch.from_numpy(out)
+        out, _, lse = _core.sdpa(_np(q), _np(k), _np(v), args, False, True, False)
+        out_t = _torch.from_numpy(out)
+        # Saved as tensors, not as numpy views of them: torch then refuses a backward after any of
+        # them (the output included) was modified in place, as for its own attention.
+        ctx.args, ctx.lse = args, lse
+        ctx.save_for_backward(q, k, v, out_t)
+        return out_t
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, d_out):  # type: ignore[override]
-        qn, kn, vn, out, lse = ctx.arrays
-        dq, dk, dv = _core.sdpa_backward(qn, kn, vn, out, _np(d_out), lse[..., None], ctx.args)
-        ctx.arrays = None
+        q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = _core.sdpa_backward(_np(q), _np(k), _np(v), _np(out), _np(d_out), ctx.lse[..., None], ctx.args)
         return None, _torch.from_numpy(dq), _torch.from_numpy(dk), _torch.from_numpy(dv)
 
 
@@ -235,22 +284,25 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
         _check(n, t, fn)
     if is_causal and attn_mask is not None:
         raise ValueError(f"{fn}: attn_mask and is_causal cannot both be set (as in PyTorch)")
-    three = query.dim() == 3
+    shapes = f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+    three = query.dim() == 3 and key.dim() == 3 and value.dim() == 3
     if three:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"{fn}: expected 3-D or 4-D query/key/value, got {tuple(query.shape)}, "
-                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+        raise ValueError(f"{fn}: expected query/key/value all 3-D or all 4-D, got {shapes}")
     allowed = bias = None
     if attn_mask is not None:
-        m = _mask_np(attn_mask)
+        m = _mask_np(attn_mask, "attn_mask", fn)
         if three and m.ndim == 3:
             m = m[:, None]
         if m.dtype == np.bool_:
             allowed = m
-        else:
+        elif m.dtype.kind == "f":
             bias = m.astype(np.float32, copy=False)
-    seed = int(_torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+        else:
+            # An integer 0/1 mask would be added to the scores: refused, as PyTorch 2's SDPA does.
+            raise TypeError(f"{fn}: attn_mask must be a bool or float tensor, got {attn_mask.dtype}")
+    seed = _dropout_seed(dropout_p)
     from ._functional import Causal
     args = _args(fn, scale, None, allowed, bias, None, Causal.top_left() if is_causal else None, 0, float(dropout_p),
                  seed, None)

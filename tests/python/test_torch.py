@@ -196,3 +196,174 @@ def test_scaled_dot_product_attention(mask):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError):
         mt.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
+
+
+def test_deep_copies_pickles_and_stacks_in_a_transformer_encoder(tmp_path):
+    """nn.TransformerEncoder deep-copies its layer; the core (a C++ object) used to make that, pickle
+    and torch.save raise TypeError."""
+    import copy
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    ref_stack = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    stack = copy.deepcopy(ref_stack)
+    for lyr in stack.layers:
+        lyr.self_attn = mt.MultiheadAttention.from_torch(lyr.self_attn)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(stack(x), ref_stack(x), atol=2e-5, rtol=1e-4)
+    # The stack built from an mha layer: the copies are independent modules with their own cores.
+    layer.self_attn = mt.MultiheadAttention.from_torch(layer.self_attn)
+    built = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    assert built.layers[0].self_attn._core is not built.layers[1].self_attn._core
+    with torch.no_grad():
+        built.layers[1].self_attn.out_proj.weight.zero_()
+    assert not torch.equal(built.layers[0].self_attn.out_proj.weight, built.layers[1].self_attn.out_proj.weight)
+    m = stack.layers[0].self_attn
+    for clone in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        torch.testing.assert_close(clone(x, x, x)[0], m(x, x, x)[0], atol=0, rtol=0)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    torch.testing.assert_close(torch.load(buf)(x, x, x)[0], m(x, x, x)[0], atol=0, rtol=0)
+
+
+def test_dropout_masks_come_from_torch_generator():
+    """Every module's dropout seed started at 0 and counted calls, so all layers of a model dropped
+    the same positions and torch.manual_seed changed nothing."""
+    torch.manual_seed(0)
+    a = mt.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    b = mt.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.ones(1, 64, 8)
+    kw = dict(average_attn_weights=False)
+    torch.manual_seed(123)
+    wa = a(x, x, x, **kw)[1]
+    wb = b(x, x, x, **kw)[1]
+    assert not torch.equal(wa == 0, wb == 0)  # two layers, two masks
+    torch.manual_seed(123)
+    assert torch.equal(a(x, x, x, **kw)[1], wa)  # the generator's seed reproduces them
+    frac = (wa == 0).float().mean().item()
+    assert 0.4 < frac < 0.6
+
+
+def test_retain_graph_runs_backward_twice_and_double_backward_is_refused():
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    o, _ = m(x, x, x, need_weights=False)
+    o.sum().backward(retain_graph=True)
+    g1 = x.grad.clone()
+    o.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * g1, atol=0, rtol=0)
+    q, k, v = (torch.randn(1, 2, 4, 4, requires_grad=True) for _ in range(3))
+    out = mt.scaled_dot_product_attention(q, k, v)
+    out.sum().backward(retain_graph=True)
+    gq = q.grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(q.grad, 2 * gq, atol=0, rtol=0)
+    o, _ = m(x, x, x, need_weights=False)
+    (gx,) = torch.autograd.grad(o.pow(2).sum(), x, create_graph=True)  # a gradient penalty's first step
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
+def test_parameters_are_read_as_torch_reads_them():
+    """functional_call, pruning and parametrizations put other tensors where torch's module reads its
+    weights; mha read named_parameters() and computed with the stale ones."""
+    import torch.nn.utils.prune as prune
+    from torch.nn.utils import parametrize
+
+    try:
+        from torch.func import functional_call
+    except ImportError:  # torch 1.13
+        from torch.nn.utils.stateless import functional_call
+
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8)
+
+    def both():
+        r = copy_of(ref)
+        return r, mt.MultiheadAttention.from_torch(r)
+
+    def copy_of(mod):
+        import copy
+
+        return copy.deepcopy(mod)
+
+    r, n = both()
+    other = {k: torch.randn_like(p) for k, p in r.named_parameters()}
+    torch.testing.assert_close(functional_call(n, other, (x, x, x))[0], functional_call(r, other, (x, x, x))[0],
+                               atol=2e-5, rtol=1e-4)
+    r, n = both()
+    for mod in (r, n):
+        prune.l1_unstructured(mod, "in_proj_weight", amount=0.5)
+    torch.testing.assert_close(n(x, x, x)[0], r(x, x, x)[0], atol=2e-5, rtol=1e-4)
+
+    class Halve(torch.nn.Module):
+        def forward(self, w):
+            return w * 0.5
+
+    r, n = both()
+    for mod in (r, n):
+        parametrize.register_parametrization(mod.out_proj, "weight", Halve())
+    xr = x.clone().requires_grad_()
+    torch.testing.assert_close(n(xr, xr, xr)[0], r(xr, xr, xr)[0], atol=2e-5, rtol=1e-4)
+    grads = []
+    for mod in (r, n):
+        mod.zero_grad()
+        mod(x, x, x, need_weights=False)[0].pow(2).sum().backward()
+        grads.append(mod.out_proj.parametrizations.weight.original.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
+    # Two calls with different parameters in one graph: each backward uses its own call's.
+    r, n = both()
+    p2 = {k: torch.randn_like(p) for k, p in r.named_parameters()}
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    for mod, xx in ((r, xs[0]), (n, xs[1])):
+        (mod(xx, xx, xx, need_weights=False)[0].sum() + functional_call(mod, p2, (xx, xx, xx))[0].pow(2).sum()
+         ).backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, atol=1e-3, rtol=1e-3)
+
+
+def test_masks_that_require_grad_are_refused_and_integer_sdpa_masks_too():
+    m = mt.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 3, 8)
+    bias = torch.zeros(3, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        m(x, x, x, attn_mask=bias)
+    with pytest.raises(ValueError, match="key_padding_mask requires grad"):
+        m(x, x, x, key_padding_mask=torch.zeros(1, 3, requires_grad=True))
+    with torch.no_grad():
+        m(x, x, x, attn_mask=bias)  # no graph, nothing to lose
+    m(x, x, x, attn_mask=bias.detach())
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        mt.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+    for dtype in (torch.uint8, torch.int64):
+        with pytest.raises(TypeError, match=f"attn_mask must be a bool or float tensor, got {dtype}"):
+            mt.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=dtype))
+
+
+def test_sdpa_backward_refuses_inputs_modified_in_place():
+    x = torch.randn(1, 2, 4, 4, requires_grad=True)
+    k, v = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+    q = x * 1
+    o = mt.scaled_dot_product_attention(q, k, v)
+    with torch.no_grad():
+        q.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(o.sum(), x)
+    o = mt.scaled_dot_product_attention(x * 1, k, v)
+    with torch.no_grad():
+        o.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
+
+def test_sdpa_shape_errors_name_the_shapes_passed():
+    q = torch.zeros(2, 4, 6)
+    kv = torch.zeros(2, 3, 5, 6)
+    with pytest.raises(ValueError, match=r"all 3-D or all 4-D, got \(2, 4, 6\), \(2, 3, 5, 6\), \(2, 3, 5, 6\)"):
+        mt.scaled_dot_product_attention(q, kv, kv)
