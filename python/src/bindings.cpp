@@ -269,6 +269,10 @@ mha::Tensor* param_slot(mha::MhaParameters& p, const std::string& name) {
   mha::fail("unknown parameter name '", name, "'");
 }
 
+const mha::Tensor* param_slot(const mha::MhaParameters& p, const std::string& name) {
+  return param_slot(const_cast<mha::MhaParameters&>(p), name);  // the same lookup; nothing is written
+}
+
 const std::vector<std::string> kParamNames = {"in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
                                               "in_proj_bias",   "bias_k",        "bias_v",        "out_proj.weight",
                                               "out_proj.bias",  "sinks"};
@@ -625,6 +629,45 @@ PYBIND11_MODULE(_core, m) {
             seed);
       }))
       .def("config", [](const mha::MultiheadAttention& self) { return config_dict(self.config()); })
+      // Pickling, and so copy.copy / copy.deepcopy: the whole configuration and the parameters (the
+      // kept working buffers are not part of the module's value). A version tag first, so that a
+      // later layout can still read this one or refuse it by name.
+      .def(py::pickle(
+          [](const mha::MultiheadAttention& self) {
+            const mha::MhaConfig& c = self.config();
+            py::dict params;
+            for (const auto& n : kParamNames)
+              if (const mha::Tensor* t = param_slot(self.params(), n); t->defined())
+                params[py::str(n)] = array_from(*t);
+            const py::tuple config = py::make_tuple(
+                c.embed_dim, c.num_heads, c.num_kv_heads, c.kdim, c.vdim, c.bias, c.add_bias_kv, c.add_zero_attn,
+                c.dropout, c.layout == mha::Layout::BatchFirst, c.rope.enabled, c.rope.theta, c.rope.dims,
+                c.rope.pairing == mha::RopePairing::HalfSplit ? "half_split" : "interleaved", c.head_dim_override,
+                c.scale ? py::cast(*c.scale) : py::none(), c.alibi_slopes, c.softcap, c.attention_sinks);
+            return py::make_tuple(1, config, params);
+          },
+          [](const py::tuple& state) {
+            if (state.size() != 3 || py::cast<int>(state[0]) != 1)
+              mha::fail("Module: cannot unpickle this state (written by another version of mha?)");
+            const auto c_in = py::cast<py::tuple>(state[1]);
+            if (c_in.size() != 19) mha::fail("Module: cannot unpickle a configuration of ", c_in.size(), " fields");
+            mha::MhaConfig c =
+                make_config(py::cast<int64_t>(c_in[0]), py::cast<int64_t>(c_in[1]), py::cast<int64_t>(c_in[2]),
+                            py::cast<int64_t>(c_in[3]), py::cast<int64_t>(c_in[4]), py::cast<bool>(c_in[5]),
+                            py::cast<bool>(c_in[6]), py::cast<bool>(c_in[7]), py::cast<float>(c_in[8]),
+                            py::cast<bool>(c_in[9]), py::cast<bool>(c_in[10]), py::cast<double>(c_in[11]),
+                            py::cast<int64_t>(c_in[12]), py::cast<std::string>(c_in[13]), py::cast<int64_t>(c_in[14]));
+            if (!c_in[15].is_none()) c.scale = py::cast<float>(c_in[15]);
+            c.alibi_slopes = py::cast<std::vector<float>>(c_in[16]);
+            c.softcap = py::cast<float>(c_in[17]);
+            c.attention_sinks = py::cast<bool>(c_in[18]);
+            mha::MhaParameters p;
+            for (const auto& [name, value] : py::cast<py::dict>(state[2])) {
+              const std::string n = py::cast<std::string>(name);
+              *param_slot(p, n) = tensor_from(py::cast<F32In>(value));
+            }
+            return mha::MultiheadAttention(c, std::move(p));  // validates the config and the shapes
+          }))
       // The same module with scale / ALiBi / softcap / sinks set (sinks start at 0 when added).
       .def("with_score_options",
            [](const mha::MultiheadAttention& self, std::vector<float> slopes, float softcap, bool sinks,

@@ -265,3 +265,29 @@ def test_no_queries_leave_nan_key_inputs_out_of_the_weight_gradients():
     for name in ("k_proj_weight", "v_proj_weight", "q_proj_weight", "in_proj_bias"):
         np.testing.assert_array_equal(g[name], 0.0)
     np.testing.assert_array_equal(g["key"], 0.0)
+
+
+def test_deep_copies_and_pickles_keep_every_setting_and_are_independent(rng):
+    import copy
+    import pickle
+
+    m = mha.MultiheadAttention(16, 4, num_kv_heads=2, batch_first=True, seed=5, rope=mha.Rope(dims=2), scale=0.3,
+                               alibi_slopes=mha.alibi_slopes(4), softcap=5.0, attention_sinks=True).eval()
+    sd = m.state_dict()
+    sd["sinks"] = np.linspace(-1, 1, 4).astype(np.float32)
+    m.load_state_dict(sd)
+    pruned = mha.prune_heads(mha.MultiheadAttention(16, 4, kdim=6, vdim=10, add_bias_kv=True, seed=2), [1])
+    q = x(rng, 2, 5, 16)
+    for orig in (m, pruned):
+        kv = (q, q) if orig is m else (x(rng, 5, 2, 6), x(rng, 5, 2, 10))
+        qq = q if orig is m else x(rng, 5, 2, 16)
+        ref = orig(qq, *kv)[0]
+        for clone in (copy.deepcopy(orig), pickle.loads(pickle.dumps(orig))):
+            assert clone._m.config() == orig._m.config()
+            assert np.array_equal(clone(qq, *kv)[0], ref)
+            w = clone.state_dict()
+            w["out_proj.weight"] = np.zeros_like(w["out_proj.weight"])
+            clone.load_state_dict(w)  # the clone's parameters are its own
+            assert np.array_equal(orig(qq, *kv)[0], ref)
+    with pytest.raises(ValueError, match="cannot unpickle"):
+        mha._core.Module.__new__(mha._core.Module).__setstate__((2, (), {}))
