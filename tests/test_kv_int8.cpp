@@ -38,7 +38,7 @@ TEST(Int8Quantize, RowsMatchTheScalarDefinitionOnEveryTarget) {
   testing::for_each_fused_target([&] {
     ASSERT_EQ(kernels::quantize_dispatch_target(), kernels::fused_dispatch_target());
     for (const int64_t n : {0, 1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 127, 128, 129, 256}) {
-      for (int pattern = 0; pattern < 8; ++pattern) {
+      for (int pattern = 0; pattern < 9; ++pattern) {
         std::vector<float> row(static_cast<size_t>(n));
         // 1e-40: a denormal scale; 1e-44 (pattern 7): nonzero values whose scale underflows to 0.
         const float magnitude = pattern == 1   ? 1e-3f
@@ -53,6 +53,7 @@ TEST(Int8Quantize, RowsMatchTheScalarDefinitionOnEveryTarget) {
         }
         if (pattern == 5) std::fill(row.begin(), row.end(), 0.0f);
         if (pattern == 6) std::fill(row.begin(), row.end(), -0.0f);
+        if (pattern == 8 && n > 0) row[static_cast<size_t>(n / 2)] = -std::numeric_limits<float>::max();
         float absmax = 0.0f;
         for (const float x : row) absmax = std::max(absmax, std::fabs(x));
         const float want_scale = kernels::int8_scale(absmax);
@@ -93,6 +94,7 @@ TEST(Int8Quantize, ColumnsMatchTheScalarDefinitionOnEveryTarget) {
             v = normal(gen) * magnitudes[x % 5];
             if (x % 7 == 3) v = i % 2 ? 0.0f : -0.0f;                                   // a column of zeros
             if (x % 7 == 4) v = i == 0 ? 127.0f : static_cast<float>(i % 200) - 99.5f;  // ties at scale 1
+            if (x % 7 == 5 && i == rows / 2) v = std::numeric_limits<float>::max();    // a scale one ulp down
           }
         std::vector<float> scale(static_cast<size_t>(d), -1.0f);
         std::vector<int8_t> got(static_cast<size_t>(rows * d), int8_t{99});
@@ -210,6 +212,68 @@ TEST(Int8Cache, ScalesUnderflowToZerosNotToInfinity) {
   Tensor q({1, 1, 1, 3}, 1.0f), out({1, 1, 1, 3});
   attend_cache(q.view4(), cache, {}, {}, out.view4());
   for (float x : out.values()) EXPECT_EQ(x, 0.0f);
+}
+
+// 127 · (FLT_MAX / 127) rounds past FLT_MAX: the scale is the float below, so such a row reads
+// back finite and within half a step (it read back as ±inf, and the output with it).
+TEST(Int8Cache, RowsReachingTheLargestFloatReadBackFinite) {
+  const float big = std::numeric_limits<float>::max();
+  ASSERT_FALSE(std::isfinite(127.0f * (big / 127.0f)));
+  const float scale = kernels::int8_scale(big);
+  EXPECT_EQ(scale, std::nextafter(big / 127.0f, 0.0f));
+  EXPECT_EQ(kernels::int8_scale(std::nextafter(big, 0.0f) / 2), std::nextafter(big, 0.0f) / 2 / 127.0f);
+  for (const Int8KeyScales keys : {Int8KeyScales::PerToken, Int8KeyScales::PerChannel}) {
+    KvCacheConfig c = int8_config(1, 1, 4, 4);
+    c.int8_keys = keys, c.key_group = 1;
+    KvCache cache(c);
+    Tensor k({1, 1, 1, 4}), v({1, 1, 1, 4});
+    const float row[] = {big, -big, 1.0f, -3e37f};
+    for (int64_t x = 0; x < 4; ++x) k.at({0, 0, 0, x}) = v.at({0, 0, 0, x}) = row[x];
+    cache.append(k.view4(), v.view4());
+    for (int64_t x = 0; x < 4; ++x) {
+      EXPECT_TRUE(std::isfinite(cache.k_at(0, 0, 0, x))) << x;
+      EXPECT_LE(std::fabs(cache.k_at(0, 0, 0, x) - row[x]), scale / 2 * (1 + 1e-6)) << x;
+      EXPECT_LE(std::fabs(cache.v_at(0, 0, 0, x) - row[x]), scale / 2 * (1 + 1e-6)) << x;
+    }
+    Tensor q({1, 1, 1, 4}, 0.0f), out({1, 1, 1, 4});
+    attend_cache(q.view4(), cache, {}, {}, out.view4());  // one key: the output is its V row
+    for (int64_t x = 0; x < 4; ++x) EXPECT_EQ(out.at({0, 0, 0, x}), cache.v_at(0, 0, 0, x)) << x;
+  }
+}
+
+// Tiny values: the decode kernel's int16 steps of a row (queries; probabilities times V's scales)
+// were 32767 / max, +inf below max ≈ 1e-34, and the output was off by a third of |V|. The int8
+// cache now stays as close to the float32 one, relative to the values' size, as at ordinary sizes.
+TEST(Int8Cache, TinyValuesDecodeAsCloseAsOrdinaryOnes) {
+  const int64_t kv = 2, h = 4, T = 200, d = 32;
+  for (const float v_size : {1.0f, 3e-30f, 3.5e-33f, 3e-35f})
+    for (const float q_size : {1.0f, 1e-34f}) {
+      SCOPED_TRACE("|V| " + std::to_string(v_size) + ", |q| " + std::to_string(q_size));
+      KvCache f32(int8_config(1, kv, d, T));
+      KvCacheConfig c = f32.config();
+      c.dtype = CacheDtype::F32;
+      f32 = KvCache(c);
+      KvCache i8(int8_config(1, kv, d, T));
+      Tensor k = random_tensor({1, kv, T, d}, 21, -1.0f, 1.0f), v = random_tensor({1, kv, T, d}, 22, -1.0f, 1.0f);
+      for (float& x : v.values()) x *= v_size;
+      for (float& x : k.values()) x /= q_size;  // scores of ordinary size
+      f32.append(k.view4(), v.view4());
+      i8.append(k.view4(), v.view4());
+      Tensor q = random_tensor({1, h, 1, d}, 23, -1.0f, 1.0f);
+      for (float& x : q.values()) x *= q_size;
+      Tensor a({1, h, 1, d}), b({1, h, 1, d});
+      attend_cache(q.view4(), f32, {}, {}, a.view4());
+      attend_cache(q.view4(), i8, {}, {}, b.view4());
+      testing::for_each_fused_target([&] {
+        Tensor t({1, h, 1, d});
+        attend_cache(q.view4(), i8, {}, {}, t.view4());
+        for (int64_t i = 0; i < t.numel(); ++i)
+          ASSERT_LE(std::fabs(t.values()[i] - a.values()[i]), 0.05f * v_size) << i;  // the cache's 2⁻⁸ per row
+      });
+      float worst = 0.0f;
+      for (int64_t i = 0; i < a.numel(); ++i) worst = std::max(worst, std::fabs(b.values()[i] - a.values()[i]));
+      EXPECT_LE(worst, 0.05f * v_size);
+    }
 }
 
 TEST(Int8Cache, CloneIsADeepCopy) {
@@ -400,6 +464,20 @@ TEST(Int8ChannelKeys, CloneResetAndRefusals) {
   ring.ring = true;
   EXPECT_NE(error_of([&] { KvCache{ring}; }).find("a ring"), std::string::npos);
   EXPECT_NE(error_of([&] { KvCache{channel_config(1, 1, d, 8, 0)}; }).find("key_group 0"), std::string::npos);
+  // A key_group near 2⁶³ is one group (capacity + key_group − 1 overflowed: no scales, and the
+  // first append wrote past them).
+  for (const int64_t huge : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 5}) {
+    KvCache one(channel_config(1, 1, d, 8, huge)), same(channel_config(1, 1, d, 8, 9));
+    EXPECT_EQ(one.config().key_groups(), 1);
+    const Tensor keys = random_tensor({1, 1, 8, d}, 31), values = random_tensor({1, 1, 8, d}, 32);
+    one.append(keys.view4(), values.view4());
+    same.append(keys.view4(), values.view4());
+    const Tensor query = random_tensor({1, 2, 1, d}, 33);
+    Tensor a({1, 2, 1, d}), b({1, 2, 1, d});
+    attend_cache(query.view4(), one, {}, {}, a.view4());
+    attend_cache(query.view4(), same, {}, {}, b.view4());
+    EXPECT_TRUE(bitwise_equal(a, b));
+  }
   // Transposed keys keep per-token scales only.
   KvCacheConfig transposed = channel_config(1, 1, d, 8, 4);
   transposed.key_layout = KeyLayout::Transposed;

@@ -6,8 +6,9 @@
 // int8 (CacheDtype::I8): every row of K and of V — one token of one K/V head — is stored as int8
 // values and one float scale, symmetric: scale = max|x| / 127, value = round-to-nearest(x / scale)
 // (a row of zeros has scale 0). A row reads back as value · scale, within scale / 2 of what was
-// appended. The decode kernel reads the int8 rows and their scales directly (a quarter of the
-// float32 bytes, plus 4 per row).
+// appended (for normal scales; docs/semantics.md has the edges near 0 and FLT_MAX). The decode
+// kernel reads the int8 rows and their scales directly (a quarter of the float32 bytes, plus 4 per
+// row).
 //
 // int8 keys with per-channel scales (Int8KeyScales::PerChannel, KIVI: Liu et al. 2024): keys are
 // scaled per channel instead, one scale per channel x of each group of `key_group` consecutive
@@ -105,7 +106,11 @@ struct KvCacheConfig {
   int64_t v_dim() const { return value_dim > 0 ? value_dim : head_dim; }
   bool channel_keys() const { return dtype == CacheDtype::I8 && int8_keys == Int8KeyScales::PerChannel; }
   /// Per-channel key scales: groups of key_group positions per (sequence, K/V head).
-  int64_t key_groups() const { return channel_keys() ? (capacity + key_group - 1) / key_group : 0; }
+  /// (Rounded up without forming capacity + key_group − 1, which overflows for a key_group near
+  /// 2⁶³; 0 where key_group < 1, which the cache refuses.)
+  int64_t key_groups() const {
+    return channel_keys() && key_group > 0 ? capacity / key_group + (capacity % key_group != 0) : 0;
+  }
   bool transposed_keys() const { return key_layout == KeyLayout::Transposed; }
   /// Key slots stored per (sequence, K/V head): capacity, rounded up to whole tiles when transposed.
   int64_t key_slots() const { return transposed_keys() ? (capacity + kKeyTile - 1) / kKeyTile * kKeyTile : capacity; }

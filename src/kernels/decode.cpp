@@ -63,6 +63,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "kernels/common.h"
@@ -460,6 +461,13 @@ HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16
     return finite ? 0.0f : kNaN;
   }
   const float inv = static_cast<float>(steps) / amax;
+  if (HWY_UNLIKELY(!(inv <= std::numeric_limits<float>::max()))) {
+    // amax below steps / FLT_MAX (≈ 1e-34; e.g. probabilities times a tiny V scale): steps / amax
+    // overflows. The row times 2⁶⁴ first (exact: every |in| < 1e-34), then steps / (amax · 2⁶⁴).
+    const float inv_up = static_cast<float>(steps) / (amax * 0x1p64f);
+    for (int64_t x = 0; x < n; ++x) out[x] = static_cast<int16_t>(std::nearbyint(in[x] * 0x1p64f * inv_up));
+    return amax / static_cast<float>(steps);
+  }
   const auto vinv = hn::Set(df, inv);
   for (int64_t x = 0; x < nv; x += L)  // |in · inv| ≤ steps (to rounding): no saturation
     hn::StoreU(hn::DemoteTo(dh, hn::NearestInt(hn::Mul(hn::LoadU(df, in + x), vinv))), dh, out + x);

@@ -75,7 +75,11 @@ void quantize_int8_columns(const float* rows, int64_t n_rows, int64_t d, float* 
   for (; kExactDivision && x + L <= d; x += L) {  // L channels at a time: their maxima, scales, then each row's values
     auto vmax = zero;
     for (int64_t i = 0; i < n_rows; ++i) vmax = hn::Max(vmax, hn::Abs(hn::LoadU(df, rows + i * d + x)));
-    const auto vscale = hn::Div(vmax, div127);  // int8_scale, lane by lane
+    // int8_scale, lane by lane: the quotient, one ulp less where 127 times it overflows.
+    const auto quotient = hn::Div(vmax, div127);
+    const auto past_max = hn::Gt(hn::Mul(quotient, div127), hn::Set(df, std::numeric_limits<float>::max()));
+    const auto vscale =
+        hn::IfThenElse(past_max, hn::BitCast(df, hn::Sub(hn::BitCast(di, quotient), hn::Set(di, 1))), quotient);
     hn::StoreU(vscale, df, scale + x);
     const auto live = hn::Gt(vscale, zero);  // int8_value's 0 where the scale is 0
     for (int64_t i = 0; i < n_rows; ++i) {

@@ -8,13 +8,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace mha::kernels {
 
 /// The int8 scale of a row whose largest magnitude is `absmax` (0 for a row of zeros, or one so
 /// small that absmax / 127 underflows: it then reads back as zeros, within absmax).
-inline float int8_scale(float absmax) { return absmax / 127.0f; }
+/// (Near FLT_MAX, 127 · (absmax / 127) can round past it, and a finite value would read back as
+/// +inf: there the scale is the float below, and every value reads back finite, within scale / 2.)
+inline float int8_scale(float absmax) {
+  const float scale = absmax / 127.0f;
+  return 127.0f * scale <= std::numeric_limits<float>::max() ? scale : std::nextafter(scale, 0.0f);
+}
 
 /// x in steps of `scale`, rounded to nearest (ties to even) and clamped to ±127; 0 when scale is 0.
 inline int8_t int8_value(float x, float scale) {
