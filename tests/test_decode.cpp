@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/decode.h"
 #include "mha/kv_cache.h"
 #include "mha/module.h"
 #include "mha/rope.h"
@@ -637,6 +638,14 @@ TEST(DecodeKernel, SplitMergeEqualsUnsplit) {
   EXPECT_TRUE(all_close(attend(c, 7, 1, 0, &lse7), one, kF32Tol, kF32Tol));
   EXPECT_TRUE(all_close(lse7, lse1, kF32Tol, kF32Tol));
   EXPECT_TRUE(all_close(attend(c, 64, 1), one, kF32Tol, kF32Tol));  // more splits than blocks
+  // Past one split per 128-key block (700 held: 6) the parts are empty: the same bits, and a huge
+  // count no longer sizes a workspace of its own (INT_MAX splits: std::bad_alloc).
+  const Tensor six = attend(c, 6, 1);
+  EXPECT_TRUE(bitwise_equal(attend(c, 7, 1), six));
+  EXPECT_TRUE(bitwise_equal(attend(c, std::numeric_limits<int>::max(), 2), six));
+  EXPECT_EQ(kernels::cap_decode_splits(std::numeric_limits<int>::max(), 700), 6);  // blocks of 128 keys
+  EXPECT_EQ(kernels::cap_decode_splits(3, 700), 3);
+  EXPECT_EQ(kernels::cap_decode_splits(0, 0), 1);
 }
 
 TEST(DecodeKernel, SameSplitsAnyThreadsBitwise) {

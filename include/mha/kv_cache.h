@@ -198,7 +198,8 @@ struct CacheAttentionOptions {
   int64_t window = 0;          ///< sliding window W: key p visible when q − W < p ≤ q; 0 = unlimited
   /// Split-K: the held positions of each sequence are cut into this many contiguous parts whose
   /// (max, sum, partial output) are merged exactly by log-sum-exp. 0 = chosen from the shapes
-  /// alone. The result depends on the split count but never on the thread count.
+  /// alone. The result depends on the split count but never on the thread count (counts above one
+  /// split per 128 held positions give the result of that count: the further parts would be empty).
   int splits = 0;
   int threads = 0;         ///< 0 = mha::num_threads()
   Alibi alibi{};           ///< ALiBi slopes per query head, by absolute positions (mha/masks.h)

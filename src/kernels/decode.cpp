@@ -1204,6 +1204,13 @@ using namespace decode_detail;
 
 size_t decode_workspace_floats(const DecodeParams& p) { return workspace_plan(p, make_plan(p)).floats(); }
 
+int cap_decode_splits(int splits, int64_t longest_held) {
+  // Splits are cut in whole blocks of kBlock positions (item_at), so past one block each the rest
+  // are empty, and the merge skips empty ones: the cap changes no bit.
+  return static_cast<int>(
+      std::min<int64_t>(std::max(1, splits), std::max<int64_t>(1, (longest_held + kBlock - 1) / kBlock)));
+}
+
 void decode_attention(const DecodeParams& p, float* workspace) {
   assert_decode_params(p);
   const Plan pl = make_plan(p);

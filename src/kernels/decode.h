@@ -72,6 +72,10 @@ struct DecodeParams {
   int64_t group() const { return heads() / kv_heads; }
 };
 size_t decode_workspace_floats(const DecodeParams& p);
+/// A split count for sequences holding at most longest_held positions: splits (at least 1), capped
+/// at one block of keys per split. The further splits would be empty, so the cap changes no bit of
+/// the result; it keeps a huge count from sizing a huge workspace.
+int cap_decode_splits(int splits, int64_t longest_held);
 void decode_attention(const DecodeParams& p, float* workspace);
 
 }  // namespace mha::kernels

@@ -290,7 +290,8 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   p.window = options.window;
   p.scale = detail::resolve_scale(options.scale, d);
   p.edits = edits;
-  p.splits = options.splits > 0 ? options.splits : auto_cache_splits(B, c.kv_heads, (H / c.kv_heads) * Tq, longest);
+  p.splits = kernels::cap_decode_splits(
+      options.splits > 0 ? options.splits : auto_cache_splits(B, c.kv_heads, (H / c.kv_heads) * Tq, longest), longest);
   p.threads = resolve_threads(options.threads);
   p.out = out;
   p.lse = lse;
