@@ -240,6 +240,16 @@ TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
       {"--seq 8 --embed-dim 64 --heads 4 --need-weights all", "--need-weights"},
       {"--seq 8 --embed-dim 64 --heads 4 --need-weights averaged --core --backward", "--need-weights"},
       {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 0", "--bw-mib"},
+      {"--seq 0 --embed-dim 64 --heads 4", "--seq must be ≥ 1, got 0"},  // not "is required": it was given
+      {"--seq 8 --embed-dim 64 --heads 4 --kv-seq 0", "--kv-seq must be ≥ 1"},
+      {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 9223372036854775807", "1 TiB"},
+      // Options a mode would silently ignore, timing something other than what was asked for.
+      {"--seq 8 --embed-dim 64 --heads 4 --decode --alibi --softcap 5",
+       "--alibi, --softcap do not apply with --decode"},
+      {"--seq 8 --embed-dim 64 --heads 4 --decode --need-weights averaged", "--need-weights does not apply"},
+      {"--seq 8 --embed-dim 64 --heads 4 --varlen --sinks", "--sinks does not apply with --varlen"},
+      {"--seq 8 --embed-dim 64 --heads 4 --varlen-seqs 3", "--varlen-seqs does not apply without --varlen"},
+      {"--seq 8 --embed-dim 64 --heads 4 --core --footprint-mib 1", "--footprint-mib does not apply without --decode"},
   };
   for (const Case& c : cases) {
     const auto r = run_command(kCli + " bench " + c.args);
@@ -248,6 +258,39 @@ TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
     EXPECT_NE(r.err.find(c.mentions), std::string::npos) << c.args << ": " << r.err;
     EXPECT_TRUE(r.out.empty()) << c.args << ": " << r.out;
   }
+}
+
+TEST(CliBenchDecode, BadArgumentsGiveExitOneAndOneLine) {
+  struct Case {
+    const char* args;
+    const char* mentions;
+  };
+  const Case cases[] = {
+      {"--contexts 16 --prefill 8 --prefill-repeat 0", "--prefill-repeat"},  // was a median of nothing: NaN
+      {"--contexts 16 --splits -1", "--splits"},
+      {"--contexts 16 --footprint-mib 9223372036854775807", "1 TiB"},  // footprint · 2²⁰ overflowed
+      {"--contexts 16 --bw-mib 1048577", "1 TiB"},
+  };
+  for (const Case& c : cases) {
+    const auto r = run_command(kCli + " bench-decode --heads 4 --kv-heads 2 --head-dim 16 " + c.args);
+    EXPECT_EQ(r.exit_code, 1) << c.args;
+    EXPECT_EQ(count_lines(r.err), 1) << c.args << ": " << r.err;
+    EXPECT_NE(r.err.find(c.mentions), std::string::npos) << c.args << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.args << ": " << r.out;
+  }
+}
+
+// Edges that crashed or ran for minutes: a key group near 2⁶³ (an int64 overflow in the cache:
+// SIGSEGV), split counts past the keys (a workspace per split: std::bad_alloc), and a tiny cache
+// against the default 1 GiB footprint (a million caches, as many steps). Each now just runs.
+TEST(CliBenchDecode, HugeKeyGroupsSplitsAndTinyCachesRun) {
+  const nlohmann::json huge_group = decode_json("--contexts 40 --dtype int8-channel --key-group 9223372036854775807");
+  EXPECT_EQ(huge_group["decode"].size(), 1u);
+  const nlohmann::json many_splits = decode_json("--contexts 40 --dtype f32 --splits 2147483647");
+  EXPECT_EQ(many_splits["decode"].size(), 1u);
+  const auto r = run_command(kCli + " bench --seq 8 --embed-dim 16 --heads 2 --decode --repeat 1 --bw-mib 1 --json");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["decode"].size(), 1u);
 }
 
 }  // namespace

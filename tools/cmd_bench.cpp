@@ -8,10 +8,12 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
+#include <vector>
 
 #include "bench_util.h"
 #include "decode_bench.h"
@@ -37,7 +39,26 @@ struct BenchArgs {
   std::string parallel;  ///< --parallel ring|ulysses|heads|pingpong (under mpirun)
   int64_t varlen_seqs = 64, varlen_min = 16;
   uint64_t varlen_seed = 1;
+  int64_t footprint_mib = 1024;    ///< --decode: MiB of K/V streamed per measurement
+  std::vector<std::string> given;  ///< the options given on the command line (their long names)
+  bool has(const std::string& name) const { return std::find(given.begin(), given.end(), name) != given.end(); }
 };
+
+/// Fails naming the options in `names` that were given though they do not apply `when` (e.g. "with
+/// --decode"): silently ignoring them would time something other than what was asked for.
+void refuse_unused(const BenchArgs& a, const char* when, std::initializer_list<const char*> names) {
+  std::string unused;
+  int count = 0;
+  for (const char* n : names)
+    if (a.has(n)) unused += (count++ ? ", " : "") + std::string(n);
+  if (count > 0) fail("bench: ", unused, count > 1 ? " do" : " does", " not apply ", when);
+}
+
+/// A required size option: given and ≥ 1 (0 is also what an absent one holds).
+void require_size(const BenchArgs& a, const char* name, int64_t value) {
+  if (!a.has(name)) fail("bench: ", name, " is required");
+  if (value < 1) fail("bench: ", name, " must be ≥ 1, got ", value);
+}
 
 const char* yes_no(bool b) { return b ? "yes" : "no"; }
 
@@ -45,6 +66,8 @@ const char* yes_no(bool b) { return b ? "yes" : "no"; }
 void run_decode(const BenchArgs& a) {
   const bench::BenchConfig& c = a.config;
   if (a.core || a.backward) fail("bench: --decode cannot be combined with --core or --backward");
+  refuse_unused(a, "with --decode",
+                {"--kv-seq", "--causal", "--alibi", "--softcap", "--sinks", "--need-weights", "--sgemm-size"});
   bench::validate(c);
   DecodeBenchArgs d;
   d.heads = c.heads;
@@ -57,6 +80,7 @@ void run_decode(const BenchArgs& a) {
   d.repeat = a.repeat;
   d.json = a.json;
   d.bw_mib = a.bw_mib;
+  d.footprint_mib = a.footprint_mib;
   run_decode_bench(d);
 }
 
@@ -184,10 +208,16 @@ void run_bench(BenchArgs a) {
   bench::BenchConfig& c = a.config;
   if (a.dtype != "f32" && a.dtype != "bf16") fail("bench: --dtype must be f32 or bf16, got '", a.dtype, "'");
   if (a.parallel != "pingpong") {
-    if (c.seq == 0) fail("bench: --seq is required");
-    if (c.embed_dim == 0) fail("bench: --embed-dim is required");
-    if (c.heads == 0) fail("bench: --heads is required");
+    require_size(a, "--seq", c.seq);
+    require_size(a, "--embed-dim", c.embed_dim);
+    require_size(a, "--heads", c.heads);
   }
+  if (a.has("--kv-seq") && c.kv_seq < 1) fail("bench: --kv-seq must be ≥ 1, got ", c.kv_seq);
+  if (a.bw_mib > (int64_t{1} << 20) || a.footprint_mib > (int64_t{1} << 20))
+    fail("bench: --bw-mib and --footprint-mib must be ≤ 1048576 (1 TiB), got ", a.bw_mib, " and ", a.footprint_mib);
+  if (!a.varlen) refuse_unused(a, "without --varlen", {"--varlen-seqs", "--varlen-min", "--varlen-seed"});
+  if (!a.decode) refuse_unused(a, "without --decode", {"--footprint-mib"});
+  if (a.varlen) refuse_unused(a, "with --varlen", {"--kv-seq", "--alibi", "--softcap", "--sinks", "--need-weights"});
   if (a.varlen) return run_varlen(a);
   if (a.decode) return run_decode(a);
   if (!a.parallel.empty()) {
@@ -422,11 +452,18 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--varlen-seqs", a->varlen_seqs, "sequences in the --varlen batch (default 64)");
   cmd->add_option("--varlen-min", a->varlen_min, "shortest --varlen sequence (default 16)");
   cmd->add_option("--varlen-seed", a->varlen_seed, "seed of the --varlen lengths and data (default 1)");
+  cmd->add_option("--footprint-mib", a->footprint_mib,
+                  "with --decode: MiB of K/V streamed per measurement, rotating over copies of the cache (default "
+                  "1024; at most 4096 copies)");
   cmd->add_flag("--json", a->json, "one JSON object on stdout");
   cmd->add_option("--parallel", a->parallel,
                   "under mpirun: ring (context parallel; zigzag when --causal), ulysses (all-to-all), heads "
                   "(tensor-parallel module) or pingpong (MPI latency and bandwidth between ranks 0 and 1)");
-  cmd->callback([a] { run_bench(*a); });
+  cmd->callback([a, cmd] {
+    for (const CLI::Option* o : cmd->get_options())
+      if (o->count() > 0 && !o->get_lnames().empty()) a->given.push_back("--" + o->get_lnames().front());
+    run_bench(*a);
+  });
 }
 
 static const CommandRegistrar registered{50, add_bench_command};

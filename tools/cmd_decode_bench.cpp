@@ -59,6 +59,8 @@ void compare_to_f32(std::vector<DecodeResult>& results) {
 }
 
 constexpr const char* kTransposedSuffix = "-transposed";
+constexpr int64_t kMaxCaches = 4096;           // caches one measurement rotates through, at most
+constexpr int64_t kMaxMib = int64_t{1} << 20;  // --footprint-mib and --bw-mib: 1 TiB, far past any cache
 
 /// Whether a --dtype name is one bench-decode takes: f32, bf16, int8, int8-channel (int8 with
 /// per-channel key scales, KIVI), or f32, bf16 or int8 with -transposed (keys across SIMD lanes).
@@ -87,8 +89,10 @@ DecodeResult time_decode(const DecodeBenchArgs& a, const std::string& kind, int6
       cc.channel_keys() ? static_cast<double>(d) * (1.0 + 4.0 / static_cast<double>(std::min(a.key_group, context)))
                         : row_bytes;
   const double kv_bytes = static_cast<double>(B * KV * context) * (row_bytes + k_row_bytes);
-  const int64_t n_caches =
-      std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(a.footprint_mib) * 1048576.0 / kv_bytes + 0.999));
+  // Enough caches to stream footprint_mib, but at most kMaxCaches: tiny shapes would otherwise ask
+  // for millions (1 KiB of K/V against 1 GiB: 1,048,576 caches and as many timed steps).
+  const int64_t n_caches = std::clamp<int64_t>(
+      static_cast<int64_t>(static_cast<double>(a.footprint_mib) * 1048576.0 / kv_bytes + 0.999), 1, kMaxCaches);
   std::vector<KvCache> caches;
   {
     const Tensor k = bench::random_tensor({B, KV, context, d}, 1), v = bench::random_tensor({B, KV, context, d}, 2);
@@ -166,8 +170,16 @@ void run_decode_bench(const DecodeBenchArgs& a) {
   if (a.heads <= 0 || a.kv_heads <= 0 || a.heads % a.kv_heads != 0 || a.head_dim <= 0 || a.batch <= 0)
     fail("bench-decode: need heads a multiple of kv-heads, head-dim ≥ 1 and batch ≥ 1; got heads ", a.heads,
          ", kv-heads ", a.kv_heads, ", head-dim ", a.head_dim, ", batch ", a.batch);
-  if (a.repeat < 1 || a.threads < 1 || a.footprint_mib < 0 || a.prefill < 0 || a.bw_mib < 1)
-    fail("bench-decode: --repeat, --threads and --bw-mib must be ≥ 1, --footprint-mib and --prefill ≥ 0");
+  if (a.repeat < 1 || a.threads < 1 || a.footprint_mib < 0 || a.prefill < 0 || a.bw_mib < 1 || a.prefill_repeat < 1 ||
+      a.splits < 0)
+    fail(
+        "bench-decode: --repeat, --threads, --bw-mib and --prefill-repeat must be ≥ 1, --footprint-mib, --prefill "
+        "and --splits ≥ 0; got ",
+        a.repeat, ", ", a.threads, ", ", a.bw_mib, ", ", a.prefill_repeat, ", ", a.footprint_mib, ", ", a.prefill, ", ",
+        a.splits);
+  if (a.footprint_mib > kMaxMib || a.bw_mib > kMaxMib)
+    fail("bench-decode: --footprint-mib and --bw-mib must be ≤ ", kMaxMib, " (1 TiB), got ", a.footprint_mib, " and ",
+         a.bw_mib);
   for (int64_t ctx : a.contexts)
     if (ctx < 1) fail("bench-decode: context lengths must be ≥ 1, got ", ctx);
   for (const std::string& t : a.dtypes)
@@ -285,7 +297,9 @@ static void add_decode_bench_command(CLI::App& app) {
   cmd->add_option("--threads,-t", a->threads, "threads")->capture_default_str();
   cmd->add_option("--splits", a->splits, "split-K count (0 = auto, from the shapes)")->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "timed decode steps per point (best is reported)")->capture_default_str();
-  cmd->add_option("--footprint-mib", a->footprint_mib, "bytes streamed per measurement (beyond the LLC)")
+  cmd->add_option("--footprint-mib", a->footprint_mib,
+                  "MiB of K/V streamed per measurement, rotating over copies of the cache (beyond the LLC; at most "
+                  "4096 copies)")
       ->capture_default_str();
   cmd->add_option("--bw-mib", a->bw_mib, "least MiB streamed by the read-bandwidth measurement")->capture_default_str();
   cmd->add_option("--prefill", a->prefill, "also time a prefill of this many tokens: incremental vs full forward")
