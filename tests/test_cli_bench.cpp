@@ -1,5 +1,6 @@
 // `mha bench` through the CLI: the JSON contract of --json and one-line errors for bad arguments.
 // No timing is asserted: only that the numbers are there and make sense as numbers.
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -220,39 +221,15 @@ TEST(CliBench, Bf16CoreRunsOrSaysItIsUnavailable) {
   }
 }
 
-TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
-  struct Case {
-    const char* args;
-    const char* mentions;
-  };
-  const Case cases[] = {
-      {"--seq 0 --embed-dim 64 --heads 4", "--seq"},
-      {"--seq 8 --embed-dim 64 --heads 5", "--heads"},
-      {"--seq 8 --embed-dim 64 --heads 4 --kv-heads 3", "--kv-heads"},
-      {"--seq 8 --embed-dim -64 --heads 4", "--embed-dim"},
-      {"--seq 8 --embed-dim 64 --heads 4 --batch 0", "--batch"},
-      {"--seq 8 --embed-dim 64 --heads 4 --repeat 0", "--repeat"},
-      {"--seq 8 --embed-dim 64 --heads 4 --threads -1", "--threads"},
-      {"--seq 8 --embed-dim 64 --heads 4 --dtype f16", "--dtype"},
-      {"--seq 8 --embed-dim 64 --heads 4 --dtype bf16", "bf16"},  // the module has no bf16 forward
-      {"--seq 8 --embed-dim 64", "--heads"},
-      {"--seq 8 --embed-dim 64 --heads 4 --bogus", "--bogus"},
-      {"--seq 8 --embed-dim 64 --heads 4 --need-weights all", "--need-weights"},
-      {"--seq 8 --embed-dim 64 --heads 4 --need-weights averaged --core --backward", "--need-weights"},
-      {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 0", "--bw-mib"},
-      {"--seq 0 --embed-dim 64 --heads 4", "--seq must be ≥ 1, got 0"},  // not "is required": it was given
-      {"--seq 8 --embed-dim 64 --heads 4 --kv-seq 0", "--kv-seq must be ≥ 1"},
-      {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 9223372036854775807", "1 TiB"},
-      // Options a mode would silently ignore, timing something other than what was asked for.
-      {"--seq 8 --embed-dim 64 --heads 4 --decode --alibi --softcap 5",
-       "--alibi, --softcap do not apply with --decode"},
-      {"--seq 8 --embed-dim 64 --heads 4 --decode --need-weights averaged", "--need-weights does not apply"},
-      {"--seq 8 --embed-dim 64 --heads 4 --varlen --sinks", "--sinks does not apply with --varlen"},
-      {"--seq 8 --embed-dim 64 --heads 4 --varlen-seqs 3", "--varlen-seqs does not apply without --varlen"},
-      {"--seq 8 --embed-dim 64 --heads 4 --core --footprint-mib 1", "--footprint-mib does not apply without --decode"},
-  };
-  for (const Case& c : cases) {
-    const auto r = run_command(kCli + " bench " + c.args);
+struct BadCase {
+  const char* args;
+  const char* mentions;
+};
+
+/// Each case: exit 1, one line on stderr that mentions what it should, nothing on stdout.
+void expect_one_line_errors(const std::string& command, std::initializer_list<BadCase> cases) {
+  for (const BadCase& c : cases) {
+    const auto r = run_command(kCli + " " + command + " " + c.args);
     EXPECT_EQ(r.exit_code, 1) << c.args;
     EXPECT_EQ(count_lines(r.err), 1) << c.args << ": " << r.err;
     EXPECT_NE(r.err.find(c.mentions), std::string::npos) << c.args << ": " << r.err;
@@ -260,24 +237,47 @@ TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
   }
 }
 
+TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
+  expect_one_line_errors(
+      "bench",
+      {
+          {"--seq 0 --embed-dim 64 --heads 4", "--seq"},
+          {"--seq 8 --embed-dim 64 --heads 5", "--heads"},
+          {"--seq 8 --embed-dim 64 --heads 4 --kv-heads 3", "--kv-heads"},
+          {"--seq 8 --embed-dim -64 --heads 4", "--embed-dim"},
+          {"--seq 8 --embed-dim 64 --heads 4 --batch 0", "--batch"},
+          {"--seq 8 --embed-dim 64 --heads 4 --repeat 0", "--repeat"},
+          {"--seq 8 --embed-dim 64 --heads 4 --threads -1", "--threads"},
+          {"--seq 8 --embed-dim 64 --heads 4 --dtype f16", "--dtype"},
+          {"--seq 8 --embed-dim 64 --heads 4 --dtype bf16", "bf16"},  // the module has no bf16 forward
+          {"--seq 8 --embed-dim 64", "--heads"},
+          {"--seq 8 --embed-dim 64 --heads 4 --bogus", "--bogus"},
+          {"--seq 8 --embed-dim 64 --heads 4 --need-weights all", "--need-weights"},
+          {"--seq 8 --embed-dim 64 --heads 4 --need-weights averaged --core --backward", "--need-weights"},
+          {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 0", "--bw-mib"},
+          {"--seq 0 --embed-dim 64 --heads 4", "--seq must be ≥ 1, got 0"},  // not "is required": it was given
+          {"--seq 8 --embed-dim 64 --heads 4 --kv-seq 0", "--kv-seq must be ≥ 1"},
+          {"--seq 8 --embed-dim 64 --heads 4 --bw-mib 9223372036854775807", "1 TiB"},
+          // Options a mode would silently ignore, timing something other than what was asked for.
+          {"--seq 8 --embed-dim 64 --heads 4 --decode --alibi --softcap 5",
+           "--alibi, --softcap do not apply with --decode"},
+          {"--seq 8 --embed-dim 64 --heads 4 --decode --need-weights averaged", "--need-weights does not apply"},
+          {"--seq 8 --embed-dim 64 --heads 4 --varlen --sinks", "--sinks does not apply with --varlen"},
+          {"--seq 8 --embed-dim 64 --heads 4 --varlen-seqs 3", "--varlen-seqs does not apply without --varlen"},
+          {"--seq 8 --embed-dim 64 --heads 4 --core --footprint-mib 1",
+           "--footprint-mib does not apply without --decode"},
+      });
+}
+
 TEST(CliBenchDecode, BadArgumentsGiveExitOneAndOneLine) {
-  struct Case {
-    const char* args;
-    const char* mentions;
-  };
-  const Case cases[] = {
-      {"--contexts 16 --prefill 8 --prefill-repeat 0", "--prefill-repeat"},  // was a median of nothing: NaN
-      {"--contexts 16 --splits -1", "--splits"},
-      {"--contexts 16 --footprint-mib 9223372036854775807", "1 TiB"},  // footprint · 2²⁰ overflowed
-      {"--contexts 16 --bw-mib 1048577", "1 TiB"},
-  };
-  for (const Case& c : cases) {
-    const auto r = run_command(kCli + " bench-decode --heads 4 --kv-heads 2 --head-dim 16 " + c.args);
-    EXPECT_EQ(r.exit_code, 1) << c.args;
-    EXPECT_EQ(count_lines(r.err), 1) << c.args << ": " << r.err;
-    EXPECT_NE(r.err.find(c.mentions), std::string::npos) << c.args << ": " << r.err;
-    EXPECT_TRUE(r.out.empty()) << c.args << ": " << r.out;
-  }
+  expect_one_line_errors(
+      "bench-decode --heads 4 --kv-heads 2 --head-dim 16",
+      {
+          {"--contexts 16 --prefill 8 --prefill-repeat 0", "--prefill-repeat"},  // was a median of nothing: NaN
+          {"--contexts 16 --splits -1", "--splits"},
+          {"--contexts 16 --footprint-mib 9223372036854775807", "1 TiB"},  // footprint · 2²⁰ overflowed
+          {"--contexts 16 --bw-mib 1048577", "1 TiB"},
+      });
 }
 
 // Edges that crashed or ran for minutes: a key group near 2⁶³ (an int64 overflow in the cache:
