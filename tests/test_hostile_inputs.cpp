@@ -234,6 +234,19 @@ TEST(HostileConfig, RopeOverAnOddHeadDimNamesTheHeadDim) {
   EXPECT_MENTIONS(error_of([&] { MultiheadAttention m(c); }), "got 3");
 }
 
+TEST(HostileConfig, RopeStartsOutsideThePositionRangeAreRefused) {
+  Tensor x({2, 1, 3, 4}, 1.0f);
+  const Tensor before = x;
+  for (const int64_t bad : {int64_t{-1}, Causal::kMaxPosition - 2, std::numeric_limits<int64_t>::max()}) {
+    const int64_t start[] = {0, bad};  // start + t overflowed at INT64_MAX
+    EXPECT_MENTIONS(error_of([&] { apply_rope(x.view4(), Rope::half_split(), start); }),
+                    "apply_rope: start[1] = " + std::to_string(bad) + " is outside [0, 2^40 − T]");
+  }
+  EXPECT_TRUE(mha::testing::bitwise_equal(x, before));  // refused before anything rotates
+  const int64_t edge[] = {0, Causal::kMaxPosition - 3};
+  apply_rope(x.view4(), Rope::half_split(), edge);
+}
+
 // ---- item 9: outputs too large are refused up front ---------------------------------------------
 
 TEST(HostileOutputs, AttentionWeightsTooLargeNameShapeAndBytes) {

@@ -56,7 +56,8 @@ struct Rope {
 
 /// Rotates x (B, heads, T, d) in place; row t of batch b sits at absolute position
 /// `start[b] + t` (`start` has B entries; nullptr = 0 for every batch). Unrotate rotates by the
-/// negated angles instead, undoing Rotate (up to float rounding). Validates its arguments.
+/// negated angles instead, undoing Rotate (up to float rounding). Validates its arguments (each
+/// start[b] in [0, 2⁴⁰ − T], as positions are everywhere).
 void apply_rope(View4<float> x, const Rope& rope, const int64_t* start = nullptr,
                 RopeDirection direction = RopeDirection::Rotate);
 

@@ -30,6 +30,15 @@ class Rope:
     dims: int = 0
     pairing: str = "half_split"
 
+    def __post_init__(self) -> None:
+        # Checked here, so that dims=2.7 is not truncated to 2 on its way to the library, and a
+        # dims beyond 64 bits is named instead of listed among the binding's arguments.
+        _i64("Rope", "dims", self.dims)
+        if isinstance(self.theta, (bool, np.bool_)) or not isinstance(self.theta, (int, float, np.integer, np.floating)):
+            raise TypeError(f"Rope: theta must be a number, got {type(self.theta).__name__}")
+        if not isinstance(self.pairing, str):
+            raise TypeError(f"Rope: pairing must be a str, got {type(self.pairing).__name__}")
+
 
 def _numpy(x: Any) -> np.ndarray:
     """A numpy view of an array-like; torch tensors are detached (CPU only)."""

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/decode.h"
+#include "mha/masks.h"
 
 namespace mha {
 
@@ -21,6 +22,13 @@ void apply_rope(View4<float> x, const Rope& rope, const int64_t* start, RopeDire
   rope.validate(x.shape[3]);
   if (x.shape[0] * x.shape[1] * x.shape[2] * x.shape[3] == 0) return;
   if (!x.defined()) fail("apply_rope: x ", shape_str(x.shape_vec()), " has no data");
+  // Positions stay within [0, 2^40], as everywhere else (Causal::kMaxPosition): start + t then
+  // cannot overflow, and the angles keep their meaning.
+  if (start)
+    for (int64_t b = 0; b < x.shape[0]; ++b)
+      if (start[b] < 0 || start[b] > Causal::kMaxPosition - x.shape[2])
+        fail("apply_rope: start[", b, "] = ", start[b], " is outside [0, 2^40 − T] = [0, ",
+             Causal::kMaxPosition - x.shape[2], "]");
   kernels::RopeParams p;
   p.x = x;
   p.start = start;

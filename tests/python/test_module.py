@@ -291,3 +291,15 @@ def test_deep_copies_and_pickles_keep_every_setting_and_are_independent(rng):
             assert np.array_equal(orig(qq, *kv)[0], ref)
     with pytest.raises(ValueError, match="cannot unpickle"):
         mha._core.Module.__new__(mha._core.Module).__setstate__((2, (), {}))
+
+
+def test_rope_fields_are_checked_not_truncated():
+    with pytest.raises(TypeError, match="Rope: dims must be an int, got float"):
+        mha.Rope(dims=2.7)
+    with pytest.raises(ValueError, match="Rope: dims must fit in 64 bits"):
+        mha.Rope(dims=2**70)
+    with pytest.raises(TypeError, match="Rope: theta must be a number, got str"):
+        mha.Rope(theta="1e4")
+    with pytest.raises(TypeError, match="Rope: pairing must be a str"):
+        mha.Rope(pairing=1)
+    assert mha.Rope(theta=500, dims=4).dims == 4
