@@ -12,6 +12,7 @@
 #include "kernels/fused_forward.h"
 #include "kernels/quantize.h"
 #include "mha/kv_cache.h"
+#include "mha/module.h"
 #include "mha/paged_kv_cache.h"
 #include "mha/safetensors.h"
 #include "support/test_support.h"
@@ -94,7 +95,7 @@ TEST(Int8Quantize, ColumnsMatchTheScalarDefinitionOnEveryTarget) {
             v = normal(gen) * magnitudes[x % 5];
             if (x % 7 == 3) v = i % 2 ? 0.0f : -0.0f;                                   // a column of zeros
             if (x % 7 == 4) v = i == 0 ? 127.0f : static_cast<float>(i % 200) - 99.5f;  // ties at scale 1
-            if (x % 7 == 5 && i == rows / 2) v = std::numeric_limits<float>::max();    // a scale one ulp down
+            if (x % 7 == 5 && i == rows / 2) v = std::numeric_limits<float>::max();     // a scale one ulp down
           }
         std::vector<float> scale(static_cast<size_t>(d), -1.0f);
         std::vector<int8_t> got(static_cast<size_t>(rows * d), int8_t{99});
@@ -328,6 +329,22 @@ TEST(Int8Cache, NonFiniteValuesAreErrorsThatChangeNothing) {
             std::string::npos);
   EXPECT_EQ(paged.length(s), 0);
   EXPECT_EQ(paged.free_blocks(), 4);
+
+  // Through the module, the error names what the caller passed: the projection of key_new or
+  // value_new (it named KvCache::append's own argument, "key").
+  MhaConfig mc;
+  mc.embed_dim = 8, mc.num_heads = 2, mc.layout = Layout::BatchFirst;
+  const MultiheadAttention m(mc, 1);
+  KvCache module_cache(int8_config(1, 2, 4, 4));
+  Tensor x = random_tensor({1, 1, 8}, 4), bad = x;
+  bad.at({0, 0, 5}) = nan;
+  EXPECT_NE(error_of([&] {
+              m.forward_incremental(x, x, bad, module_cache);
+            }).find("forward_incremental: an int8 cache takes finite values only, but the projection of value_new"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { m.forward_incremental(x, bad, x, module_cache); }).find("the projection of key_new"),
+            std::string::npos);
+  EXPECT_EQ(module_cache.length(0), 0);
 
   // A float32 cache keeps a NaN (it shows in the output: docs/semantics.md).
   KvCacheConfig f32 = int8_config(2, 2, 4, 8);

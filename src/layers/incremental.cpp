@@ -27,6 +27,10 @@ namespace mha {
 namespace {
 
 constexpr const char* kInc = "MultiheadAttention.forward_incremental";
+// What the cache receives, named for the caller: (B, kv_heads, T_new, d) rows projected from
+// key_new / value_new (with RoPE applied to the keys), a row per new token.
+constexpr const char* kKeyRows = "the projection of key_new (batch, kv head, token, channel)";
+constexpr const char* kValueRows = "the projection of value_new (batch, kv head, token, channel)";
 
 /// What the pipeline below needs from a cache: the two overloads of forward_incremental differ
 /// only here (a contiguous KvCache indexed by batch row, or sequences of a PagedKvCache).
@@ -81,6 +85,13 @@ class ContiguousAccess final : public CacheAccess {
     attend_cache(q, cache_, start, o, out, lse);
   }
   void append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) override {
+    // An int8 cache refuses non-finite values; checked here, so that the error names what the
+    // caller passed (KvCache::append would name its own argument).
+    for (size_t b = 0; b < counts.size(); ++b) {
+      const int64_t n = counts[b], i = static_cast<int64_t>(b);
+      detail::check_int8_finite(cache_.config().dtype, kInc, kKeyRows, k, i, n);
+      detail::check_int8_finite(cache_.config().dtype, kInc, kValueRows, v, i, n);
+    }
     cache_.append(k, v, counts);
   }
 
@@ -132,8 +143,8 @@ class PagedAccess final : public CacheAccess {
     // An int8 pool refuses non-finite values: check every sequence's rows before appending any.
     for (size_t b = 0; b < seqs_.size(); ++b) {
       const int64_t n = counts[b], i = static_cast<int64_t>(b);
-      detail::check_int8_finite(cache_.config().dtype, kInc, "key", k, i, n);
-      detail::check_int8_finite(cache_.config().dtype, kInc, "value", v, i, n);
+      detail::check_int8_finite(cache_.config().dtype, kInc, kKeyRows, k, i, n);
+      detail::check_int8_finite(cache_.config().dtype, kInc, kValueRows, v, i, n);
     }
     for (size_t b = 0; b < seqs_.size(); ++b) {
       const auto rows = [&](View4<const float> x) {
