@@ -170,6 +170,23 @@ TEST(CliPrune, WritesAPrunedModuleEqualToAblation) {
   const auto a = run_command(kCli + " analyze --weights " + out + " --inputs " + c);
   EXPECT_EQ(a.exit_code, 0) << a.err;
   EXPECT_NE(a.out.find("6 heads"), std::string::npos) << a.out;
+  // The input's run settings come along (the file was causal with per-head weights: without them
+  // `mha forward` ran the pruned model non-causal and wrote no weights).
+  const auto& before = in.metadata();
+  const auto out_file = mha::io::SafetensorsFile::open(out);
+  const auto& after = out_file.metadata();
+  for (const char* key : {"is_causal", "need_weights", "average_attn_weights"}) {
+    ASSERT_TRUE(before.contains(key)) << key;
+    ASSERT_TRUE(after.contains(key)) << key;
+    EXPECT_EQ(after.at(key), before.at(key)) << key;
+  }
+  mha::MhaForwardOptions causal;
+  causal.causal = mha::Causal::top_left();
+  const std::string y = dir + "/y.safetensors";
+  ASSERT_EQ(run_command(kCli + " forward --weights " + out + " --inputs " + c + " --output " + y).exit_code, 0);
+  const auto got = mha::io::SafetensorsFile::open(y);
+  EXPECT_TRUE(mha::testing::all_close(got.read_f32("output"), pruned.forward(q, k, v, causal).output, tol, tol));
+  EXPECT_TRUE(got.contains("attn_weights"));
 }
 
 TEST(CliPrune, ImportanceAndErrors) {

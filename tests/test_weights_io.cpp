@@ -323,6 +323,50 @@ TEST(WeightsIo, BiasPresenceMustMatchTheConfig) {
                         "add_bias_kv=false");
 }
 
+// The other scheme's parameter names are refused, not ignored: a PyTorch-named file holding
+// q_proj.bias with bias=false loaded without those biases.
+TEST(WeightsIo, TheOtherSchemesParametersAreRefused) {
+  MhaConfig no_bias = gqa_config();
+  no_bias.bias = false;
+  const Saved torch = saved(no_bias, WeightNames::PyTorch);
+  auto ts = torch.tensors;
+  ts.emplace("q_proj.bias", Tensor({no_bias.num_heads * no_bias.head_dim()}));
+  EXPECT_ERROR_MENTIONS(load_module(rewrite(torch.metadata, ts)), "'q_proj.bias' is present", "uses PyTorch's names");
+  const Saved hf = saved(gqa_config(), WeightNames::HuggingFace);
+  ts = hf.tensors;
+  ts.emplace("in_proj_bias", Tensor({gqa_config().in_proj_rows()}));
+  EXPECT_ERROR_MENTIONS(load_module(rewrite(hf.metadata, ts)), "'in_proj_bias' is present",
+                        "uses Hugging Face's names");
+}
+
+// Metadata that would be silently unused, or whose message would mislead.
+TEST(WeightsIo, MetadataThatWouldBeIgnoredOrMisnamedIsRefusedClearly) {
+  const std::map<std::string, std::string> good{{"embed_dim", "8"}, {"num_heads", "2"}};
+  for (const char* key : {"rope_theta", "rope_dims"}) {
+    auto m = good;
+    m[key] = "4";
+    EXPECT_ERROR_MENTIONS(config_from_metadata(m, "w.st"), std::string("'") + key + "' is given but 'rope' is not");
+    m["rope"] = "none";
+    EXPECT_ERROR_MENTIONS(config_from_metadata(m, "w.st"), "'rope' is not");
+    m["rope"] = "half_split";
+    EXPECT_TRUE(config_from_metadata(m, "w.st").rope.enabled);
+  }
+  auto m = good;
+  m["alibi_slopes"] = "1,2,3,4,5,6";  // the parse stops after h + 1: the count is the list's own
+  EXPECT_ERROR_MENTIONS(config_from_metadata(m, "w.st"), "'alibi_slopes' has 6 entries, expected one per head (2)");
+  for (const char* yes : {"true", "True", "1"}) EXPECT_TRUE(metadata_bool("w.st", "k", yes));
+  for (const char* no : {"false", "False", "0"}) EXPECT_FALSE(metadata_bool("w.st", "k", no));
+  EXPECT_ERROR_MENTIONS(metadata_bool("w.st", "is_causal", "yes"), "w.st", "'is_causal' = 'yes' is not true or false");
+  // A Llama-style file without biases or a 'bias' key: the message says bias defaults to true.
+  MhaConfig no_bias = gqa_config();
+  no_bias.bias = false;
+  const Saved s = saved(no_bias, WeightNames::HuggingFace);
+  auto meta = s.metadata;
+  meta.erase("bias");
+  EXPECT_ERROR_MENTIONS(load_module(rewrite(meta, s.tensors)), "missing tensor 'q_proj.bias'",
+                        "'bias' is absent and defaults to true");
+}
+
 TEST(WeightsIo, PackedAndSeparateProjectionsAreNotInterchangeableUnderPyTorchNames) {
   MhaConfig cross = gqa_config();
   cross.kdim = 16;

@@ -87,7 +87,13 @@ void run_prune(const PruneArgs& a) {
     report += format("output change from pruning on these inputs: ‖y − y_pruned‖ / ‖y‖ = %.6f\n", relative_l2(yp, y));
   }
   // The report goes out once the file is written: a save that fails prints one line and nothing else.
-  io::save_module(a.output, pruned, names);
+  // With the module's configuration go the settings `mha forward` and `mha analyze` read beside it
+  // (is_causal, need_weights, ...): without them a causal model's pruned file ran non-causal.
+  io::SafetensorsWriter writer;
+  io::add_weights(writer, pruned, names);
+  for (const char* key : kRunSettingKeys)
+    if (const auto it = file.metadata().find(key); it != file.metadata().end()) writer.set_metadata(key, it->second);
+  writer.write(a.output);
   std::fputs(report.c_str(), stdout);
   const MhaConfig& c = module.config();
   const MhaConfig& p = pruned.config();
@@ -107,7 +113,8 @@ static void add_prune_command(CLI::App& app) {
       "prune",
       "Remove attention heads: rows of W_Q (and of K/V for whole grouped-query groups) and columns of W_O. The "
       "pruned module's output equals the original's with those heads' contributions zeroed. Writes the weights "
-      "with their configuration metadata, under the same naming scheme as the input.");
+      "with their configuration metadata (and the input's run settings: is_causal, causal_align, need_weights, "
+      "average_attn_weights, need_lse), under the same naming scheme as the input.");
   cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")
       ->required();
   cmd->add_option("--heads", a->heads, "comma-separated head indices to remove, e.g. 0,3")->required()->delimiter(',');

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "mha/weights.h"
+
 namespace mha::cli {
 
 namespace {
@@ -43,12 +45,9 @@ int64_t metadata_int(const std::map<std::string, std::string>& meta, const std::
 
 }  // namespace
 
-bool metadata_flag(const std::map<std::string, std::string>& meta, const std::string& key, bool fallback) {
-  auto it = meta.find(key);
-  if (it == meta.end()) return fallback;
-  if (it->second == "true") return true;
-  if (it->second == "false") return false;
-  fail("metadata '", key, "' must be true or false, got '", it->second, "'");
+bool metadata_flag(const io::SafetensorsFile& file, const std::string& key, bool fallback) {
+  auto it = file.metadata().find(key);
+  return it == file.metadata().end() ? fallback : io::metadata_bool(file.path(), key, it->second);
 }
 
 LoadedInputs load_inputs(const io::SafetensorsFile& weights, const std::string& inputs_path) {
@@ -89,7 +88,7 @@ LoadedInputs load_inputs(const io::SafetensorsFile& weights, const std::string& 
     opt.packed = std::move(seqs);
   }
   const auto& meta = weights.metadata();
-  if (metadata_flag(meta, "is_causal", false)) opt.causal = Causal::top_left();
+  if (metadata_flag(weights, "is_causal", false)) opt.causal = Causal::top_left();
   // Per-sequence alignment for packed or cross-attention inputs: "top_left" (default) or "bottom_right".
   if (auto it = meta.find("causal_align"); it != meta.end() && opt.causal.enabled()) {
     if (it->second == "bottom_right")
@@ -97,9 +96,9 @@ LoadedInputs load_inputs(const io::SafetensorsFile& weights, const std::string& 
     else if (it->second != "top_left")
       fail("metadata 'causal_align' must be top_left or bottom_right, got '", it->second, "'");
   }
-  in.need_weights = metadata_flag(meta, "need_weights", false);
-  in.average = metadata_flag(meta, "average_attn_weights", true);
-  opt.need_lse = metadata_flag(meta, "need_lse", false);
+  in.need_weights = metadata_flag(weights, "need_weights", false);
+  in.average = metadata_flag(weights, "average_attn_weights", true);
+  opt.need_lse = metadata_flag(weights, "need_lse", false);
   return in;
 }
 

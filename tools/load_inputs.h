@@ -10,8 +10,14 @@
 
 namespace mha::cli {
 
-/// A "true"/"false" metadata value, or `fallback` when the key is absent; anything else throws.
-bool metadata_flag(const std::map<std::string, std::string>& meta, const std::string& key, bool fallback);
+/// A boolean metadata value of `file` (io::metadata_bool's spellings), or `fallback` when the key is
+/// absent; anything else throws, naming the file and the key.
+bool metadata_flag(const io::SafetensorsFile& file, const std::string& key, bool fallback);
+
+/// The metadata keys that say how to run a forward (is_causal, causal_align, need_weights,
+/// average_attn_weights, need_lse), beside the module's configuration: `mha prune` carries them over.
+inline constexpr const char* kRunSettingKeys[] = {"is_causal", "causal_align", "need_weights", "average_attn_weights",
+                                                  "need_lse"};
 
 struct LoadedInputs {
   Tensor query, key, value;

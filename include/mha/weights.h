@@ -24,6 +24,9 @@ enum class WeightNames : uint8_t {
 /// embed_dim, num_heads, num_kv_heads, kdim, vdim, bias, add_bias_kv, add_zero_attn, batch_first).
 MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadata, const std::string& label);
 std::map<std::string, std::string> metadata_from_config(const MhaConfig& config);
+/// A boolean metadata value: true / True / 1 or false / False / 0 (Python's str(bool) writes the
+/// capitalised ones); anything else throws, naming `who` and the key.
+bool metadata_bool(const std::string& who, const std::string& key, const std::string& value);
 
 /// Which naming scheme a file uses (throws if it has neither set of projection weights).
 WeightNames detect_weight_names(const SafetensorsFile& file);

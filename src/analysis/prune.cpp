@@ -79,7 +79,8 @@ MultiheadAttention prune_heads(const MultiheadAttention& module, const std::vect
     }
     fail(kFn, ": pruning heads ", list_str(heads), " of a grouped-query module (num_heads ", H, ", num_kv_heads ", KV,
          ") leaves K/V groups with different numbers of query heads: ", os.str(),
-         ". Prune whole groups or the same number of heads from each, or pass UnevenGroups::DuplicateKV");
+         ". Prune whole groups or the same number of heads from each, or duplicate the shared K/V heads "
+         "(UnevenGroups::DuplicateKV; mha prune --duplicate-kv; Python duplicate_kv=True)");
   }
 
   // The result's query heads (kept, in order) and K/V heads (source group of each copy).

@@ -5,12 +5,21 @@
 // place that maps between the two, so the module never needs to know which naming a file used.
 #include "mha/weights.h"
 
+#include <algorithm>
 #include <charconv>
 #include <sstream>
+#include <string_view>
 #include <system_error>
 #include <type_traits>
 
 namespace mha::io {
+
+bool metadata_bool(const std::string& who, const std::string& key, const std::string& value) {
+  // "True"/"False" too: that is what Python's str(bool) writes into metadata.
+  if (value == "true" || value == "True" || value == "1") return true;
+  if (value == "false" || value == "False" || value == "0") return false;
+  fail(who, ": metadata '", key, "' = '", value, "' is not true or false");
+}
 
 namespace {
 
@@ -39,10 +48,7 @@ int64_t parse_int(const std::string& label, const std::string& key, const std::s
 }
 
 bool parse_bool(const std::string& label, const std::string& key, const std::string& value) {
-  // "True"/"False" too: that is what Python's str(bool) writes into metadata.
-  if (value == "true" || value == "True" || value == "1") return true;
-  if (value == "false" || value == "False" || value == "0") return false;
-  fail("config_from_metadata: ", label, ": metadata '", key, "' = '", value, "' is not true or false");
+  return metadata_bool("config_from_metadata: " + label, key, value);
 }
 
 /// The shortest decimal form that reads back as exactly `v`.
@@ -92,9 +98,15 @@ class Reader {
   Reader(const SafetensorsFile& file, const MhaConfig& config) : file_(file), config_(config) {}
 
   Tensor get(const char* name, const Shape& expected) const {
-    if (!file_.contains(name))
+    if (!file_.contains(name)) {
+      // A bias the configuration expects because metadata 'bias' is absent: say it defaults to true.
+      const bool default_bias = std::string_view(name).ends_with("bias") && std::string_view(name) != Names::bias_k &&
+                                std::string_view(name) != Names::bias_v && !file_.metadata().contains("bias");
       fail("load_weights: ", file_.path(), ": missing tensor '", name, "' ", shape_str(expected), " (",
-           config_str(config_), ")");
+           config_str(config_), ")",
+           default_bias ? "; metadata 'bias' is absent and defaults to true: add bias=false for a file without biases"
+                        : "");
+    }
     const TensorInfo& info = file_.info(name);
     if (info.dtype != DType::F32 && info.dtype != DType::F16 && info.dtype != DType::BF16 && info.dtype != DType::F64)
       fail("load_weights: ", file_.path(), ": tensor '", name, "' is ", dtype_name(info.dtype),
@@ -169,6 +181,12 @@ MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadat
       fail("config_from_metadata: ", label, ": metadata 'rope' = '", *v,
            "' is not one of none, half_split, interleaved");
   }
+  // Without a rope key (or with rope=none) these would set nothing that is used: a Llama file
+  // written by hand with rope_theta but no rope would load, and compute, without RoPE.
+  for (const char* key : {"rope_theta", "rope_dims"})
+    if (find_key(metadata, key) && !c.rope.enabled)
+      fail("config_from_metadata: ", label, ": metadata '", key,
+           "' is given but 'rope' is not (add rope=half_split or rope=interleaved)");
   if (const auto* v = find_key(metadata, "rope_theta")) c.rope.theta = parse_number<double>(label, "rope_theta", *v);
   if (const auto* v = find_key(metadata, "rope_dims")) c.rope.dims = parse_int(label, "rope_dims", *v);
   if (const auto* v = find_key(metadata, "scale")) c.scale = parse_number<float>(label, "scale", *v);
@@ -176,6 +194,12 @@ MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadat
   if (const auto* v = find_key(metadata, "attention_sinks"))
     c.attention_sinks = parse_bool(label, "attention_sinks", *v);
   if (const auto* v = find_key(metadata, "alibi_slopes")) {  // comma-separated, one per head
+    // Counted first, so that a list of the wrong length is named with its own length (the parse
+    // below stops after num_heads + 1 entries: the allocation stays bounded by the config).
+    const int64_t entries = std::count(v->begin(), v->end(), ',') + 1;
+    if (c.num_heads > 0 && entries != c.num_heads)
+      fail("config_from_metadata: ", label, ": metadata 'alibi_slopes' has ", entries,
+           " entries, expected one per head (", c.num_heads, ")");
     size_t at = 0;
     while (at <= v->size() && c.alibi_slopes.size() <= static_cast<size_t>(std::max<int64_t>(c.num_heads, 0))) {
       const size_t comma = std::min(v->find(',', at), v->size());
@@ -256,6 +280,17 @@ MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
 
   // Everything is read into a fresh set first, so a failure leaves the module as it was.
   MhaParameters p;
+  // The other naming scheme's parameters are never read: refused, not ignored (a PyTorch-named file
+  // with q_proj.bias and bias=false would load without those biases).
+  if (names == WeightNames::PyTorch) {
+    for (const char* n : {Names::hf_q_weight, Names::hf_k_weight, Names::hf_v_weight, Names::hf_o_weight,
+                          Names::hf_q_bias, Names::hf_k_bias, Names::hf_v_bias, Names::hf_o_bias})
+      r.reject(n, "the file uses PyTorch's names (in_proj_weight / out_proj.weight), not Hugging Face's");
+  } else {
+    for (const char* n : {Names::in_proj_weight, Names::q_proj_weight, Names::k_proj_weight, Names::v_proj_weight,
+                          Names::in_proj_bias, Names::out_proj_weight, Names::out_proj_bias})
+      r.reject(n, "the file uses Hugging Face's names (q_proj.weight / o_proj.weight), not PyTorch's");
+  }
   if (names == WeightNames::PyTorch) {
     if (c.packed_in_proj()) {
       for (const char* n : {Names::q_proj_weight, Names::k_proj_weight, Names::v_proj_weight})
