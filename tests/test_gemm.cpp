@@ -1,6 +1,7 @@
 // The one GEMM every projection runs on (kernels/gemm.h): right against a double-precision loop,
 // and bitwise the same for any thread count (docs/semantics.md, 'Determinism').
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstdint>
@@ -94,6 +95,25 @@ TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
               << s.m << "x" << s.n << "x" << s.k << " with " << threads << " threads";
         }
       }
+}
+
+// When OpenMP gives a team fewer threads than asked (OMP_DYNAMIC=true, OMP_THREAD_LIMIT=1, no
+// active levels), oneDNN inside a tile planned for threads it did not get and left parts of C
+// unwritten: NaN and inf in a module's projections. The same bits as with full teams, now.
+TEST(Gemm, SameBitsWhenOpenMPGivesFewerThreadsThanAsked) {
+  const Case s{600, 1100, 96};  // several tiles of C: the threaded path
+  const auto a = random_floats(s.m * s.k, 7), b = random_floats(s.k * s.n, 8), c0 = random_floats(s.m * s.n, 9);
+  const auto want = run(Trans::No, Trans::Yes, s, 1.0f, 0.0f, a, b, c0, 2);
+  const int levels = omp_get_max_active_levels();
+  const bool dynamic = omp_get_dynamic();
+  omp_set_max_active_levels(0);  // every region inactive: teams of one, as a shrunk team
+  const auto inactive = run(Trans::No, Trans::Yes, s, 1.0f, 0.0f, a, b, c0, 2);
+  omp_set_max_active_levels(levels);
+  omp_set_dynamic(1);  // the runtime may shrink teams (it does on a loaded machine)
+  const auto shrinkable = run(Trans::No, Trans::Yes, s, 1.0f, 0.0f, a, b, c0, 2);
+  omp_set_dynamic(dynamic);
+  EXPECT_EQ(std::memcmp(inactive.data(), want.data(), sizeof(float) * want.size()), 0);
+  EXPECT_EQ(std::memcmp(shrinkable.data(), want.data(), sizeof(float) * want.size()), 0);
 }
 
 }  // namespace

@@ -89,12 +89,21 @@ void tiled_sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, 
     for (int64_t t = 0; t < tiles && status == dnnl_success; ++t) status = tile(t);
     if (before != 1) omp_set_num_threads(before);
   } else {
-#pragma omp parallel for num_threads(want) schedule(dynamic, 1)
-    for (int64_t t = 0; t < tiles; ++t) {
-      const dnnl_status_t s = tile(t);
-      if (s != dnnl_success) {
+#pragma omp parallel num_threads(want)
+    {
+      // One oneDNN thread per tile, said explicitly: oneDNN sizes its threads from
+      // omp_get_max_threads() unless omp_in_parallel(), and a team the runtime shrank to one
+      // thread (OMP_DYNAMIC=true, OMP_THREAD_LIMIT=1) is an inactive region, where it planned for
+      // more threads than it then got and left parts of C unwritten (NaN and inf in a module's
+      // output). This sets the calling thread's own copy of the setting, gone with the region.
+      omp_set_num_threads(1);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tiles; ++t) {
+        const dnnl_status_t s = tile(t);
+        if (s != dnnl_success) {
 #pragma omp critical(mha_sgemm_status)
-        status = s;
+          status = s;
+        }
       }
     }
   }
@@ -110,19 +119,19 @@ void sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float 
 }
 
 void linear(const float* x, int64_t rows, int64_t in, int64_t ldx, const float* w, int64_t out, int64_t ldw,
-            const float* bias, float* y, int64_t ldy) {
+            const float* bias, float* y, int64_t ldy, int threads) {
   if (rows == 0 || out == 0) return;
   // The bias added to each tile of y right after its product, while the tile is in L2.
-  tiled_sgemm(Trans::No, Trans::Yes, rows, out, in, 1.0f, x, ldx, w, ldw, 0.0f, y, ldy, 0, bias);
+  tiled_sgemm(Trans::No, Trans::Yes, rows, out, in, 1.0f, x, ldx, w, ldw, 0.0f, y, ldy, threads, bias);
 }
 
 void linear_backward_input(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* w, int64_t in,
-                           int64_t ldw, float* dx, int64_t lddx) {
-  sgemm(Trans::No, Trans::No, rows, in, out, 1.0f, dy, lddy, w, ldw, 0.0f, dx, lddx);
+                           int64_t ldw, float* dx, int64_t lddx, int threads) {
+  sgemm(Trans::No, Trans::No, rows, in, out, 1.0f, dy, lddy, w, ldw, 0.0f, dx, lddx, threads);
 }
 
 void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* x, int64_t in,
-                            int64_t ldx, float* dw, int64_t lddw, float* db) {
+                            int64_t ldx, float* dw, int64_t lddw, float* db, int threads) {
   if (db) {
     // Column sums in double, rows in order: a chunk of columns at a time with the rows outermost,
     // so each row's chunk is read contiguously (a column at a time strode across every row's
@@ -132,8 +141,8 @@ void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t 
     // 4–5 ms of a module's training step at T=4096, E=512: 0.5–1%.)
     constexpr int64_t kChunk = 64;
     const int64_t chunks = (out + kChunk - 1) / kChunk;
-    const int threads = static_cast<int>(std::min<int64_t>(omp_in_parallel() ? 1 : resolve_threads(0), chunks));
-#pragma omp parallel for schedule(static) num_threads(threads)
+    const int team = static_cast<int>(std::min<int64_t>(omp_in_parallel() ? 1 : resolve_threads(threads), chunks));
+#pragma omp parallel for schedule(static) num_threads(team)
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       const int64_t c0 = chunk * kChunk, nc = std::min(kChunk, out - c0);
       double sum[kChunk] = {};
@@ -145,7 +154,7 @@ void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t 
       for (int64_t c = 0; c < nc; ++c) db[c0 + c] = static_cast<float>(sum[c]);
     }
   }
-  sgemm(Trans::Yes, Trans::No, out, in, rows, 1.0f, dy, lddy, x, ldx, 0.0f, dw, lddw);
+  sgemm(Trans::Yes, Trans::No, out, in, rows, 1.0f, dy, lddy, x, ldx, 0.0f, dw, lddw, threads);
 }
 
 }  // namespace mha::kernels

@@ -21,17 +21,18 @@ void sgemm(Trans trans_a, Trans trans_b, int64_t m, int64_t n, int64_t k, float 
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc, int threads = 0);
 
 /// x (rows, in) with row stride ldx; w (out, in) with row stride ldw (PyTorch's Linear layout);
-/// bias (out) or nullptr; y (rows, out) with row stride ldy. Overwrites y.
+/// bias (out) or nullptr; y (rows, out) with row stride ldy. Overwrites y. threads as sgemm's (the
+/// caller's per-call option: a module's forward passes its own).
 void linear(const float* x, int64_t rows, int64_t in, int64_t ldx, const float* w, int64_t out, int64_t ldw,
-            const float* bias, float* y, int64_t ldy);
+            const float* bias, float* y, int64_t ldy, int threads = 0);
 
 /// The input gradient of linear(): dx (rows, in) = dy (rows, out) · w (out, in). Overwrites dx.
 void linear_backward_input(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* w, int64_t in,
-                           int64_t ldw, float* dx, int64_t lddx);
+                           int64_t ldw, float* dx, int64_t lddx, int threads = 0);
 
 /// The parameter gradients of linear(): dw (out, in) = dyᵀ · x and db (out) = Σ_rows dy (skipped
 /// when db is nullptr; summed in double, rows in order). Overwrites dw and db.
 void linear_backward_params(const float* dy, int64_t rows, int64_t out, int64_t lddy, const float* x, int64_t in,
-                            int64_t ldx, float* dw, int64_t lddw, float* db);
+                            int64_t ldx, float* dw, int64_t lddw, float* db, int threads = 0);
 
 }  // namespace mha::kernels

@@ -192,7 +192,7 @@ MhaOutput incremental(const MultiheadAttention& m, const Tensor& query_new, cons
 
   // ---- projections of the new tokens, rows in the input's layout ----
   detail::Projections proj =
-      detail::project_inputs(c, params, query_new, key_new, value_new, call, m.workspace_pool().get());
+      detail::project_inputs(c, params, query_new, key_new, value_new, call, m.workspace_pool().get(), options.threads);
   const View4<float> Q = proj.q, K = proj.k, V = proj.v;
   if (c.rope.enabled) {
     apply_rope(Q, c.rope, start.data());
@@ -277,7 +277,8 @@ MhaOutput incremental(const MultiheadAttention& m, const Tensor& query_new, cons
   cache.append(View4<const float>(K), View4<const float>(V), counts);
 
   MhaOutput result;
-  result.output = detail::project_output(c, params, heads.data(), query_new.shape(), call.q_rows.rows());
+  result.output =
+      detail::project_output(c, params, heads.data(), query_new.shape(), call.q_rows.rows(), options.threads);
   return result;
 }
 

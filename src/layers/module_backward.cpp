@@ -133,6 +133,7 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   const detail::ModuleCall call = detail::check_inputs(kBack, c, query, key, value);
   const int64_t B = call.batch(), Tq = call.t_q(), Tk = call.t_k(), Nq = call.q_rows.rows(), Nk = call.k_rows.rows();
   const int64_t extra = detail::extra_positions(c), S = Tk + extra;
+  const int threads = ctx.sdpa_options.threads;  // the forward's per-call option, for every GEMM here too
 
   MhaGradients g;
   MhaParameters& gp = g.params;
@@ -141,7 +142,7 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   gp.out_proj_weight = Tensor({E, H * d});
   if (c.bias) gp.out_proj_bias = Tensor({E});
   kernels::linear_backward_params(d_output.data(), Nq, E, E, ctx.heads.data(), H * d, H * d, gp.out_proj_weight.data(),
-                                  H * d, c.bias ? gp.out_proj_bias.data() : nullptr);
+                                  H * d, c.bias ? gp.out_proj_bias.data() : nullptr, threads);
   // The working buffers d_heads and dQ/dK/dV rows are fully overwritten before they are read: they
   // come from the module's scratch pool (reused across steps, never zero-filled; concurrent calls
   // each get their own), as the forward's do.
@@ -151,8 +152,8 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   };
   const detail::ScratchPool::Lease d_heads_buf = take(Nq * H * d);
   float* d_heads = d_heads_buf.data();
-  kernels::linear_backward_input(d_output.data(), Nq, E, E, params.out_proj_weight.data(), H * d, H * d, d_heads,
-                                 H * d);
+  kernels::linear_backward_input(d_output.data(), Nq, E, E, params.out_proj_weight.data(), H * d, H * d, d_heads, H * d,
+                                 threads);
 
   // heads = sdpa(Q, K, V)  ⇒  dQ, dK, dV. They land in row buffers shaped like the forward's
   // projections (one packed block for self-attention); with extra positions dK/dV go to
@@ -240,25 +241,26 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
   }
   if (packed) {
     // One input for all three: the packed weight's gradient is one GEMM over the whole block.
-    kernels::linear_backward_params(dqkv, Nq, c.in_proj_rows(), ldq, query.data(), E, E, dwq, E, db);
+    kernels::linear_backward_params(dqkv, Nq, c.in_proj_rows(), ldq, query.data(), E, E, dwq, E, db, threads);
   } else {
     // (Self-attention's packed block above takes no such care: there a padded position's input row
     // is also a query's, and a NaN in it reaches that query's output and its gradients anyway.)
     Tensor key_copy, value_copy;
     const float* key_x = padded_rows_finite(key.data(), kdim, call.k_rows, ctx, Nq == 0, key_copy);
     const float* value_x = padded_rows_finite(value.data(), vdim, call.k_rows, ctx, Nq == 0, value_copy);
-    kernels::linear_backward_params(dq_rows, Nq, H * d, ldq, query.data(), E, E, dwq, lddq, db);
-    kernels::linear_backward_params(dk_rows, Nk, KV * d, ldkv, key_x, kdim, kdim, dwk, lddk, db ? db + H * d : nullptr);
+    kernels::linear_backward_params(dq_rows, Nq, H * d, ldq, query.data(), E, E, dwq, lddq, db, threads);
+    kernels::linear_backward_params(dk_rows, Nk, KV * d, ldkv, key_x, kdim, kdim, dwk, lddk, db ? db + H * d : nullptr,
+                                    threads);
     kernels::linear_backward_params(dv_rows, Nk, KV * d, ldkv, value_x, vdim, vdim, dwv, lddv,
-                                    db ? db + (H + KV) * d : nullptr);
+                                    db ? db + (H + KV) * d : nullptr, threads);
   }
   // Each input gradient is written whole by its GEMM (beta = 0): no zero-fill first.
   g.query = Tensor::uninitialized(query.shape());
   g.key = Tensor::uninitialized(key.shape());
   g.value = Tensor::uninitialized(value.shape());
-  kernels::linear_backward_input(dq_rows, Nq, H * d, ldq, w.q, E, w.ld_q, g.query.data(), E);
-  kernels::linear_backward_input(dk_rows, Nk, KV * d, ldkv, w.k, kdim, w.ld_k, g.key.data(), kdim);
-  kernels::linear_backward_input(dv_rows, Nk, KV * d, ldkv, w.v, vdim, w.ld_v, g.value.data(), vdim);
+  kernels::linear_backward_input(dq_rows, Nq, H * d, ldq, w.q, E, w.ld_q, g.query.data(), E, threads);
+  kernels::linear_backward_input(dk_rows, Nk, KV * d, ldkv, w.k, kdim, w.ld_k, g.key.data(), kdim, threads);
+  kernels::linear_backward_input(dv_rows, Nk, KV * d, ldkv, w.v, vdim, w.ld_v, g.value.data(), vdim, threads);
   return g;
 }
 

@@ -146,7 +146,7 @@ View4<float> ProjectionPlan::v_heads(float* buffer, const ModuleCall& call, cons
 }
 
 Projections project_inputs(const MhaConfig& c, const MhaParameters& params, const Tensor& query, const Tensor& key,
-                           const Tensor& value, const ModuleCall& call, ScratchPool* pool) {
+                           const Tensor& value, const ModuleCall& call, ScratchPool* pool, int threads) {
   const int64_t E = c.embed_dim, d = c.head_dim(), H = c.num_heads, KV = c.kv_heads();
   const int64_t Nq = call.q_rows.rows(), Nk = call.k_rows.rows();
   Projections p;
@@ -163,13 +163,13 @@ Projections project_inputs(const MhaConfig& c, const MhaParameters& params, cons
   const InProjWeights w = in_proj_weights(c, params);
   if (p.plan.packed) {
     const int64_t ld = p.plan.ld_q;
-    kernels::linear(query.data(), Nq, E, E, params.in_proj_weight.data(), ld, E, w.bias_q, buf, ld);
+    kernels::linear(query.data(), Nq, E, E, params.in_proj_weight.data(), ld, E, w.bias_q, buf, ld, threads);
   } else {
-    kernels::linear(query.data(), Nq, E, E, w.q, H * d, w.ld_q, w.bias_q, buf + p.plan.q, p.plan.ld_q);
+    kernels::linear(query.data(), Nq, E, E, w.q, H * d, w.ld_q, w.bias_q, buf + p.plan.q, p.plan.ld_q, threads);
     kernels::linear(key.data(), Nk, c.key_dim(), c.key_dim(), w.k, KV * d, w.ld_k, w.bias_k, buf + p.plan.k,
-                    p.plan.ld_kv);
+                    p.plan.ld_kv, threads);
     kernels::linear(value.data(), Nk, c.value_dim(), c.value_dim(), w.v, KV * d, w.ld_v, w.bias_v, buf + p.plan.v,
-                    p.plan.ld_kv);
+                    p.plan.ld_kv, threads);
   }
   p.q = p.plan.q_heads(buf, call, c);
   p.k = p.plan.k_heads(buf, call, c);
@@ -205,12 +205,12 @@ void append_extra_positions(const MhaConfig& c, const MhaParameters& params, Vie
 }
 
 Tensor project_output(const MhaConfig& c, const MhaParameters& params, const float* heads, const Shape& query_shape,
-                      int64_t rows) {
+                      int64_t rows, int threads) {
   const int64_t E = c.embed_dim, hd = c.num_heads * c.head_dim();
   // (…, E): same layout as the query; linear() writes every element (no zero fill first).
   Tensor output = Tensor::uninitialized(query_shape);
   kernels::linear(heads, rows, hd, hd, params.out_proj_weight.data(), E, hd,
-                  c.bias ? params.out_proj_bias.data() : nullptr, output.data(), E);
+                  c.bias ? params.out_proj_bias.data() : nullptr, output.data(), E, threads);
   return output;
 }
 
@@ -301,7 +301,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   const int64_t B = call.batch(), Tq = call.t_q(), Tk = call.t_k(), H = c.num_heads, d = c.head_dim();
   const int64_t extra = extra_positions(c), S = Tk + extra;
 
-  pass.proj = project_inputs(c, params, query, key, value, call, pool);
+  pass.proj = project_inputs(c, params, query, key, value, call, pool, options.threads);
   // Rotary embeddings at positions 0 … T − 1, before bias_k is appended (it has no position).
   if (c.rope.enabled && options.packed) {  // positions restart at 0 in each packed sequence
     rope_per_sequence(pass.proj.q, c.rope, options.packed->cu_seqlens_q);
@@ -354,7 +354,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
          souts);
   }
 
-  pass.output = project_output(c, params, heads, query.shape(), call.q_rows.rows());
+  pass.output = project_output(c, params, heads, query.shape(), call.q_rows.rows(), options.threads);
   return pass;
 }
 

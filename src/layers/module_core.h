@@ -95,9 +95,10 @@ struct Projections {
 };
 
 /// The projections of the inputs (one GEMM for packed self-attention, else three), into a buffer
-/// of `pool` (reused, never zero-filled) when one is given, else into Projections::rows.
+/// of `pool` (reused, never zero-filled) when one is given, else into Projections::rows; on
+/// `threads` threads (the call's option; 0 = the library default).
 Projections project_inputs(const MhaConfig& config, const MhaParameters& params, const Tensor& query, const Tensor& key,
-                           const Tensor& value, const ModuleCall& call, ScratchPool* pool = nullptr);
+                           const Tensor& value, const ModuleCall& call, ScratchPool* pool, int threads);
 
 /// Key positions appended after the real keys: bias_k/bias_v (1) and the zero position (1).
 int64_t extra_positions(const MhaConfig& config);
@@ -107,9 +108,9 @@ int64_t extra_positions(const MhaConfig& config);
 void append_extra_positions(const MhaConfig& config, const MhaParameters& params, View4<float>& k, View4<float>& v,
                             Tensor& k_ext, Tensor& v_ext);
 
-/// output (the query's shape) = heads (N_q, h·d) · W_Oᵀ + b_O.
+/// output (the query's shape) = heads (N_q, h·d) · W_Oᵀ + b_O, on `threads` threads.
 Tensor project_output(const MhaConfig& config, const MhaParameters& params, const float* heads,
-                      const Shape& query_shape, int64_t rows);
+                      const Shape& query_shape, int64_t rows, int threads);
 
 /// What one pass of forward()/forward_train() produces. Move-only (views into its own buffers).
 struct ModulePass {
