@@ -247,6 +247,94 @@ TEST(HostileConfig, RopeStartsOutsideThePositionRangeAreRefused) {
   apply_rope(x.view4(), Rope::half_split(), edge);
 }
 
+// ---- item 11: outputs that share memory with inputs, each other or themselves are refused ----------
+// Written over what they are computed from, they gave wrong numbers, different on each path and
+// thread count (out over k or v, lse over out, weights over out, dk over k, dq over d_out).
+
+TEST(HostileViews, SdpaOutputsOverlappingInputsOrEachOtherAreRefused) {
+  const int64_t B = 1, H = 2, T = 40, d = 16;
+  Tensor qkv({3, B, H, T, d}), spare({B, H, T, d + 1});
+  const int64_t n = B * H * T * d;
+  const View4<float> q = contiguous_view(qkv.data(), B, H, T, d), k = contiguous_view(qkv.data() + n, B, H, T, d),
+                     v = contiguous_view(qkv.data() + 2 * n, B, H, T, d);
+  const auto run = [&](View4<float> out, View4<float> lse = {}, View4<float> weights = {}) {
+    sdpa(q, k, v, {}, {out, weights, lse});
+  };
+  const auto call = [&](View4<float> out, View4<float> lse = {}, View4<float> weights = {}) {
+    return error_of([&] { run(out, lse, weights); });
+  };
+  EXPECT_MENTIONS(call(k), "sdpa: output shares memory with key");
+  EXPECT_MENTIONS(call(contiguous_view(qkv.data() + 2 * n - 3, B, H, T, d)), "output shares memory with key");
+  EXPECT_MENTIONS(call(contiguous_view(qkv.data() + d, B, H, T, d)), "output shares memory with query");
+  const View4<float> out = contiguous_view(spare.data(), B, H, T, d);
+  EXPECT_MENTIONS(call(out, {spare.data(), {B, H, T, 1}, {H * T * d, T * d, d, 1}}), "lse shares memory with output");
+  Tensor w({B, H, T, T});
+  EXPECT_MENTIONS(call(out, {}, {spare.data() + 5, {B, H, T, T}, {H * T * T, T * T, T, 1}}),
+                  "weights shares memory with output");
+  // An output that names an element twice (rows closer than their width, a stride of 0).
+  EXPECT_MENTIONS(call({spare.data(), {B, H, T, d}, {H * T * d, T * d, 1, 1}}), "names some elements twice");
+  EXPECT_MENTIONS(call({spare.data(), {B, H, T, d}, {0, 0, d, 1}}), "names some elements twice");
+  // Apart, even interleaved (out's rows between the weights' ones), it runs.
+  EXPECT_NO_THROW(run(out, {}, w.view4()));
+  Tensor wide({B, H, T, 2 * d});
+  const View4<float> left{wide.data(), {B, H, T, d}, {H * T * 2 * d, T * 2 * d, 2 * d, 1}};
+  EXPECT_NO_THROW(run(left));
+}
+
+TEST(HostileViews, SdpaBackwardGradientsOverTheirInputsAreRefused) {
+  const int64_t B = 1, H = 2, T = 20, d = 8;
+  const Tensor q = mha::testing::random_tensor({B, H, T, d}, 1), k = mha::testing::random_tensor({B, H, T, d}, 2),
+               v = mha::testing::random_tensor({B, H, T, d}, 3);
+  const SdpaResult fwd = sdpa(q, k, v, {}, Want::Lse);
+  Tensor d_out = mha::testing::random_tensor({B, H, T, d}, 4), dq({B, H, T, d}), dk({B, H, T, d}), dv({B, H, T, d});
+  const View4<const float> lse = contiguous_view(fwd.lse.data(), B, H, T, 1);
+  const auto run = [&](View4<float> gq, View4<float> gk, View4<float> gv) {
+    sdpa_backward(q.view4(), k.view4(), v.view4(), fwd.out.view4(), d_out.view4(), lse, {}, {gq, gk, gv});
+  };
+  const auto call = [&](View4<float> gq, View4<float> gk, View4<float> gv) {
+    return error_of([&] { run(gq, gk, gv); });
+  };
+  EXPECT_MENTIONS(call(dq.view4(), {const_cast<float*>(k.data()), k.view4().shape, k.view4().stride}, dv.view4()),
+                  "sdpa_backward: dk shares memory with k");
+  EXPECT_MENTIONS(call(d_out.view4(), dk.view4(), dv.view4()), "dq shares memory with d_out");
+  EXPECT_MENTIONS(call(dq.view4(), dk.view4(), {dv.data(), dv.view4().shape, {H * T * d, 0, d, 1}}),
+                  "dv (1, 2, 20, 8) with strides (320, 0, 8, 1) names some elements twice");
+  // One buffer holding dq, dk and dv interleaved row by row (the module's packed layout) is fine.
+  Tensor packed({B, T, 3, H, d});
+  const auto part = [&](int64_t i) {
+    return View4<float>{packed.data() + i * H * d, {B, H, T, d}, {T * 3 * H * d, d, 3 * H * d, 1}};
+  };
+  EXPECT_NO_THROW(run(part(0), part(1), part(2)));
+}
+
+TEST(HostileViews, AttendCacheLseOverOutIsRefusedQueryOverOutRuns) {
+  KvCache cache(KvCacheConfig{.batch = 1, .kv_heads = 1, .head_dim = 4, .capacity = 8});
+  const Tensor kv = mha::testing::random_tensor({1, 1, 5, 4}, 5);
+  cache.append(kv.view4(), kv.view4());
+  Tensor q = mha::testing::random_tensor({1, 2, 1, 4}, 6), out({1, 2, 1, 4});
+  EXPECT_MENTIONS(error_of([&] {
+                    attend_cache(q.view4(), cache, {}, {}, out.view4(), {out.data() + 1, {1, 2, 1, 1}, {8, 4, 4, 1}});
+                  }),
+                  "attend_cache: lse shares memory with out");
+  attend_cache(q.view4(), cache, {}, {}, out.view4());
+  attend_cache(q.view4(), cache, {}, {}, q.view4());  // in place: each item copies its query rows first
+  EXPECT_TRUE(mha::testing::bitwise_equal(q, out));
+}
+
+// A negative thread count meant "the default" in C++ while Python refused it; no heads at all is
+// an empty call (it said "0 query heads must be a multiple of the 0 key/value heads").
+TEST(HostileViews, NegativeThreadsAreRefusedAndNoHeadsIsEmpty) {
+  const Tensor q = mha::testing::random_tensor({1, 2, 3, 4}, 1);
+  SdpaOptions opt;
+  opt.threads = -1;
+  EXPECT_MENTIONS(error_of([&] { sdpa(q, q, q, opt); }), "threads must be ≥ 0 (0 = the library default), got -1");
+  const Tensor none({1, 0, 3, 4});
+  EXPECT_EQ(sdpa(none, none, none).out.shape(), (Shape{1, 0, 3, 4}));
+  KvCache cache(KvCacheConfig{.batch = 1, .kv_heads = 1, .head_dim = 4, .capacity = 4});
+  Tensor empty_out({1, 0, 1, 4});
+  attend_cache(Tensor({1, 0, 1, 4}).view4(), cache, {}, {}, empty_out.view4());
+}
+
 // ---- item 9: outputs too large are refused up front ---------------------------------------------
 
 TEST(HostileOutputs, AttentionWeightsTooLargeNameShapeAndBytes) {

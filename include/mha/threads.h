@@ -15,6 +15,7 @@ void set_num_threads(int threads);
 /// The default in force: the value set above, else the hardware concurrency (at least 1).
 int num_threads();
 /// A per-call request resolved: `requested` when > 0, else num_threads(); at most kMaxThreads.
+/// Throws mha::Error for a negative request.
 int resolve_threads(int requested);
 
 }  // namespace mha

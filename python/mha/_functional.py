@@ -181,6 +181,9 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
         kpm4 = kpm.reshape(kpm.shape[0], 1, 1, kpm.shape[1])
         if kpm.dtype == np.bool_:
             a.key_padding = _in_place(kpm4).view(np.uint8)
+        elif kpm.dtype.kind != "f":
+            raise TypeError(f"{fn}: key_padding_mask must be bool (True = padding) or float (added to the scores), "
+                            f"got {kpm.dtype}")
         else:
             a.key_bias = _float_mask("key_padding_mask", kpm4, fn)
     if causal is not None:

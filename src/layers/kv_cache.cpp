@@ -10,6 +10,7 @@
 #include "kernels/quantize.h"
 #include "layers/cache_storage.h"
 #include "layers/sdpa_prepare.h"
+#include "layers/view_overlap.h"
 #include "mha/threads.h"
 
 namespace mha {
@@ -241,7 +242,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   const KvCacheConfig& c = cache.config();
   if (c.capacity == 0) fail("attend_cache: the cache is empty-constructed (no storage)");
   const int64_t B = q.shape[0], H = q.shape[1], Tq = q.shape[2], d = q.shape[3];
-  if (B != c.batch || d != c.head_dim || H <= 0 || H % c.kv_heads != 0)
+  if (B != c.batch || d != c.head_dim || H < 0 || H % c.kv_heads != 0)
     fail("attend_cache: query ", shape_str(q), " must be (", c.batch, ", h, T_q, ", c.head_dim,
          ") with h a multiple of the cache's ", c.kv_heads, " kv_heads");
   const Shape want_out{B, H, Tq, c.v_dim()};
@@ -249,6 +250,10 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
     fail("attend_cache: out has shape ", shape_str(out), ", expected ", shape_str(want_out));
   if (lse.defined() && lse.shape_vec() != Shape{B, H, Tq, 1})
     fail("attend_cache: lse has shape ", shape_str(lse), ", expected ", shape_str({B, H, Tq, 1}));
+  // lse over out gave wrong outputs; q may overlap out (each work item copies its query rows first).
+  detail::check_output_layout("attend_cache", "out", out);
+  detail::check_output_layout("attend_cache", "lse", lse);
+  detail::check_disjoint("attend_cache", {{"out", detail::byte_span(out)}, {"lse", detail::byte_span(lse)}}, {});
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
     fail("attend_cache: q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
   if (options.window < 0) fail("attend_cache: window must be ≥ 0 (0 = unlimited), got ", options.window);

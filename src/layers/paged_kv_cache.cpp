@@ -11,6 +11,7 @@
 #include "kernels/decode.h"
 #include "layers/cache_storage.h"
 #include "layers/sdpa_prepare.h"
+#include "layers/view_overlap.h"
 #include "mha/threads.h"
 
 namespace mha {
@@ -180,13 +181,16 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   const char* fn = "attend_paged_blocks";
   const PagedKvCacheConfig& c = cache.config();
   const int64_t B = q.shape[0], H = q.shape[1], Tq = q.shape[2], d = q.shape[3];
-  if (d != c.head_dim || H <= 0 || H % c.kv_heads != 0)
+  if (d != c.head_dim || H < 0 || H % c.kv_heads != 0)
     fail(fn, ": query ", shape_str(q), " must be (B, h, T_q, ", c.head_dim, ") with h a multiple of the cache's ",
          c.kv_heads, " kv_heads");
   const Shape want_out{B, H, Tq, c.v_dim()};
   if (out.shape_vec() != want_out) fail(fn, ": out has shape ", shape_str(out), ", expected ", shape_str(want_out));
   if (lse.defined() && lse.shape_vec() != Shape{B, H, Tq, 1})
     fail(fn, ": lse has shape ", shape_str(lse), ", expected ", shape_str({B, H, Tq, 1}));
+  detail::check_output_layout(fn, "out", out);
+  detail::check_output_layout(fn, "lse", lse);
+  detail::check_disjoint(fn, {{"out", detail::byte_span(out)}, {"lse", detail::byte_span(lse)}}, {});
   if (static_cast<int64_t>(lengths.size()) != B)
     fail(fn, ": lengths has ", lengths.size(), " entries, expected one per sequence (", B, ")");
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)

@@ -63,16 +63,21 @@ void run(kernels::SdpaParams p, Backend backend, SdpaThreadStats* stats) {
 void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
                      const SdpaOutputs& outputs) {
   detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs);
+  detail::check_outputs_apart(kSdpa, q, k, v, opt, outputs);
 }
 
 void sdpa(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
           const SdpaOutputs& outputs) {
-  run(detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs), opt.backend, opt.thread_stats);
+  kernels::SdpaParams p = detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs);
+  detail::check_outputs_apart(kSdpa, q, k, v, opt, outputs);
+  run(p, opt.backend, opt.thread_stats);
 }
 
 void sdpa(View4<const bf16> q, View4<const bf16> k, View4<const bf16> v, const SdpaOptions& opt,
           const SdpaOutputs& outputs) {
-  run(detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs), opt.backend, opt.thread_stats);
+  kernels::SdpaParams p = detail::prepare_sdpa(kSdpa, q, k, v, opt, outputs);
+  detail::check_outputs_apart(kSdpa, q, k, v, opt, outputs);
+  run(p, opt.backend, opt.thread_stats);
 }
 
 namespace {
@@ -82,6 +87,7 @@ template <class T>
 void run_varlen(View4<const T> q, View4<const T> k, View4<const T> v, const VarlenBatch& seqs, const SdpaOptions& opt,
                 const SdpaOutputs& outputs) {
   kernels::SdpaParams p = detail::prepare_sdpa(kVarlen, q, k, v, opt, outputs);
+  detail::check_outputs_apart(kVarlen, q, k, v, opt, outputs);
   detail::attach_varlen(kVarlen, p, seqs, opt);
   run(p, opt.backend, opt.thread_stats);
 }

@@ -6,6 +6,7 @@
 
 #include "kernels/attention_backward.h"
 #include "layers/sdpa_prepare.h"
+#include "layers/view_overlap.h"
 #include "mha/training.h"
 
 namespace mha {
@@ -50,6 +51,37 @@ kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float>
   return p;
 }
 
+/// Gradients written over what they are computed from gave wrong numbers (each path its own):
+/// refused. dq, dk and dv may share one buffer, interleaved (the module's packed rows do), so their
+/// spans are not compared with each other; each must still name every element once.
+void check_grads_apart(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
+                       View4<const float> d_out, View4<const float> lse, const SdpaOptions& opt,
+                       const SdpaGrads& grads) {
+  detail::check_output_layout(kBwd, "dq", grads.dq);
+  detail::check_output_layout(kBwd, "dk", grads.dk);
+  detail::check_output_layout(kBwd, "dv", grads.dv);
+  const auto dsinks_span = [&]() -> detail::ByteSpan {
+    if (grads.dsinks.empty()) return {};
+    const auto at = static_cast<detail::Wide>(reinterpret_cast<uintptr_t>(grads.dsinks.data()));
+    return {at, at + static_cast<detail::Wide>(grads.dsinks.size_bytes())};
+  };
+  const detail::ByteSpan dq = detail::byte_span(grads.dq), dk = detail::byte_span(grads.dk),
+                         dv = detail::byte_span(grads.dv);
+  detail::check_disjoint(kBwd, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks_span()}},
+                         {{"q", detail::byte_span(q)},
+                          {"k", detail::byte_span(k)},
+                          {"v", detail::byte_span(v)},
+                          {"out", detail::byte_span(out)},
+                          {"d_out", detail::byte_span(d_out)},
+                          {"lse", detail::byte_span(lse)},
+                          {"allowed mask", detail::byte_span(opt.masks.allowed.view)},
+                          {"additive mask", detail::byte_span(opt.masks.bias.view)},
+                          {"key padding", detail::byte_span(opt.masks.key_padding.view)},
+                          {"key bias", detail::byte_span(opt.masks.key_bias.view)}},
+                         /*outputs_apart=*/false);
+  detail::check_disjoint(kBwd, {{"dsinks", dsinks_span()}}, {{"dq", dq}, {"dk", dk}, {"dv", dv}});
+}
+
 bool use_fused(const kernels::SdpaBackwardParams& p, Backend backend, std::string* why) {
   std::string reason;
   const bool ok = backend != Backend::Reference && kernels::fused_backward_supports(p, &reason);
@@ -77,13 +109,16 @@ void run(const kernels::SdpaBackwardParams& p, Backend backend) {
 
 void sdpa_backward(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
                    View4<const float> d_out, View4<const float> lse, const SdpaOptions& opt, const SdpaGrads& grads) {
-  run(make_params(q, k, v, out, d_out, lse, opt, grads), opt.backend);
+  const kernels::SdpaBackwardParams p = make_params(q, k, v, out, d_out, lse, opt, grads);
+  check_grads_apart(q, k, v, out, d_out, lse, opt, grads);
+  run(p, opt.backend);
 }
 
 void sdpa_backward_varlen(View4<const float> q, View4<const float> k, View4<const float> v, View4<const float> out,
                           View4<const float> d_out, View4<const float> lse, const VarlenBatch& seqs,
                           const SdpaOptions& opt, const SdpaGrads& grads) {
   kernels::SdpaBackwardParams p = make_params(q, k, v, out, d_out, lse, opt, grads);
+  check_grads_apart(q, k, v, out, d_out, lse, opt, grads);
   detail::attach_varlen("sdpa_backward_varlen", p.fwd, seqs, opt);
   run(p, opt.backend);
 }

@@ -2,6 +2,8 @@
 // (layers/sdpa_prepare.h).
 #include "layers/sdpa_prepare.h"
 
+#include "layers/view_overlap.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -53,7 +55,8 @@ void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const 
     fail(fn, ": key head dim must equal the query's: query ", shape_str(q), ", key ", shape_str(k));
   if (k.shape[1] != v.shape[1] || k.shape[2] != v.shape[2])
     fail(fn, ": key ", shape_str(k), " and value ", shape_str(v), " must agree in heads and length");
-  if (k.shape[1] <= 0 || q.shape[1] % k.shape[1] != 0)
+  // No heads at all is an empty call (docs/semantics.md, 'Empty inputs'); query heads need K/V heads.
+  if (k.shape[1] == 0 ? q.shape[1] != 0 : q.shape[1] % k.shape[1] != 0)
     fail(fn, ": the ", q.shape[1], " query heads must be a multiple of the ", k.shape[1], " key/value heads: query ",
          shape_str(q), ", key ", shape_str(k));
   if (opt.scale && !std::isfinite(*opt.scale)) fail(fn, ": scale must be finite, got ", *opt.scale);
@@ -124,6 +127,36 @@ kernels::SdpaParams prepare_sdpa(const char* fn, View4<const float> q, View4<con
 kernels::SdpaParams prepare_sdpa(const char* fn, View4<const bf16> q, View4<const bf16> k, View4<const bf16> v,
                                  const SdpaOptions& opt, const SdpaOutputs& outputs) {
   return prepare(fn, q, k, v, opt, outputs);
+}
+
+template <class T>
+void check_outputs_apart_impl(const char* fn, View4<const T> q, View4<const T> k, View4<const T> v,
+                              const SdpaOptions& opt, const SdpaOutputs& outputs) {
+  check_output_layout(fn, "output", outputs.out);
+  check_output_layout(fn, "weights", outputs.weights);
+  check_output_layout(fn, "averaged weights", outputs.averaged_weights);
+  check_output_layout(fn, "lse", outputs.lse);
+  check_disjoint(fn,
+                 {{"output", byte_span(outputs.out)},
+                  {"weights", byte_span(outputs.weights)},
+                  {"averaged weights", byte_span(outputs.averaged_weights)},
+                  {"lse", byte_span(outputs.lse)}},
+                 {{"query", byte_span(q)},
+                  {"key", byte_span(k)},
+                  {"value", byte_span(v)},
+                  {"allowed mask", byte_span(opt.masks.allowed.view)},
+                  {"additive mask", byte_span(opt.masks.bias.view)},
+                  {"key padding", byte_span(opt.masks.key_padding.view)},
+                  {"key bias", byte_span(opt.masks.key_bias.view)}});
+}
+
+void check_outputs_apart(const char* fn, View4<const float> q, View4<const float> k, View4<const float> v,
+                         const SdpaOptions& opt, const SdpaOutputs& outputs) {
+  check_outputs_apart_impl(fn, q, k, v, opt, outputs);
+}
+void check_outputs_apart(const char* fn, View4<const bf16> q, View4<const bf16> k, View4<const bf16> v,
+                         const SdpaOptions& opt, const SdpaOutputs& outputs) {
+  check_outputs_apart_impl(fn, q, k, v, opt, outputs);
 }
 
 void attach_varlen(const char* fn, kernels::SdpaParams& p, const VarlenBatch& seqs, const SdpaOptions& opt) {

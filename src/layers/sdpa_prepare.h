@@ -28,6 +28,12 @@ kernels::SdpaParams prepare_sdpa(const char* fn, View4<const float> q, View4<con
 kernels::SdpaParams prepare_sdpa(const char* fn, View4<const bf16> q, View4<const bf16> k, View4<const bf16> v,
                                  const SdpaOptions& opt, const SdpaOutputs& outputs);
 
+/// Fails, naming both views, when an output the forward writes (out, weights, averaged weights,
+/// lse) overlaps q, k, v, a mask or another output, or names an element twice (layers/view_overlap.h).
+void check_outputs_apart(const char* fn, View4<const float> q, View4<const float> k, View4<const float> v,
+                         const SdpaOptions& opt, const SdpaOutputs& outputs);
+void check_outputs_apart(const char* fn, View4<const bf16> q, View4<const bf16> k, View4<const bf16> v,
+                         const SdpaOptions& opt, const SdpaOutputs& outputs);
 /// A packed variable-length request (mha/sdpa.h, sdpa_varlen): checks that the views are packed
 /// (batch 1), the offsets against their totals, and that no mask but causal, no dropout and no
 /// weights are asked for; then points p.varlen at the offsets (which must outlive p).

@@ -21,6 +21,8 @@ void set_num_threads(int threads) {
 int num_threads() { return resolve_threads(0); }
 
 int resolve_threads(int requested) {
+  // A negative count is a mistake, not "the default" (Python refuses it too): one rule everywhere.
+  if (requested < 0) fail("threads must be ≥ 0 (0 = the library default), got ", requested);
   if (requested > 0) return std::min(requested, kMaxThreads);
   const int global = g_default_threads.load();
   if (global > 0) return std::min(global, kMaxThreads);

@@ -345,3 +345,9 @@ def test_edge_shapes_and_values_never_crash(rng):
     assert np.all(out == 0)
     with pytest.raises(ValueError, match="cannot open"):
         mha.load_safetensors("/nonexistent/x.safetensors")
+
+
+def test_key_padding_mask_of_integers_names_both_kinds():
+    q = np.zeros((1, 1, 3, 4), np.float32)
+    with pytest.raises(TypeError, match=r"key_padding_mask must be bool \(True = padding\) or float"):
+        mha.sdpa(q, q, q, key_padding_mask=np.zeros((1, 3), np.uint8))
