@@ -104,6 +104,10 @@ TEST(Cli, ParamsBertBase) {
   EXPECT_DOUBLE_EQ(parsed["kv_cache_saving_vs_mha"].get<double>(), 4.0);
   expect_one_line_failure(run_command(kCli + " params --embed-dim 10 --heads 3"), "divisible");
   expect_one_line_failure(run_command(kCli + " params --embed-dim 10"), "heads");
+  // 4.6e18 parameters: their bytes overflowed int64 (printed as 16 GiB, bf16 as a negative size).
+  expect_one_line_failure(run_command(kCli + " params --embed-dim 1073741824 --heads 1"), "does not fit in 64 bits");
+  const auto big = run_command(kCli + " params --embed-dim 536870912 --heads 1");
+  EXPECT_NE(big.out.find("bytes: float32 4.00 EiB, bfloat16 2.00 EiB"), std::string::npos) << big.out;
 }
 
 TEST(Cli, DemoShowsTheWorkedExample) {

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -253,6 +254,25 @@ TEST(Safetensors, WriteReplacesAtomicallyAndNamesThePathOnFailure) {
   size_t entries = 0;
   for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir)) ++entries;
   EXPECT_EQ(entries, 1u);
+}
+
+// Paths the OS would read differently, or could not name with a suffix added, and a progress
+// callback that throws: each fails or succeeds cleanly, leaving no temporary behind.
+TEST(Safetensors, NulPathsLongNamesAndThrowingProgress) {
+  const std::string dir = testing::temp_dir();
+  SafetensorsWriter w;
+  w.add("a", Tensor({3}, 1.0f));
+  const std::string nul = dir + "/a" + std::string(1, '\0') + "b.safetensors";
+  EXPECT_NE(error_of([&] { w.write(nul); }).find("NUL byte"), std::string::npos);
+  EXPECT_NE(error_of([&] { SafetensorsFile::open(nul); }).find("NUL byte"), std::string::npos);
+  const std::string longest = dir + "/" + std::string(255 - 12, 'x') + ".safetensors";  // a 255-byte name
+  w.write(longest);  // its temporary had the name plus ".tmp.<pid>": "File name too long"
+  EXPECT_EQ(SafetensorsFile::open(longest).names(), std::vector<std::string>{"a"});
+  EXPECT_THROW(w.write(dir + "/p.safetensors", [](uint64_t, uint64_t) { throw std::runtime_error("stop"); }),
+               std::runtime_error);
+  size_t entries = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir)) ++entries;
+  EXPECT_EQ(entries, 1u);  // the long-named file alone
 }
 
 TEST(Safetensors, OpenNamesAMissingOrEmptyFile) {

@@ -28,9 +28,9 @@ std::string with_commas(int64_t n) {
 }
 
 std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   int u = 0;
-  while (bytes >= 1024.0 && u < 4) bytes /= 1024.0, ++u;
+  while (bytes >= 1024.0 && u < 6) bytes /= 1024.0, ++u;
   char buf[64];
   std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
   return buf;
@@ -66,6 +66,10 @@ void run_params(const ParamsArgs& a) {
     parts.push_back({"bias_v", shape_str({1, 1, kv * d}), kv * d});
   }
   const int64_t total = parameter_count(c);
+  // Checked: a configuration validate() accepts can hold more float32 bytes than int64 counts
+  // (E = 2^30, h = 1: 4.6e18 parameters), which printed as 16 GiB and a negative bf16 size.
+  const std::string what = "params: the bytes of " + with_commas(total) + " parameters";
+  const int64_t f32_bytes = checked_mul(total, 4, what), half_bytes = checked_mul(total, 2, what);
   const int64_t kv_per_token_elems = 2 * kv * d;          // one K row and one V row per KV head
   const int64_t mha_per_token_elems = 2 * h * d;          // what full multi-head attention would cache
   const int64_t int8_per_token_bytes = 2 * kv * (d + 4);  // a byte per element, a float scale per row
@@ -74,7 +78,7 @@ void run_params(const ParamsArgs& a) {
     j["embed_dim"] = E, j["num_heads"] = h, j["num_kv_heads"] = kv, j["head_dim"] = d;
     j["kdim"] = c.key_dim(), j["vdim"] = c.value_dim(), j["bias"] = c.bias;
     j["parameters"] = total;
-    j["bytes"] = {{"f32", total * 4}, {"bf16", total * 2}, {"f16", total * 2}};
+    j["bytes"] = {{"f32", f32_bytes}, {"bf16", half_bytes}, {"f16", half_bytes}};
     for (const Part& p : parts) j["breakdown"].push_back({{"name", p.name}, {"shape", p.shape}, {"count", p.count}});
     j["kv_cache_bytes_per_token"] = {
         {"f32", kv_per_token_elems * 4}, {"bf16", kv_per_token_elems * 2}, {"int8", int8_per_token_bytes}};
@@ -92,8 +96,9 @@ void run_params(const ParamsArgs& a) {
   for (const Part& p : parts)
     std::printf("  %-16s %-14s %14s\n", p.name.c_str(), p.shape.c_str(), with_commas(p.count).c_str());
   std::printf("  %-16s %-14s %14s\n\n", "total", "", with_commas(total).c_str());
-  std::printf("  bytes: float32 %s, bfloat16 %s, float16 %s\n", human_bytes(static_cast<double>(total * 4)).c_str(),
-              human_bytes(static_cast<double>(total * 2)).c_str(), human_bytes(static_cast<double>(total * 2)).c_str());
+  std::printf("  bytes: float32 %s, bfloat16 %s, float16 %s\n", human_bytes(static_cast<double>(f32_bytes)).c_str(),
+              human_bytes(static_cast<double>(half_bytes)).c_str(),
+              human_bytes(static_cast<double>(half_bytes)).c_str());
   std::printf("  KV cache per token (per layer): float32 %s, bfloat16 %s, int8 %s",
               human_bytes(static_cast<double>(kv_per_token_elems * 4)).c_str(),
               human_bytes(static_cast<double>(kv_per_token_elems * 2)).c_str(),

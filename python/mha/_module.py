@@ -530,7 +530,8 @@ def prune_heads(module: MultiheadAttention, heads: Sequence[int], *, duplicate_k
     ``duplicate_kv=True`` (which splits groups by duplicating K/V heads)."""
     if not isinstance(module, MultiheadAttention):
         raise TypeError(f"prune_heads: module must be an mha.MultiheadAttention, got {type(module).__name__}")
-    hs = [int(h) for h in heads]
+    # Each index checked, not int()-converted: 1.7, True and "2" were taken as heads 1, 1 and 2.
+    hs = [_i64("prune_heads", "heads[]", h) for h in heads]
     return MultiheadAttention._wrap(module._m.prune(hs, bool(duplicate_kv)))
 
 

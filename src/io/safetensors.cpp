@@ -11,10 +11,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -338,6 +340,8 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&&) noexcept = defaul
 SafetensorsFile::~SafetensorsFile() = default;
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
+  // A NUL ends the C string the OS sees: "a\0b" would open "a" (Python passes such strings on).
+  if (path.find('\0') != std::string::npos) fail("safetensors: the path holds a NUL byte: '", path.c_str(), "\\0…'");
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -569,8 +573,15 @@ std::vector<std::byte> SafetensorsWriter::to_bytes() const {
 
 void SafetensorsWriter::write(const std::string& path, const Progress& progress) const {
   const Layout l = layout();
+  if (path.find('\0') != std::string::npos)
+    fail("SafetensorsWriter::write: the path holds a NUL byte: '", path.c_str(), "\\0…'");
   // Write beside the target and rename: readers see either the old file or the complete new one.
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  // A short name of its own in the target's directory (the target's name plus a suffix failed for
+  // names near the 255-byte limit); the counter keeps two threads' writes apart.
+  static std::atomic<uint64_t> writes{0};
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const std::string tmp = (dir.empty() ? std::string() : dir + "/") + ".mha-" + std::to_string(::getpid()) + "-" +
+                          std::to_string(writes.fetch_add(1)) + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("SafetensorsWriter::write: ", path, ": cannot create ", tmp, ": ", errno_str());
   const auto give_up = [&](const char* what) {
@@ -593,7 +604,13 @@ void SafetensorsWriter::write(const std::string& path, const Progress& progress)
       p += w, n -= static_cast<size_t>(w), written += static_cast<uint64_t>(w);
       if (progress && (written - reported >= total / 100 || written == total)) {
         reported = written;
-        progress(written, total);
+        try {
+          progress(written, total);
+        } catch (...) {  // a callback that throws stops the write: no descriptor or temporary file left
+          ::close(fd);
+          ::unlink(tmp.c_str());
+          throw;
+        }
       }
     }
   };

@@ -303,3 +303,11 @@ def test_rope_fields_are_checked_not_truncated():
     with pytest.raises(TypeError, match="Rope: pairing must be a str"):
         mha.Rope(pairing=1)
     assert mha.Rope(theta=500, dims=4).dims == 4
+
+
+def test_prune_heads_takes_whole_number_indices_only():
+    m = mha.MultiheadAttention(16, 4, seed=1)
+    for bad in (1.7, True, "2"):
+        with pytest.raises(TypeError, match=r"prune_heads: heads\[\] must be an int"):
+            mha.prune_heads(m, [bad])
+    assert mha.prune_heads(m, [np.int64(1)])._m.config()["num_heads"] == 3
