@@ -11,7 +11,16 @@
 #include "mha/module.h"
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else {
+      const bool help = std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0;
+      std::fprintf(help ? stdout : stderr, "usage: %s [--quick]\n", argv[0]);
+      return help ? 0 : 2;
+    }
+  }
   const int64_t prompt_len = quick ? 8 : 64, new_tokens = quick ? 4 : 32;
 
   // A Llama-style layer: 8 query heads sharing 2 key/value heads, rotary positions.

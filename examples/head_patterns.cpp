@@ -18,6 +18,7 @@
 //     --tokens "<s> the cat sat on the mat ." --image heads.png  (one line)
 // --quick writes into a temporary directory (the test suite's run).
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <string>
 
@@ -26,7 +27,9 @@
 #include "mha/safetensors.h"
 #include "mha/weights.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
   std::string dir = ".";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -35,8 +38,9 @@ int main(int argc, char** argv) {
     } else if (a == "--out-dir" && i + 1 < argc) {
       dir = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--out-dir DIR] [--quick]\n", argv[0]);
-      return 2;
+      const bool help = a == "--help" || a == "-h";
+      std::fprintf(help ? stdout : stderr, "usage: %s [--out-dir DIR] [--quick]\n", argv[0]);
+      return help ? 0 : 2;
     }
   }
   std::filesystem::create_directories(dir);
@@ -100,4 +104,15 @@ int main(int argc, char** argv) {
       "on the mat .\" --image heads.png\n",
       weights.c_str(), inputs.c_str(), weights.c_str(), inputs.c_str());
   return wrong ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // an unwritable --out-dir, a failed save: one line, not an abort
+    std::fprintf(stderr, "head_patterns: %s\n", e.what());
+    return 1;
+  }
 }

@@ -1,5 +1,7 @@
 // The README's tour of the C++ API, compiled and run by the test suite.
 #include <cstdio>
+#include <filesystem>
+#include <string>
 
 #include <mha/module.h>
 #include <mha/safetensors.h>
@@ -23,8 +25,8 @@ int main() {
   config.layout = mha::Layout::BatchFirst;
   mha::MultiheadAttention attention(config, /*init_seed=*/1);
 
-  mha::Tensor x({2, 10, 64}, 0.5f);         // (B, T, E)
-  mha::BoolTensor padding({2, 10}, 0);      // true = padding, never read
+  mha::Tensor x({2, 10, 64}, 0.5f);     // (B, T, E)
+  mha::BoolTensor padding({2, 10}, 0);  // true = padding, never read
   padding.at({1, 9}) = 1;
   mha::MhaForwardOptions options;
   options.key_padding_mask.is_padding = padding;
@@ -35,10 +37,11 @@ int main() {
               mha::shape_str(y.attn_weights.shape()).c_str(), static_cast<long long>(attention.parameter_count()));
 
   // 3. Weights in safetensors, under PyTorch or Hugging Face names.
-  mha::io::save_module("tour_weights.safetensors", attention, mha::io::WeightNames::HuggingFace);
-  mha::MultiheadAttention loaded = mha::io::load_module(mha::io::SafetensorsFile::open("tour_weights.safetensors"));
-  std::printf("reloaded: %lld parameters\n", static_cast<long long>(loaded.parameter_count()));
-  std::remove("tour_weights.safetensors");
+  const std::string path = std::filesystem::temp_directory_path() / "mha_tour_weights.safetensors";
+  mha::io::save_module(path, attention, mha::io::WeightNames::HuggingFace);
+  mha::MultiheadAttention loaded = mha::io::load_module(mha::io::SafetensorsFile::open(path));
+  std::printf("reloaded from %s: %lld parameters\n", path.c_str(), static_cast<long long>(loaded.parameter_count()));
+  std::filesystem::remove(path);
 
   // 4. Bad input is an exception that names the argument and the shapes.
   try {

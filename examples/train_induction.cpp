@@ -29,13 +29,20 @@
 // layer in float32, bfloat16, int8, and int8 with per-channel key scales (KIVI, groups of 8
 // of the 24 positions; mha/kv_cache.h); it prints the accuracy of each and the
 // largest logit difference from the full forward, so a cache dtype's cost in accuracy shows.
+#include <unistd.h>
+
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 #include "mha/image.h"
@@ -242,9 +249,15 @@ void add_input_grads(Tensor& dst, const mha::MhaGradients& g) {
   for (int64_t i = 0; i < dst.numel(); ++i) dst.data()[i] += g.query.data()[i] + g.key.data()[i] + g.value.data()[i];
 }
 
-}  // namespace
+/// Whether a file could be created at `path` (its directory exists and takes new files): checked
+/// before training, so that a bad --plot or --save fails at once, not after the whole run.
+bool writable_place(const std::string& path) {
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  const std::string d = dir.empty() ? "." : dir.string();
+  return std::filesystem::is_directory(d) && ::access(d.c_str(), W_OK) == 0;
+}
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int64_t steps = 1000;
   bool quick = false;
   std::string csv, plot, save;
@@ -259,23 +272,36 @@ int main(int argc, char** argv) {
     };
     if (a == "--quick")
       quick = true, steps = 100;
-    else if (a == "--steps")
-      steps = std::atoll(value().c_str());
-    else if (a == "--csv")
+    else if (a == "--steps") {
+      const std::string v = value();
+      const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), steps);
+      if (ec != std::errc() || end != v.data() + v.size()) {  // "3x" was taken as 3
+        std::fprintf(stderr, "train_induction: --steps must be a whole number, got '%s'\n", v.c_str());
+        return 2;
+      }
+    } else if (a == "--csv")
       csv = value();
     else if (a == "--plot")
       plot = value();
     else if (a == "--save")
       save = value();
     else {
-      std::fprintf(stderr, "usage: %s [--steps N] [--csv FILE] [--plot FILE.png] [--save PREFIX] [--quick]\n", argv[0]);
-      return 2;
+      const bool help = a == "--help" || a == "-h";
+      std::fprintf(help ? stdout : stderr,
+                   "usage: %s [--steps N] [--csv FILE] [--plot FILE.png] [--save PREFIX] [--quick]\n", argv[0]);
+      return help ? 0 : 2;
     }
   }
   if (steps < 1) {
     std::fprintf(stderr, "train_induction: --steps must be ≥ 1\n");
     return 2;
   }
+  for (const auto& [option, path] : {std::pair{"--plot", plot}, std::pair{"--save", save}})
+    if (!path.empty() && !writable_place(path)) {
+      std::fprintf(stderr, "train_induction: %s %s: its directory does not exist or is not writable\n", option,
+                   path.c_str());
+      return 1;
+    }
 
   mha::MhaConfig cfg;
   cfg.embed_dim = kE, cfg.num_heads = kHeads, cfg.layout = mha::Layout::BatchFirst;
@@ -413,4 +439,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // a failed save or plot: one line, not an abort
+    std::fprintf(stderr, "train_induction: %s\n", e.what());
+    return 1;
+  }
 }
