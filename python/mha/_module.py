@@ -1,6 +1,7 @@
 """The multi-head attention module on numpy arrays, with torch.nn.MultiheadAttention's conventions."""
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -43,7 +44,10 @@ class Rope:
 def _numpy(x: Any) -> np.ndarray:
     """A numpy view of an array-like; torch tensors are detached (CPU only)."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+            x = x.float()  # numpy has no bfloat16; every bf16 value is exactly a float32 one
+        x = x.numpy()
     return np.asarray(x)
 
 
@@ -416,9 +420,13 @@ class MultiheadAttention:
             unexpected = [n for n in state_dict if n not in names]
             if missing or unexpected:
                 raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        # All or nothing: every tensor is converted and checked on a copy of the module first, so a
+        # bad one late in the dict leaves the module as it was (as mha::io::load_weights does).
+        staged = copy.copy(self._m)
         for n, value in state_dict.items():
             if n in names:
-                self._m.set(n, _f32(n, value, "load_state_dict"))
+                staged.set(n, _f32(n, value, "load_state_dict"))
+        self._m = staged
 
     def save(self, path: PathLike, names: str = "pytorch") -> None:
         """Writes the parameters and configuration to a safetensors file, under PyTorch names

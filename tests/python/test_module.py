@@ -311,3 +311,24 @@ def test_prune_heads_takes_whole_number_indices_only():
         with pytest.raises(TypeError, match=r"prune_heads: heads\[\] must be an int"):
             mha.prune_heads(m, [bad])
     assert mha.prune_heads(m, [np.int64(1)])._m.config()["num_heads"] == 3
+
+
+def test_load_state_dict_is_all_or_nothing(rng):
+    m = mha.MultiheadAttention(16, 4, batch_first=True, seed=1).eval()
+    q = x(rng, 1, 3, 16)
+    before = m(q, q, q)[0]
+    sd = m.state_dict()
+    bad = {k: np.zeros_like(v) for k, v in sd.items()}
+    bad["out_proj.bias"] = np.zeros(15, np.float32)  # the last one is wrong
+    with pytest.raises(ValueError, match="out_proj.bias"):
+        m.load_state_dict(bad)
+    assert np.array_equal(m(q, q, q)[0], before)  # nothing of it was loaded
+
+
+def test_torch_bfloat16_tensors_load_exactly():
+    torch = pytest.importorskip("torch")
+    m = mha.MultiheadAttention(8, 2, seed=1)
+    sd = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in m.state_dict().items()}
+    m.load_state_dict(sd)
+    for k, v in m.state_dict().items():
+        assert np.array_equal(v, sd[k].float().numpy()), k
