@@ -106,12 +106,15 @@ TEST(Gemm, SameBitsWhenOpenMPGivesFewerThreadsThanAsked) {
   const auto want = run(Trans::No, Trans::Yes, s, 1.0f, 0.0f, a, b, c0, 2);
   const int levels = omp_get_max_active_levels();
   const bool dynamic = omp_get_dynamic();
+  const int max_threads = omp_get_max_threads();
+  omp_set_num_threads(2);        // what oneDNN would plan for (with OMP_NUM_THREADS=1 it plans one: no bug to see)
   omp_set_max_active_levels(0);  // every region inactive: teams of one, as a shrunk team
   const auto inactive = run(Trans::No, Trans::Yes, s, 1.0f, 0.0f, a, b, c0, 2);
   omp_set_max_active_levels(levels);
   omp_set_dynamic(1);  // the runtime may shrink teams (it does on a loaded machine)
   const auto shrinkable = run(Trans::No, Trans::Yes, s, 1.0f, 0.0f, a, b, c0, 2);
   omp_set_dynamic(dynamic);
+  omp_set_num_threads(max_threads);
   EXPECT_EQ(std::memcmp(inactive.data(), want.data(), sizeof(float) * want.size()), 0);
   EXPECT_EQ(std::memcmp(shrinkable.data(), want.data(), sizeof(float) * want.size()), 0);
 }

@@ -274,7 +274,7 @@ TEST(HostileViews, SdpaOutputsOverlappingInputsOrEachOtherAreRefused) {
   // An output that names an element twice (rows closer than their width, a stride of 0).
   EXPECT_MENTIONS(call({spare.data(), {B, H, T, d}, {H * T * d, T * d, 1, 1}}), "names some elements twice");
   EXPECT_MENTIONS(call({spare.data(), {B, H, T, d}, {0, 0, d, 1}}), "names some elements twice");
-  // Apart, even interleaved (out's rows between the weights' ones), it runs.
+  // Apart (separate buffers, or out in part of the rows of a wider one), it runs.
   EXPECT_NO_THROW(run(out, {}, w.view4()));
   Tensor wide({B, H, T, 2 * d});
   const View4<float> left{wide.data(), {B, H, T, d}, {H * T * 2 * d, T * 2 * d, 2 * d, 1}};
@@ -305,6 +305,7 @@ TEST(HostileViews, SdpaBackwardGradientsOverTheirInputsAreRefused) {
     return View4<float>{packed.data() + i * H * d, {B, H, T, d}, {T * 3 * H * d, d, 3 * H * d, 1}};
   };
   EXPECT_NO_THROW(run(part(0), part(1), part(2)));
+  EXPECT_MENTIONS(call(part(0), part(0), part(2)), "dk and dq start at the same element");
 }
 
 TEST(HostileViews, AttendCacheLseOverOutIsRefusedQueryOverOutRuns) {
@@ -321,15 +322,24 @@ TEST(HostileViews, AttendCacheLseOverOutIsRefusedQueryOverOutRuns) {
   EXPECT_TRUE(mha::testing::bitwise_equal(q, out));
 }
 
-// A negative thread count meant "the default" in C++ while Python refused it; no heads at all is
-// an empty call (it said "0 query heads must be a multiple of the 0 key/value heads").
-TEST(HostileViews, NegativeThreadsAreRefusedAndNoHeadsIsEmpty) {
+// A negative thread count meant "the default" in C++ while Python refused it; zero K/V heads said
+// "0 query heads must be a multiple of the 0 key/value heads" (they are refused, naming why: the
+// kernels group query heads over them), zero query heads over one K/V head is an empty call.
+TEST(HostileViews, NegativeThreadsAreRefusedAndZeroHeadsAreNamed) {
   const Tensor q = mha::testing::random_tensor({1, 2, 3, 4}, 1);
   SdpaOptions opt;
   opt.threads = -1;
   EXPECT_MENTIONS(error_of([&] { sdpa(q, q, q, opt); }), "threads must be ≥ 0 (0 = the library default), got -1");
-  const Tensor none({1, 0, 3, 4});
-  EXPECT_EQ(sdpa(none, none, none).out.shape(), (Shape{1, 0, 3, 4}));
+  const Tensor none({1, 0, 3, 4}), one_head({1, 1, 3, 4});
+  EXPECT_MENTIONS(error_of([&] { sdpa(none, none, none, {}, Want::Weights); }), "key and value need at least one head");
+  const Tensor lse({1, 0, 3});
+  EXPECT_MENTIONS(error_of([&] { sdpa_backward(none, none, none, none, none, lse); }), "at least one head");
+  const SdpaResult empty = sdpa(none, one_head, one_head, {}, Want::WeightsAndLse);
+  EXPECT_EQ(empty.out.shape(), (Shape{1, 0, 3, 4}));
+  EXPECT_EQ(empty.weights.shape(), (Shape{1, 0, 3, 3}));
+  const SdpaGradTensors g = sdpa_backward(none, one_head, one_head, empty.out, empty.out, empty.lse);
+  EXPECT_EQ(g.dq.shape(), (Shape{1, 0, 3, 4}));
+  for (float x : g.dk.values()) EXPECT_EQ(x, 0.0f);  // no query reads them
   KvCache cache(KvCacheConfig{.batch = 1, .kv_heads = 1, .head_dim = 4, .capacity = 4});
   Tensor empty_out({1, 0, 1, 4});
   attend_cache(Tensor({1, 0, 1, 4}).view4(), cache, {}, {}, empty_out.view4());

@@ -25,7 +25,25 @@ TEST(Image, PngRoundTripsExactly) {
   EXPECT_EQ(back.width, 7);
   EXPECT_EQ(back.height, 5);
   EXPECT_EQ(back.rgb, img.rgb);
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  size_t entries = 0;  // no temporary left beside it
+  for ([[maybe_unused]] const auto& entry :
+       std::filesystem::directory_iterator(std::filesystem::path(path).parent_path()))
+    ++entries;
+  EXPECT_EQ(entries, 1u);
+}
+
+// A NUL in the path wrote (and read) the file named by the part before it; a name near the 255-byte
+// limit failed, its temporary being the name plus ".tmp".
+TEST(Image, NulPathsAreRefusedLongNamesWritten) {
+  const std::string dir = mha::testing::temp_dir();
+  const Image img(3, 2);
+  const std::string nul = dir + "/a" + std::string(1, '\0') + "b.png";
+  EXPECT_THROW(write_png(nul, img), Error);
+  EXPECT_THROW(read_png(nul), Error);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/a"));
+  const std::string longest = dir + "/" + std::string(251, 'x') + ".png";
+  write_png(longest, img);
+  EXPECT_EQ(read_png(longest).width, 3);
 }
 
 TEST(Image, ReadPngRejectsOtherFiles) {

@@ -66,8 +66,9 @@ struct SdpaOptions {
 
 /// Where the results go. `out` is required; `weights` (B, h, T_q, T_k) and `lse` (B, h, T_q, 1)
 /// are written only when defined() (they point at data). Weights are the probabilities actually
-/// used (after dropout). No output may share memory with q, k, v, a mask or another output, or
-/// name an element twice: such a call is refused (docs/semantics.md, 'Bad input is an error').
+/// used (after dropout). No output's byte range may overlap that of q, k, v, a mask or another
+/// output, and no output may name an element twice: such a call is refused (docs/semantics.md,
+/// 'Bad input is an error'; check_sdpa_args checks this too).
 struct SdpaOutputs {
   View4<float> out;
   View4<float> weights;

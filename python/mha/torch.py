@@ -8,8 +8,9 @@
   signature and semantics (boolean mask True = take part), with autograd.
 
 Float32 CPU tensors only; anything else raises TypeError. Works with torch 1.13 and 2.x. Both
-give first derivatives (not double backward), none for a float mask (a mask that requires grad is
-refused), and dropout masks drawn from torch's generator (``torch.manual_seed`` reproduces them;
+give first derivatives (not double backward; the module not a second backward through one graph
+either: it releases its activations after the first, as torch does), none for a float mask (a mask
+that requires grad is refused), and dropout masks drawn from torch's generator (``torch.manual_seed`` reproduces them;
 they differ from PyTorch's own). The module deep-copies and pickles (nn.TransformerEncoder stacks
 copies of its layer).
 """
@@ -66,7 +67,7 @@ def _mask_np(m: Optional[_torch.Tensor], name: str, fn: str) -> Optional[np.ndar
 def _dropout_seed(p: float) -> int:
     """A dropout seed from torch's generator: torch.manual_seed reproduces the masks, and every call
     (every layer, every step) draws its own."""
-    takes = isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0  # else _args names the type
+    takes = isinstance(p, (int, float, np.integer, np.floating)) and not isinstance(p, (bool, np.bool_)) and p > 0
     return int(_torch.randint(0, 2**62, (1,)).item()) if takes else 0
 
 
@@ -86,10 +87,16 @@ class _ModuleFunction(_torch.autograd.Function):
     @staticmethod
     @_once_differentiable
     def backward(ctx, d_output):  # type: ignore[override]
+        if ctx.saved is None:
+            raise RuntimeError("mha.torch.MultiheadAttention: this graph's backward already ran and released mha's "
+                               "saved activations; backward through it a second time (retain_graph=True) is not "
+                               "supported: run the forward again")
         for n, p in zip(ctx.names, ctx.saved_tensors):
             ctx.core.set(n, p.detach().numpy())
-        # ctx.saved stays: a graph kept with retain_graph=True may run this again.
         g = ctx.core.backward(ctx.saved, _np(d_output))
+        # Released now, as torch releases its own saved tensors: kept until the graph died, they held
+        # a second set of activations through the next step's forward in a training loop.
+        ctx.saved = None
         t = lambda a: None if a is None else _torch.from_numpy(a)  # noqa: E731
         return (None, None, None, t(g["query"]), t(g["key"]), t(g["value"]), *[t(g.get(n)) for n in ctx.names])
 

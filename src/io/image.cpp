@@ -18,6 +18,8 @@
 #include <memory>
 #include <numbers>
 
+#include "io/paths.h"
+
 namespace mha {
 
 namespace {
@@ -165,7 +167,8 @@ Image to_image(cairo_surface_t* s) {
 /// Writes through a temporary file beside `path`, renamed into place when complete.
 template <class Write>
 void write_atomically(const std::string& path, const char* fn, Write write) {
-  const std::string tmp = path + ".tmp";
+  io::detail::check_path(fn, path);
+  const std::string tmp = io::detail::temp_path_beside(path);
   std::error_code ec;
   try {
     write(tmp);
@@ -242,6 +245,7 @@ void write_png(const std::string& path, const Image& image) {
 }
 
 Image read_png(const std::string& path) {
+  io::detail::check_path("read_png", path);
   const Surface s(cairo_image_surface_create_from_png(path.c_str()));
   const cairo_status_t status = cairo_surface_status(s.get());
   if (status == CAIRO_STATUS_FILE_NOT_FOUND) fail("read_png: cannot open '", path, "'");

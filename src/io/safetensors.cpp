@@ -11,12 +11,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -24,6 +22,8 @@
 #include <string>
 #include <string_view>
 #include <utility>
+
+#include "io/paths.h"
 
 namespace mha::io {
 
@@ -340,8 +340,7 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&&) noexcept = defaul
 SafetensorsFile::~SafetensorsFile() = default;
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
-  // A NUL ends the C string the OS sees: "a\0b" would open "a" (Python passes such strings on).
-  if (path.find('\0') != std::string::npos) fail("safetensors: the path holds a NUL byte: '", path.c_str(), "\\0…'");
+  detail::check_path("safetensors", path);  // "a\0b" would open "a" (Python passes such strings on)
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -573,15 +572,9 @@ std::vector<std::byte> SafetensorsWriter::to_bytes() const {
 
 void SafetensorsWriter::write(const std::string& path, const Progress& progress) const {
   const Layout l = layout();
-  if (path.find('\0') != std::string::npos)
-    fail("SafetensorsWriter::write: the path holds a NUL byte: '", path.c_str(), "\\0…'");
+  detail::check_path("SafetensorsWriter::write", path);
   // Write beside the target and rename: readers see either the old file or the complete new one.
-  // A short name of its own in the target's directory (the target's name plus a suffix failed for
-  // names near the 255-byte limit); the counter keeps two threads' writes apart.
-  static std::atomic<uint64_t> writes{0};
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  const std::string tmp = (dir.empty() ? std::string() : dir + "/") + ".mha-" + std::to_string(::getpid()) + "-" +
-                          std::to_string(writes.fetch_add(1)) + ".tmp";
+  const std::string tmp = detail::temp_path_beside(path);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("SafetensorsWriter::write: ", path, ": cannot create ", tmp, ": ", errno_str());
   const auto give_up = [&](const char* what) {

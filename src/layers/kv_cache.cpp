@@ -253,7 +253,9 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
   // lse over out gave wrong outputs; q may overlap out (each work item copies its query rows first).
   detail::check_output_layout("attend_cache", "out", out);
   detail::check_output_layout("attend_cache", "lse", lse);
-  detail::check_disjoint("attend_cache", {{"out", detail::byte_span(out)}, {"lse", detail::byte_span(lse)}}, {});
+  detail::check_disjoint("attend_cache", {{"out", detail::byte_span(out)}, {"lse", detail::byte_span(lse)}},
+                         {{"ALiBi slopes", detail::byte_span(options.alibi.slopes)},
+                          {"sink logits", detail::byte_span(options.sinks.logits)}});
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
     fail("attend_cache: q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
   if (options.window < 0) fail("attend_cache: window must be ≥ 0 (0 = unlimited), got ", options.window);

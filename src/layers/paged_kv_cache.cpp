@@ -190,7 +190,9 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
     fail(fn, ": lse has shape ", shape_str(lse), ", expected ", shape_str({B, H, Tq, 1}));
   detail::check_output_layout(fn, "out", out);
   detail::check_output_layout(fn, "lse", lse);
-  detail::check_disjoint(fn, {{"out", detail::byte_span(out)}, {"lse", detail::byte_span(lse)}}, {});
+  detail::check_disjoint(fn, {{"out", detail::byte_span(out)}, {"lse", detail::byte_span(lse)}},
+                         {{"ALiBi slopes", detail::byte_span(options.alibi.slopes)},
+                          {"sink logits", detail::byte_span(options.sinks.logits)}});
   if (static_cast<int64_t>(lengths.size()) != B)
     fail(fn, ": lengths has ", lengths.size(), " entries, expected one per sequence (", B, ")");
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)

@@ -60,11 +60,7 @@ void check_grads_apart(View4<const float> q, View4<const float> k, View4<const f
   detail::check_output_layout(kBwd, "dq", grads.dq);
   detail::check_output_layout(kBwd, "dk", grads.dk);
   detail::check_output_layout(kBwd, "dv", grads.dv);
-  const auto dsinks_span = [&]() -> detail::ByteSpan {
-    if (grads.dsinks.empty()) return {};
-    const auto at = static_cast<detail::Wide>(reinterpret_cast<uintptr_t>(grads.dsinks.data()));
-    return {at, at + static_cast<detail::Wide>(grads.dsinks.size_bytes())};
-  };
+  const auto dsinks_span = [&] { return detail::byte_span(grads.dsinks); };
   const detail::ByteSpan dq = detail::byte_span(grads.dq), dk = detail::byte_span(grads.dk),
                          dv = detail::byte_span(grads.dv);
   detail::check_disjoint(kBwd, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks_span()}},
@@ -77,9 +73,21 @@ void check_grads_apart(View4<const float> q, View4<const float> k, View4<const f
                           {"allowed mask", detail::byte_span(opt.masks.allowed.view)},
                           {"additive mask", detail::byte_span(opt.masks.bias.view)},
                           {"key padding", detail::byte_span(opt.masks.key_padding.view)},
-                          {"key bias", detail::byte_span(opt.masks.key_bias.view)}},
+                          {"key bias", detail::byte_span(opt.masks.key_bias.view)},
+                          {"ALiBi slopes", detail::byte_span(opt.alibi.slopes)},
+                          {"sink logits", detail::byte_span(opt.sinks.logits)}},
                          /*outputs_apart=*/false);
   detail::check_disjoint(kBwd, {{"dsinks", dsinks_span()}}, {{"dq", dq}, {"dk", dk}, {"dv", dv}});
+  // Interleaved gradients start at different elements; two that start at the same one are the same
+  // place (dq passed as dk, say), which the span test above leaves to this.
+  const std::pair<const char*, const float*> starts[] = {{"dq", dq.empty() ? nullptr : grads.dq.data},
+                                                         {"dk", dk.empty() ? nullptr : grads.dk.data},
+                                                         {"dv", dv.empty() ? nullptr : grads.dv.data}};
+  for (size_t i = 0; i < 3; ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (starts[i].second && starts[i].second == starts[j].second)
+        fail(kBwd, ": ", starts[i].first, " and ", starts[j].first,
+             " start at the same element; each gradient needs its own");
 }
 
 bool use_fused(const kernels::SdpaBackwardParams& p, Backend backend, std::string* why) {

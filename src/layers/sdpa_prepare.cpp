@@ -55,8 +55,12 @@ void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const 
     fail(fn, ": key head dim must equal the query's: query ", shape_str(q), ", key ", shape_str(k));
   if (k.shape[1] != v.shape[1] || k.shape[2] != v.shape[2])
     fail(fn, ": key ", shape_str(k), " and value ", shape_str(v), " must agree in heads and length");
-  // No heads at all is an empty call (docs/semantics.md, 'Empty inputs'); query heads need K/V heads.
-  if (k.shape[1] == 0 ? q.shape[1] != 0 : q.shape[1] % k.shape[1] != 0)
+  // Query heads are grouped over the K/V heads, so there must be at least one of those (0 query
+  // heads is an empty call; 0 K/V heads would leave the group size undefined).
+  if (k.shape[1] <= 0)
+    fail(fn, ": key and value need at least one head (the query heads are grouped over them): query ", shape_str(q),
+         ", key ", shape_str(k));
+  if (q.shape[1] % k.shape[1] != 0)
     fail(fn, ": the ", q.shape[1], " query heads must be a multiple of the ", k.shape[1], " key/value heads: query ",
          shape_str(q), ", key ", shape_str(k));
   if (opt.scale && !std::isfinite(*opt.scale)) fail(fn, ": scale must be finite, got ", *opt.scale);
@@ -147,7 +151,9 @@ void check_outputs_apart_impl(const char* fn, View4<const T> q, View4<const T> k
                   {"allowed mask", byte_span(opt.masks.allowed.view)},
                   {"additive mask", byte_span(opt.masks.bias.view)},
                   {"key padding", byte_span(opt.masks.key_padding.view)},
-                  {"key bias", byte_span(opt.masks.key_bias.view)}});
+                  {"key bias", byte_span(opt.masks.key_bias.view)},
+                  {"ALiBi slopes", byte_span(opt.alibi.slopes)},
+                  {"sink logits", byte_span(opt.sinks.logits)}});
 }
 
 void check_outputs_apart(const char* fn, View4<const float> q, View4<const float> k, View4<const float> v,

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <utility>
 
 #include "mha/error.h"
@@ -37,6 +38,14 @@ ByteSpan byte_span(const View4<T>& v) {
   }
   const auto base = static_cast<Wide>(reinterpret_cast<uintptr_t>(v.data));
   return {base + lo * static_cast<Wide>(sizeof(T)), base + (hi + 1) * static_cast<Wide>(sizeof(T))};
+}
+
+/// The bytes of a contiguous run of values (ALiBi slopes, sink logits, a gradient span).
+template <class T>
+ByteSpan byte_span(std::span<T> values) {
+  if (values.empty()) return {};
+  const auto at = static_cast<Wide>(reinterpret_cast<uintptr_t>(values.data()));
+  return {at, at + static_cast<Wide>(values.size_bytes())};
 }
 
 inline bool overlap(const ByteSpan& a, const ByteSpan& b) {

@@ -1,0 +1,32 @@
+// io/paths.h — what the file writers (safetensors, pictures) share about paths: a NUL byte is
+// refused (the OS would see only the part before it, and write or read that file instead), and
+// files are written to a short temporary name in the target's directory, then renamed into place.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "mha/error.h"
+
+namespace mha::io::detail {
+
+/// Fails, naming `fn`, when `path` holds a NUL byte.
+inline void check_path(const char* fn, const std::string& path) {
+  if (path.find('\0') != std::string::npos) fail(fn, ": the path holds a NUL byte: '", path.c_str(), "\\0…'");
+}
+
+/// A temporary name beside `path`: in its directory (so the rename stays on one file system),
+/// short (the target's name plus a suffix failed for names near the 255-byte limit), and unique
+/// within the process (the counter keeps two threads' writes apart).
+inline std::string temp_path_beside(const std::string& path) {
+  static std::atomic<uint64_t> writes{0};
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  return (dir.empty() ? std::string() : dir + "/") + ".mha-" + std::to_string(::getpid()) + "-" +
+         std::to_string(writes.fetch_add(1)) + ".tmp";
+}
+
+}  // namespace mha::io::detail
