@@ -1000,8 +1000,9 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   if constexpr (kAskNextKeys) value_far = {next_keys, row_bytes<T>(d)};
   static_assert(!kChannelKeys || kScaled);
   const int64_t key_group = kChannelKeys ? p.k_channel_group : 0;  // per-channel key scales: positions per group
-  const float* const group_scales =
-      kChannelKeys ? p.k_scale + (it.b * p.kv_heads + it.g) * ((p.capacity + key_group - 1) / key_group) * d : nullptr;
+  // Groups per head, rounded up without forming capacity + key_group − 1 (KvCacheConfig::key_groups).
+  const int64_t groups = kChannelKeys ? p.capacity / key_group + (p.capacity % key_group != 0) : 0;
+  const float* const group_scales = kChannelKeys ? p.k_scale + (it.b * p.kv_heads + it.g) * groups * d : nullptr;
   // int8: the block's row scales (per-channel keys need none for K: their scales are in qg)
   float kscale[kScaled && !kChannelKeys ? kBlock : 1], vscale[kScaled ? kBlock : 1];
   const auto neg_inf = hn::Set(df, kNegInf);
