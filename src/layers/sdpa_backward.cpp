@@ -60,10 +60,9 @@ void check_grads_apart(View4<const float> q, View4<const float> k, View4<const f
   detail::check_output_layout(kBwd, "dq", grads.dq);
   detail::check_output_layout(kBwd, "dk", grads.dk);
   detail::check_output_layout(kBwd, "dv", grads.dv);
-  const auto dsinks_span = [&] { return detail::byte_span(grads.dsinks); };
   const detail::ByteSpan dq = detail::byte_span(grads.dq), dk = detail::byte_span(grads.dk),
-                         dv = detail::byte_span(grads.dv);
-  detail::check_disjoint(kBwd, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks_span()}},
+                         dv = detail::byte_span(grads.dv), dsinks = detail::byte_span(grads.dsinks);
+  detail::check_disjoint(kBwd, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks}},
                          {{"q", detail::byte_span(q)},
                           {"k", detail::byte_span(k)},
                           {"v", detail::byte_span(v)},
@@ -77,7 +76,7 @@ void check_grads_apart(View4<const float> q, View4<const float> k, View4<const f
                           {"ALiBi slopes", detail::byte_span(opt.alibi.slopes)},
                           {"sink logits", detail::byte_span(opt.sinks.logits)}},
                          /*outputs_apart=*/false);
-  detail::check_disjoint(kBwd, {{"dsinks", dsinks_span()}}, {{"dq", dq}, {"dk", dk}, {"dv", dv}});
+  detail::check_disjoint(kBwd, {{"dsinks", dsinks}}, {{"dq", dq}, {"dk", dk}, {"dv", dv}});
   // Interleaved gradients start at different elements; two that start at the same one are the same
   // place (dq passed as dk, say), which the span test above leaves to this.
   const std::pair<const char*, const float*> starts[] = {{"dq", dq.empty() ? nullptr : grads.dq.data},
