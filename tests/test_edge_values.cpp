@@ -335,6 +335,76 @@ TEST(Infinity, VisiblePlusInfScoreMakesTheRowNaNOnEveryPath) {
   });
 }
 
+/// A key the row sees is read even where its probability is 0: an underflow (key 1's score is
+/// 400 below key 0's) or a dropped key. 0 · NaN in its V row is NaN, on the reference paths as on
+/// the fused ones and in PyTorch; before 2026-12-07 the reference skipped such V rows and gave a
+/// finite row. The backward passes agree too: NaN reaches dQ of the rows that read the key.
+TEST(NaN, ValueOfAVisibleKeyWithProbabilityZeroIsStillRead) {
+  Case c(1, 1, 2, 2, 1, 37);
+  c.q.at({0, 0, 0, 0}) = c.q.at({0, 0, 1, 0}) = 1.0f;
+  c.k.at({0, 0, 0, 0}) = 200.0f;
+  c.k.at({0, 0, 1, 0}) = -200.0f;
+  c.v.at({0, 0, 1, 0}) = kNaN;
+  for_each_forward(c, [&](const Fwd& f, Path) {
+    EXPECT_TRUE(row_nan(f.out, 0, 0, 0) && row_nan(f.out, 0, 0, 1));
+    EXPECT_TRUE(std::isfinite(f.lse.at({0, 0, 0, 0})));  // the scores are finite: only out meets the NaN
+  });
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+    const SdpaGradTensors g = backward(c, be);
+    EXPECT_TRUE(std::isnan(g.dq.at({0, 0, 0, 0})));
+  }
+
+  // Dropout: which keys are dropped depends on the seed only; poison the V row of one that is.
+  Case d(1, 1, 1, 8, 4, 41);
+  d.opt.dropout = {0.5f, 3};
+  int64_t dropped = -1;
+  const Fwd w = forward(d, Path::ReferenceWithWeights);  // the weights after dropout
+  for (int64_t j = 0; j < 8 && dropped < 0; ++j)
+    if (w.weights.at({0, 0, 0, j}) == 0.0f) dropped = j;
+  ASSERT_GE(dropped, 0);
+  for (int64_t x = 0; x < d.Dv; ++x) d.v.at({0, 0, dropped, x}) = kNaN;
+  for_each_forward(d, [&](const Fwd& f, Path) { EXPECT_TRUE(row_nan(f.out, 0, 0, 0)); });
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+    const SdpaGradTensors g = backward(d, be);
+    EXPECT_TRUE(row_nan(g.dq, 0, 0, 0));
+  }
+}
+
+/// A query whose visible scores are all −inf (here −inf in Q against keys whose entry is
+/// positive) sees no score: a fully masked row on every path, forward (zeros, lse −inf) and
+/// backward (dQ 0, and nothing reaches dK or dV). And a fully masked query row holding NaN gives
+/// no NaN to the keys hidden from it either (before 2026-12-07 the fused backward's dK product
+/// took 0 · NaN there). Rows of 70 keys cross a key block.
+TEST(Infinity, RowWhoseVisibleScoresAreAllMinusInfIsFullyMasked) {
+  Case c(1, 1, 3, 70, 4, 43);
+  for (int64_t j = 0; j < c.Tk; ++j) c.k.at({0, 0, j, 0}) = 0.5f + std::abs(c.k.at({0, 0, j, 0}));
+  c.q.at({0, 0, 1, 0}) = -kInf;
+  for_each_forward(c, [&](const Fwd& f, Path) {
+    for (int64_t x = 0; x < c.Dv; ++x) EXPECT_EQ(f.out.at({0, 0, 1, x}), 0.0f);
+    EXPECT_EQ(f.lse.at({0, 0, 1, 0}), -kInf);
+    EXPECT_TRUE(row_finite(f.out, 0, 0, 0) && row_finite(f.out, 0, 0, 2));
+  });
+  const SdpaGradTensors ref = backward(c, Backend::Reference), fused = backward(c, Backend::Fused);
+  for (const SdpaGradTensors* g : {&ref, &fused}) {
+    for (int64_t x = 0; x < c.D; ++x) EXPECT_EQ(g->dq.at({0, 0, 1, x}), 0.0f);
+    EXPECT_TRUE(all_finite(g->dq) && all_finite(g->dk) && all_finite(g->dv));
+  }
+  EXPECT_TRUE(all_close(fused.dk, ref.dk, 1e-4, 1e-4));
+  EXPECT_TRUE(all_close(fused.dv, ref.dv, 1e-4, 1e-4));
+
+  Case m(1, 1, 3, 70, 4, 47);
+  for (int64_t x = 0; x < m.D; ++x) m.q.at({0, 0, 1, x}) = kNaN;
+  m.set_allowed([](int64_t i, int64_t) { return i != 1; });
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+    const SdpaGradTensors g = backward(m, be);
+    for (int64_t x = 0; x < m.D; ++x) EXPECT_EQ(g.dq.at({0, 0, 1, x}), 0.0f);
+    EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
+  }
+}
+
 /// A cache of one K/V head (d = 4) holding k and v, (1, 1, 40, 4) each.
 KvCache cache_of(const Tensor& k, const Tensor& v) {
   KvCacheConfig cc;

@@ -114,7 +114,7 @@ inline int64_t alibi_offset(const SdpaParams& p) {
 
 // ---- the reference oracle ------------------------------------------------------------------
 /// Plain loops, double accumulation, one row at a time; single-threaded; float32 or bfloat16
-/// inputs (widened exactly as they are read). Workspace: T_k floats.
+/// inputs (widened exactly as they are read). Workspace: 2·T_k floats (a row's scores and which keys it cannot see).
 size_t reference_workspace_floats(const SdpaParams& p);
 void sdpa_reference(const SdpaParams& p, float* workspace);
 

@@ -496,7 +496,29 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   const int64_t lddq = cx.dense_dq ? cx.L.ldk : p.dq.stride[2];
   float* const dq = cx.dense_dq ? cx.dense_dq + row0 * lddq : p.dq.row(job.b, job.h, job.i0);
   float lse[64];
-  for (int64_t r = 0; r < nr; ++r) lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
+  bool any_empty = false;  // a row that saw no key (lse = −inf)
+  for (int64_t r = 0; r < nr; ++r) {
+    lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
+    any_empty |= lse[r] == kNegInf;
+  }
+  // Such a row's P and dS are 0, but its Q and dO rows still enter the dK and dV products, where
+  // 0 · NaN or 0 · inf would be NaN: the gradient of a row that saw no key must be 0 and reach
+  // no key (docs/semantics.md, 'Fully masked rows'). So its rows are zeros in the block's copies.
+  if (any_empty) {
+    const auto zero_empty_rows = [&](const float* src, int64_t ld, int64_t width, float* pad, int64_t ldp) {
+      for (int64_t r = 0; r < nr; ++r) {
+        if (lse[r] == kNegInf)
+          std::fill(pad + r * ldp, pad + r * ldp + width, 0.0f);
+        else if (src != pad)  // (whole_vectors may have made this copy already)
+          std::copy(src + r * ld, src + r * ld + width, pad + r * ldp);
+        std::fill(pad + r * ldp + width, pad + (r + 1) * ldp, 0.0f);
+      }
+    };
+    zero_empty_rows(q, ldq, D, ws + cx.L.qp, cx.L.ldk);
+    zero_empty_rows(dout, lddo, Dv, ws + cx.L.dop, cx.L.ldv);
+    q = ws + cx.L.qp, ldq = cx.L.ldk;
+    dout = ws + cx.L.dop, lddo = cx.L.ldv;
+  }
   // A block that straddles the causal diagonal is computed in groups of kCutRows: each group of
   // query rows against only the keys some row of it sees (S, dP̃, dQ), each group of keys over
   // only the query rows from the first that sees one of them on (dV, dK). The terms left out
@@ -604,12 +626,17 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
                    std::min(nc - c0, group), D, nr - r_lo, f.scale, true);
     }
   }
-  if (want_dq)
+  if (want_dq) {
     for (int64_t r0 = 0; r0 < nr; r0 += group) {
       const int64_t r1 = std::min(nr, r0 + group), k = keys_seen(r0, r1);
       if (k > 0)
         block_gemm({s + r0 * kBc, kBc, 1, job.kb, job.ldkb, dq + r0 * lddq, lddq}, r1 - r0, D, k, f.scale, true);
     }
+    // dS = 0 times an infinite K row is NaN: a row that saw no key keeps dQ = 0.
+    if (any_empty)
+      for (int64_t r = 0; r < nr; ++r)
+        if (lse[r] == kNegInf) std::fill(dq + r * lddq, dq + r * lddq + D, 0.0f);
+  }
 }
 
 /// xt (width × kBc) = xᵀ for rows × width floats x (ld apart), zero past the block's rows.

@@ -2,7 +2,8 @@
 //
 // Shapes: Q (B, h, T_q, d), K (B, kv, T_k, d), V (B, kv, T_k, d_v), dO (B, h, T_q, d_v);
 // dQ like Q, dK like K, dV like V. Workspace (doubles): T_k probabilities, T_k dp, and one
-// K/V-head's dK (T_k, d) and dV (T_k, d_v) accumulators.
+// K/V-head's dK (T_k, d) and dV (T_k, d_v) accumulators, T_k softcap factors, T_k hidden flags
+// and h sink gradients.
 //
 // One K/V head at a time: its dK/dV accumulate in double over every query row of every query head
 // of its group (docs/semantics.md, 'Grouped-query attention'), then are rounded once. Each row's
@@ -23,7 +24,7 @@ namespace mha::kernels {
 
 size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
   const SdpaParams& f = p.fwd;
-  return static_cast<size_t>(f.t_k() * (3 + f.d() + f.d_v()) + f.heads());
+  return static_cast<size_t>(f.t_k() * (4 + f.d() + f.d_v()) + f.heads());
 }
 
 void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
@@ -45,7 +46,8 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
   double* dk_acc = dprob + Tk;          // (T_k, d)
   double* dv_acc = dk_acc + Tk * D;     // (T_k, d_v)
   double* cap_grad = dv_acc + Tk * Dv;  // (T_k): 1 − tanh²(t_j / c) with softcap
-  double* dsink_acc = cap_grad + Tk;    // (h): d(sink logit), summed over batches and rows
+  double* hidden = cap_grad + Tk;       // (T_k): 1 where the current row cannot see the key
+  double* dsink_acc = hidden + Tk;      // (h): d(sink logit), summed over batches and rows
   const int64_t alibi_off = alibi_offset(f);
   for (int64_t h = 0; h < f.heads(); ++h) dsink_acc[h] = 0.0;
 
@@ -61,7 +63,8 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
           bool row_nan = false;
           for (int64_t j = 0; j < Tk; ++j) {
             prob[j] = kNegInfDouble;
-            if (key_hidden(f, b, h, i, j, causal_offset)) continue;
+            hidden[j] = key_hidden(f, b, h, i, j, causal_offset) ? 1.0 : 0.0;
+            if (hidden[j] != 0.0) continue;
             double dot = 0.0;
             for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
             // Score edits as in the forward: t = scale·q·k, s = c·tanh(t/c), + biases, + ALiBi.
@@ -95,14 +98,15 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
 
           // Forward step 4: out_i = Σ_j p̃_j v_j with p̃_j = p_j · keep_ij · keep_scale. So
           //   dv_j += p̃_j · do_i      and      dp_j = keep_ij · keep_scale · (do_i · v_j).
-          // Masked keys (p_j = 0) are skipped: their V rows are never read, as in the forward.
+          // Hidden keys are skipped: their V rows are never read, as in the forward. A key the row
+          // sees is read even where p̃_j = 0 (dropped, an underflow, a −inf score), as the forward
+          // reads it: a NaN in its V row or in d out reaches the gradients as 0 · NaN would.
           double row_dot = 0.0;  // D_i = Σ_j p_j dp_j
           for (int64_t j = 0; j < Tk; ++j) {
             dprob[j] = 0.0;
-            if (prob[j] == 0.0) continue;
+            if (hidden[j] != 0.0) continue;
             double factor = keep_scale;
             if (f.dropout.active() && !dropout_keep(f.dropout.seed, f.dropout.p, b, h, i, j)) factor = 0.0;
-            if (factor == 0.0) continue;
             double dot = 0.0;
             for (int64_t c = 0; c < Dv; ++c) {
               const double d_o = p.dout(b, h, i, c);
@@ -120,16 +124,19 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             const double ds = prob[j] * (dprob[j] - row_dot);
             return f.edits.capped() ? ds * cap_grad[j] : ds;
           };
-          // Step 1: t_j = scale · q_i·k_j  ⇒  dq_i = scale Σ_j dt_j k_j,  dk_j += scale dt_j q_i.
+          // Step 1: t_j = scale · q_i·k_j  ⇒  dq_i = scale Σ_j dt_j k_j,  dk_j += scale dt_j q_i,
+          // over every key the row sees; where p_j = 0, dt_j is exactly 0 (whatever dp_j holds),
+          // so an infinite K row that scored −inf makes dq_i NaN as 0 · inf does in the fused
+          // kernel and in PyTorch.
           for (int64_t c = 0; c < D; ++c) {
             double acc = 0.0;
             for (int64_t j = 0; j < Tk; ++j)
-              if (prob[j] != 0.0) acc += dt(j) * k(b, g, j, c);
+              if (hidden[j] == 0.0) acc += (prob[j] == 0.0 ? 0.0 : dt(j)) * k(b, g, j, c);
             p.dq(b, h, i, c) = static_cast<float>(static_cast<double>(f.scale) * acc);
           }
           for (int64_t j = 0; j < Tk; ++j) {
-            if (prob[j] == 0.0) continue;
-            const double ds = static_cast<double>(f.scale) * dt(j);
+            if (hidden[j] != 0.0) continue;
+            const double ds = static_cast<double>(f.scale) * (prob[j] == 0.0 ? 0.0 : dt(j));
             for (int64_t c = 0; c < D; ++c) dk_acc[j * D + c] += ds * q(b, h, i, c);
           }
         }

@@ -16,7 +16,7 @@
 
 namespace mha::kernels {
 
-size_t reference_workspace_floats(const SdpaParams& p) { return static_cast<size_t>(p.t_k()); }
+size_t reference_workspace_floats(const SdpaParams& p) { return 2 * static_cast<size_t>(p.t_k()); }
 
 namespace {
 
@@ -27,7 +27,8 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
   const int64_t group = p.group();
   const int64_t causal_offset = p.masks.causal.offset_for(Tq, Tk);
   const int64_t alibi_off = alibi_offset(p);
-  float* scores = workspace;  // (T_k): one row of scores, then of probabilities
+  float* scores = workspace;    // (T_k): one row of scores, then of probabilities
+  float* hidden = scores + Tk;  // (T_k): 1 where the row cannot see the key (key_hidden), else 0
 
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
@@ -38,7 +39,8 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
         double row_max = kNegInfDouble;
         bool row_nan = false;  // a visible NaN score (from Q, K or an additive term)
         for (int64_t j = 0; j < Tk; ++j) {
-          if (key_hidden(p, b, h, i, j, causal_offset)) {
+          hidden[j] = key_hidden(p, b, h, i, j, causal_offset) ? 1.0f : 0.0f;
+          if (hidden[j] != 0.0f) {
             scores[j] = kNegInf;
             continue;
           }
@@ -99,7 +101,10 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
         for (int64_t c = 0; c < Dv; ++c) {
           double acc = 0.0;
           for (int64_t j = 0; j < Tk; ++j) {
-            if (scores[j] == 0.0f) continue;  // masked or dropped: V row not read
+            // A hidden key's V row is never read. A key the row sees is, even where its
+            // probability is 0 (dropped, an underflow, a −inf score): 0 · NaN is NaN, as in the
+            // fused kernels and PyTorch (docs/semantics.md, 'NaN').
+            if (hidden[j] != 0.0f) continue;
             acc += static_cast<double>(scores[j]) * to_f32(v(b, g, j, c));
           }
           out_row[c * p.out.stride[3]] = static_cast<float>(acc);
