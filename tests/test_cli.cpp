@@ -61,6 +61,33 @@ TEST(Cli, MalformedFilesFailWithOneLineAndNoOutput) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+/// An integer mask would be added to the scores (its 1s raising the positions it meant to hide):
+/// refused with one line naming the tensor and its dtype, as PyTorch refuses it.
+TEST(Cli, IntegerMaskIsRefusedWithOneLine) {
+  const std::string dir = mha::testing::temp_dir();
+  const auto src = mha::io::SafetensorsFile::open(kCase);
+  mha::io::SafetensorsWriter w;
+  for (const auto& [k, v] : src.metadata()) w.set_metadata(k, v);
+  for (const std::string& name : src.names()) {
+    const auto& info = src.info(name);
+    if (name != "key_padding_mask") {
+      w.add_raw(name, info.dtype, info.shape, src.raw(name));
+      continue;
+    }
+    ASSERT_TRUE(info.dtype == mha::io::DType::BOOL || info.dtype == mha::io::DType::U8);
+    std::vector<int64_t> wide;  // the same 0/1 values as int64
+    for (std::byte c : src.raw(name)) wide.push_back(c != std::byte{0} ? 1 : 0);
+    w.add_raw(name, mha::io::DType::I64, info.shape, std::as_bytes(std::span<const int64_t>(wide)));
+  }
+  const std::string bad = dir + "/int_mask.safetensors";
+  w.write(bad);
+  const std::string out = dir + "/out.safetensors";
+  const auto r = run_command(kCli + " forward --weights " + kCase + " --inputs " + bad + " --output " + out);
+  expect_one_line_failure(r, "key_padding_mask");
+  EXPECT_NE(r.err.find("I64"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST(Cli, InconsistentConfigurationFailsWithOneLine) {
   const std::string dir = mha::testing::temp_dir();
   const auto src = mha::io::SafetensorsFile::open(kCase);

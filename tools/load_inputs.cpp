@@ -60,16 +60,21 @@ LoadedInputs load_inputs(const io::SafetensorsFile& weights, const std::string& 
   in.key = inputs_file.read_f32("key");
   in.value = inputs_file.read_f32("value");
 
+  // A mask is boolean (BOOL or U8: PyTorch's polarity, true = masked out) or floating point (added
+  // to the scores). An integer mask would be added too, its 1s raising the scores of the positions
+  // it meant to hide: refused, as PyTorch refuses it.
+  const auto mask_is_bool = [&](const char* name) {
+    const io::DType dt = inputs_file.info(name).dtype;
+    if (dt == io::DType::BOOL || dt == io::DType::U8) return true;
+    if (dt == io::DType::F16 || dt == io::DType::BF16 || dt == io::DType::F32 || dt == io::DType::F64) return false;
+    fail(inputs_path, ": ", name, " must be BOOL, U8 or a float dtype (F16, BF16, F32, F64), got ", io::dtype_name(dt));
+  };
   MhaForwardOptions& opt = in.options;
-  if (inputs_file.contains("attn_mask")) {
-    const io::DType dt = inputs_file.info("attn_mask").dtype;
-    opt.attn_mask = (dt == io::DType::BOOL || dt == io::DType::U8)
-                        ? AttnMask::from_torch_bool(inputs_file.read_bool("attn_mask"))
-                        : AttnMask::add(inputs_file.read_f32("attn_mask"));
-  }
+  if (inputs_file.contains("attn_mask"))
+    opt.attn_mask = mask_is_bool("attn_mask") ? AttnMask::from_torch_bool(inputs_file.read_bool("attn_mask"))
+                                              : AttnMask::add(inputs_file.read_f32("attn_mask"));
   if (inputs_file.contains("key_padding_mask")) {
-    const io::DType dt = inputs_file.info("key_padding_mask").dtype;
-    if (dt == io::DType::BOOL || dt == io::DType::U8)
+    if (mask_is_bool("key_padding_mask"))
       opt.key_padding_mask.is_padding = inputs_file.read_bool("key_padding_mask");
     else
       opt.key_padding_mask.additive = inputs_file.read_f32("key_padding_mask");
