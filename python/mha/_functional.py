@@ -295,11 +295,26 @@ def _i64(fn: str, name: str, value: Any) -> int:
 
 
 def _threads(fn: str, threads: Any) -> int:
-    """A per-call thread count: an int ≥ 0 (0 = the library default), as :func:`_i64` says."""
+    """A per-call thread count: an int ≥ 0 (0 = the library default), as :func:`_i64` says. Counts
+    past what the library runs are capped (as the library caps them), here to a C int first."""
     v = _i64(fn, "threads", threads)
     if v < 0:
         raise ValueError(f"{fn}: threads must be >= 0 (0 = the library default), got {v}")
-    return v
+    return min(v, 2**31 - 1)
+
+
+def _splits(fn: str, splits: Any) -> int:
+    """A decode split count: an int ≥ 0 (0 = auto); counts past a C int are capped, as the library
+    caps every count to the work there is."""
+    v = _i64(fn, "splits", splits)
+    if v < 0:
+        raise ValueError(f"{fn}: splits must be >= 0 (0 = auto), got {v}")
+    return min(v, 2**31 - 1)
+
+
+def set_num_threads(threads: int) -> None:
+    """The default thread count of every later call that passes threads=0 (0: the machine's cores)."""
+    _core.set_num_threads(_threads("set_num_threads", threads))
 
 
 def _seed(fn: str, name: str, value: Any) -> int:

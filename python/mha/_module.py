@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core
-from ._functional import _i64, _offsets, _seed, _threads
+from ._functional import _i64, _offsets, _seed, _splits, _threads
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -294,7 +294,7 @@ def attend_cache(q: Any, cache: KvCache, *, q_start: Optional[Sequence[int]] = N
     a = _cache_query(fn, q, cache, KvCache)
     return _core.attend_cache(a, cache._c, [_i64(fn, "q_start", p) for p in (q_start or [])],
                               None if scale is None else float(scale), _i64(fn, "window", window),
-                              _i64(fn, "splits", splits), _threads(fn, threads))
+                              _splits(fn, splits), _threads(fn, threads))
 
 
 def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_start: Optional[Sequence[int]] = None,
@@ -309,7 +309,7 @@ def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_st
     return _core.attend_paged_cache(a, cache._c, [_i64(fn, "seqs", s) for s in seqs],
                                     [_i64(fn, "q_start", p) for p in (q_start or [])],
                                     None if scale is None else float(scale), _i64(fn, "window", window),
-                                    _i64(fn, "splits", splits), _threads(fn, threads))
+                                    _splits(fn, splits), _threads(fn, threads))
 
 
 class MultiheadAttention:

@@ -16,6 +16,7 @@ copies of its layer).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional, Tuple
 
@@ -51,17 +52,35 @@ def _np3(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor):
     return q, k, v
 
 
-def _mask_np(m: Optional[_torch.Tensor], name: str, fn: str) -> Optional[np.ndarray]:
+def _mask_np(m: Optional[_torch.Tensor], name: str, fn: str, uint8: bool = False) -> Optional[np.ndarray]:
+    """A mask as numpy: a torch tensor, bool or floating point (uint8 too where ``uint8``: torch 1.13
+    still takes a uint8 attn_mask, deprecated, but no uint8 key_padding_mask), as torch checks it."""
     if m is None:
         return None
     if not isinstance(m, _torch.Tensor):
-        return np.asarray(m)
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(m).__name__}")
+    if not (m.dtype == _torch.bool or m.dtype.is_floating_point or (uint8 and m.dtype == _torch.uint8)):
+        kinds = "bool, uint8 or float" if uint8 else "bool or float"
+        raise TypeError(f"{fn}: {name} must be a {kinds} tensor, got {m.dtype}")
     if m.requires_grad and _torch.is_grad_enabled():
         # Its gradient would be dL/dS (T_q × T_k per head), which mha's fused backward never forms:
         # refused rather than silently left at None.
         raise ValueError(f"{fn}: {name} requires grad, but mha gives no gradient for masks; pass "
                          f"{name}.detach() (or compute a learned bias with torch's own attention)")
     return m.detach().cpu().numpy()
+
+
+@contextlib.contextmanager
+def _named_errors(fn: str):
+    """Names what the user called in the core's ValueErrors: the module's forward reports itself as
+    MultiheadAttention.forward or forward_train, names a torch user never calls."""
+    try:
+        yield
+    except ValueError as e:
+        head, sep, rest = str(e).partition(": ")
+        if sep and head in ("MultiheadAttention.forward", "forward_train"):
+            raise ValueError(f"{fn}: {rest}") from None
+        raise
 
 
 def _dropout_seed(p: float) -> int:
@@ -111,6 +130,9 @@ class MultiheadAttention(_torch.nn.Module):
 
     Each forward copies the current parameters into mha (O(parameters)); the backward uses the
     parameters of the last forward, so run backward before changing them (as an optimiser loop does).
+    ``batch_first``, ``dropout`` and ``add_zero_attn`` may be changed between calls, as torch's
+    forward reads them on every call. ``dropout`` must be in [0, 1): torch also takes 1.0 (every
+    probability dropped, the output out_proj's bias), which mha refuses with ValueError.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -180,6 +202,22 @@ class MultiheadAttention(_torch.nn.Module):
         super().__setstate__(state)
         self._core = _core.Module(*self._core_args)
 
+    # Where _core_args holds the settings that torch's forward reads from attributes on every call.
+    _LIVE_ARGS = {"add_zero_attn": (7, bool), "dropout": (8, float), "batch_first": (9, bool)}
+
+    def _sync_core(self, fn: str) -> None:
+        """Rebuilds the core when batch_first, dropout or add_zero_attn changed since it was built."""
+        args = list(self._core_args)
+        for attr, (i, kind) in self._LIVE_ARGS.items():
+            value = getattr(self, attr)
+            if kind is float and (isinstance(value, (bool, np.bool_)) or
+                                  not isinstance(value, (int, float, np.integer, np.floating))):
+                raise TypeError(f"{fn}: {attr} must be a float, got {type(value).__name__}")
+            args[i] = kind(value)
+        if tuple(args) != self._core_args:
+            core = _core.Module(*args)  # validates (ValueError) before anything is replaced
+            self._core, self._core_args = core, tuple(args)
+
     def _reset_parameters(self) -> None:
         """PyTorch's initialisation: Xavier-uniform input projections, zero biases, Xavier-normal bias_k/v."""
         if self._qkv_same_embed_dim:
@@ -233,26 +271,29 @@ class MultiheadAttention(_torch.nn.Module):
         fn = "mha.torch.MultiheadAttention"
         for n, t in (("query", query), ("key", key), ("value", value)):
             _check(n, t, fn)
+        self._sync_core(fn)
         items = self._param_items()
         for n, p in items:
             _check(n, p, fn)
             self._core.set(n, p.detach().numpy())
         training = self.training and self.dropout > 0.0
         seed = _dropout_seed(self.dropout) if training else 0
-        kpm, am = _mask_np(key_padding_mask, "key_padding_mask", fn), _mask_np(attn_mask, "attn_mask", fn)
+        kpm = _mask_np(key_padding_mask, "key_padding_mask", fn)
+        am = _mask_np(attn_mask, "attn_mask", fn, uint8=True)
         needs_grad = _torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
                                                    or any(p.requires_grad for _, p in items))
         weights = None
-        if need_weights or not needs_grad:
-            need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
-            args = _forward_args(fn, kpm, am, is_causal, need, training, seed, 0)
-            out, w, _ = self._core.forward(*_np3(query, key, value), args)
-            weights = None if w is None else _torch.from_numpy(w)
-            if not needs_grad:
-                return _torch.from_numpy(out), weights
-        args = _forward_args(fn, kpm, am, is_causal, "none", training, seed, 0)
-        names = [n for n, _ in items]
-        out = _ModuleFunction.apply(self._core, args, names, query, key, value, *[p for _, p in items])
+        with _named_errors(fn + ".forward"):
+            if need_weights or not needs_grad:
+                need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
+                args = _forward_args(fn, kpm, am, is_causal, need, training, seed, 0)
+                out, w, _ = self._core.forward(*_np3(query, key, value), args)
+                weights = None if w is None else _torch.from_numpy(w)
+                if not needs_grad:
+                    return _torch.from_numpy(out), weights
+            args = _forward_args(fn, kpm, am, is_causal, "none", training, seed, 0)
+            names = [n for n, _ in items]
+            out = _ModuleFunction.apply(self._core, args, names, query, key, value, *[p for _, p in items])
         return out, weights
 
 
@@ -302,13 +343,11 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
         m = _mask_np(attn_mask, "attn_mask", fn)
         if three and m.ndim == 3:
             m = m[:, None]
+        # (An integer 0/1 mask would be added to the scores: _mask_np refuses it, as PyTorch 2's SDPA does.)
         if m.dtype == np.bool_:
             allowed = m
-        elif m.dtype.kind == "f":
-            bias = m.astype(np.float32, copy=False)
         else:
-            # An integer 0/1 mask would be added to the scores: refused, as PyTorch 2's SDPA does.
-            raise TypeError(f"{fn}: attn_mask must be a bool or float tensor, got {attn_mask.dtype}")
+            bias = m.astype(np.float32, copy=False)
     seed = _dropout_seed(dropout_p)
     from ._functional import Causal
     args = _args(fn, scale, None, allowed, bias, None, Causal.top_left() if is_causal else None, 0, float(dropout_p),

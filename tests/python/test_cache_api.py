@@ -237,3 +237,25 @@ def test_decoding_applies_no_dropout_in_training_mode(rng):
     a = m.forward_incremental(X, X, X, m.new_cache(1, 4))
     m.eval()
     np.testing.assert_array_equal(a, m.forward_incremental(X, X, X, m.new_cache(1, 4)))
+
+
+def test_counts_past_a_c_int_are_capped_like_the_library_caps_them(rng):
+    """threads and splits are C ints in the core: 2**31 and up raised pybind11's TypeError listing every
+    argument; they are capped now, as the library caps any count to what it can use."""
+    cache = mha.KvCache(1, 1, 4, 8)
+    cache.append(x(rng, 1, 1, 5, 4), x(rng, 1, 1, 5, 4))
+    q = x(rng, 1, 1, 1, 4)
+    want = mha.attend_cache(q, cache)
+    for kw in (dict(threads=2**31), dict(splits=2**40), dict(threads=2**62, splits=2**31)):
+        got = mha.attend_cache(q, cache, **kw)
+        np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(mha.sdpa(q, q, q, threads=2**31), mha.sdpa(q, q, q))
+    with pytest.raises(ValueError, match="attend_cache: splits must be >= 0"):
+        mha.attend_cache(q, cache, splits=-1)
+    try:
+        mha.set_num_threads(2**40)
+        assert mha.num_threads() >= 1
+    finally:
+        mha.set_num_threads(0)
+    with pytest.raises(ValueError, match="set_num_threads: threads must be >= 0"):
+        mha.set_num_threads(-1)

@@ -370,3 +370,58 @@ def test_sdpa_shape_errors_name_the_shapes_passed():
     kv = torch.zeros(2, 3, 5, 6)
     with pytest.raises(ValueError, match=r"all 3-D or all 4-D, got \(2, 4, 6\), \(2, 3, 5, 6\), \(2, 3, 5, 6\)"):
         mt.scaled_dot_product_attention(q, kv, kv)
+
+
+def test_batch_first_dropout_and_add_zero_attn_are_read_on_every_call():
+    """torch's forward reads these attributes on every call; mha.torch once read them at construction
+    and went on computing with the old layout, rate and keys, silently."""
+    ref, m = pair(embed_dim=8, num_heads=2)
+    x = torch.randn(3, 5, 8)
+    for mod in (ref, m):
+        mod.batch_first = True
+    want, want_w = ref(x, x, x)
+    got, got_w = m(x, x, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert got_w.shape == want_w.shape == (3, 5, 5)
+    for mod in (ref, m):
+        mod.add_zero_attn = True
+    want, want_w = ref(x, x, x)
+    got, got_w = m(x, x, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert got_w.shape == want_w.shape == (3, 5, 6)
+    m.train()
+    m.dropout = 0.9
+    torch.manual_seed(1)
+    _, w = m(x, x, x, average_attn_weights=False)
+    assert 0.8 < (w == 0).float().mean().item() < 0.98
+    m.dropout = 1.5
+    with pytest.raises(ValueError, match="dropout"):
+        m(x, x, x)
+    m.dropout = "0.1"
+    with pytest.raises(TypeError, match="dropout must be a float"):
+        m(x, x, x)
+
+
+def test_masks_are_tensors_of_the_dtypes_torch_takes():
+    m = mt.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor or None, got list"):
+        m(x, x, x, attn_mask=[[False] * 3] * 3)
+    with pytest.raises(TypeError, match="key_padding_mask must be a torch.Tensor or None, got ndarray"):
+        m(x, x, x, key_padding_mask=np.zeros((2, 3), bool))
+    # torch 1.13 takes a uint8 attn_mask (deprecated) but no uint8 key_padding_mask
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool or float tensor, got torch.uint8"):
+        m(x, x, x, key_padding_mask=torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="attn_mask must be a bool, uint8 or float tensor, got torch.int64"):
+        m(x, x, x, attn_mask=torch.zeros(3, 3, dtype=torch.int64))
+    a, _ = m(x, x, x, attn_mask=torch.eye(3, dtype=torch.uint8))
+    b, _ = m(x, x, x, attn_mask=torch.eye(3, dtype=torch.bool))
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_errors_name_the_forward_the_user_called():
+    m = mt.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    for need_weights in (True, False):
+        with pytest.raises(ValueError, match=r"^mha\.torch\.MultiheadAttention\.forward: attn_mask"):
+            m(x, x, x, attn_mask=torch.zeros(4, 4), need_weights=need_weights)
