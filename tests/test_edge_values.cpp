@@ -353,6 +353,9 @@ TEST(NaN, ValueOfAVisibleKeyWithProbabilityZeroIsStillRead) {
     SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
     const SdpaGradTensors g = backward(c, be);
     EXPECT_TRUE(std::isnan(g.dq.at({0, 0, 0, 0})));
+    // Its probability (e^−400) is 0 on every path (below e^−87, where the float32 exp gives 0),
+    // so dS of key 1 is 0 and its dK takes no NaN: the reference's double would keep e^−400.
+    EXPECT_EQ(g.dk.at({0, 0, 1, 0}), 0.0f);
   }
 
   // Dropout: which keys are dropped depends on the seed only; poison the V row of one that is.
@@ -386,23 +389,39 @@ TEST(Infinity, RowWhoseVisibleScoresAreAllMinusInfIsFullyMasked) {
     EXPECT_EQ(f.lse.at({0, 0, 1, 0}), -kInf);
     EXPECT_TRUE(row_finite(f.out, 0, 0, 0) && row_finite(f.out, 0, 0, 2));
   });
-  const SdpaGradTensors ref = backward(c, Backend::Reference), fused = backward(c, Backend::Fused);
-  for (const SdpaGradTensors* g : {&ref, &fused}) {
-    for (int64_t x = 0; x < c.D; ++x) EXPECT_EQ(g->dq.at({0, 0, 1, x}), 0.0f);
-    EXPECT_TRUE(all_finite(g->dq) && all_finite(g->dk) && all_finite(g->dv));
-  }
-  EXPECT_TRUE(all_close(fused.dk, ref.dk, 1e-4, 1e-4));
-  EXPECT_TRUE(all_close(fused.dv, ref.dv, 1e-4, 1e-4));
+  // With a sink the row's lse is the sink logit, not −inf; 1 to 3 threads take each of the fused
+  // backward's three schemes (one item per kv-head, per head with GQA, two passes).
+  const std::vector<float> sinks = {0.5f, -1.0f};
+  for (bool with_sinks : {false, true})
+    for (int threads : {1, 2, 3}) {
+      SCOPED_TRACE(std::string(with_sinks ? "sinks, " : "") + std::to_string(threads) + " threads");
+      c.opt.threads = threads;
+      c.opt.sinks.logits = with_sinks ? std::span<const float>(sinks.data(), 1) : std::span<const float>();
+      const SdpaGradTensors ref = backward(c, Backend::Reference), fused = backward(c, Backend::Fused);
+      for (const SdpaGradTensors* g : {&ref, &fused}) {
+        for (int64_t x = 0; x < c.D; ++x) EXPECT_EQ(g->dq.at({0, 0, 1, x}), 0.0f);
+        EXPECT_TRUE(all_finite(g->dq) && all_finite(g->dk) && all_finite(g->dv));
+      }
+      EXPECT_TRUE(all_close(fused.dk, ref.dk, 1e-4, 1e-4));
+      EXPECT_TRUE(all_close(fused.dv, ref.dv, 1e-4, 1e-4));
 
-  Case m(1, 1, 3, 70, 4, 47);
-  for (int64_t x = 0; x < m.D; ++x) m.q.at({0, 0, 1, x}) = kNaN;
-  m.set_allowed([](int64_t i, int64_t) { return i != 1; });
-  for (Backend be : {Backend::Reference, Backend::Fused}) {
-    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
-    const SdpaGradTensors g = backward(m, be);
-    for (int64_t x = 0; x < m.D; ++x) EXPECT_EQ(g.dq.at({0, 0, 1, x}), 0.0f);
-    EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
-  }
+      // A NaN query row hidden by a mask, in a GQA layout (2 query heads on one K/V head, query
+      // head 1's row 1 poisoned), so that the per-head scheme runs too.
+      Case m(2, 2, 3, 70, 4, 47);
+      m.KV = 1;
+      m.k = random_tensor({2, 1, 70, 4}, 48);
+      m.v = random_tensor({2, 1, 70, 4}, 49);
+      for (int64_t x = 0; x < m.D; ++x) m.q.at({1, 1, 1, x}) = kNaN;
+      m.set_allowed([](int64_t i, int64_t) { return i != 1; });
+      m.opt.threads = threads;
+      m.opt.sinks.logits = with_sinks ? std::span<const float>(sinks) : std::span<const float>();
+      for (Backend be : {Backend::Reference, Backend::Fused}) {
+        SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+        const SdpaGradTensors g = backward(m, be);
+        for (int64_t x = 0; x < m.D; ++x) EXPECT_EQ(g.dq.at({1, 1, 1, x}), 0.0f);
+        EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
+      }
+    }
 }
 
 /// A cache of one K/V head (d = 4) holding k and v, (1, 1, 40, 4) each.

@@ -237,6 +237,21 @@ inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
   }
 }
 
+/// Whether row (b, h, i) saw no key in the forward: lse −inf, or with attention sinks lse equal to
+/// the head's sink logit and an output row of zeros (the sink took all the mass; a row that saw
+/// keys whose weight rounds away beside the sink's takes nothing from them either). Such a row's
+/// output is a constant: it gives nothing to any gradient.
+inline bool saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i) {
+  const float lse = p.lse(b, h, i, 0);
+  if (lse == -std::numeric_limits<float>::infinity()) return true;
+  if (!p.fwd.edits.sinks || lse != p.fwd.edits.sinks[h]) return false;
+  const float* o = p.out.row(b, h, i);
+  const int64_t os = p.out.stride[3];
+  for (int64_t c = 0; c < p.fwd.d_v(); ++c)
+    if (o[c * os] != 0.0f) return false;
+  return true;
+}
+
 /// True when block [j0, j1) of batch b contains a key that is never read: padded, or with
 /// key_bias −inf (key_dropped()).
 inline bool has_padding(const SdpaParams& f, int64_t b, int64_t j0, int64_t j1) {
@@ -496,18 +511,21 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   const int64_t lddq = cx.dense_dq ? cx.L.ldk : p.dq.stride[2];
   float* const dq = cx.dense_dq ? cx.dense_dq + row0 * lddq : p.dq.row(job.b, job.h, job.i0);
   float lse[64];
-  bool any_empty = false;  // a row that saw no key (lse = −inf)
+  bool empty[64];  // rows that saw no key (saw_no_key)
+  bool any_empty = false;
   for (int64_t r = 0; r < nr; ++r) {
     lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
-    any_empty |= lse[r] == kNegInf;
+    empty[r] = saw_no_key(p, job.b, job.h, job.i0 + r);
+    any_empty |= empty[r];
   }
-  // Such a row's P and dS are 0, but its Q and dO rows still enter the dK and dV products, where
-  // 0 · NaN or 0 · inf would be NaN: the gradient of a row that saw no key must be 0 and reach
-  // no key (docs/semantics.md, 'Fully masked rows'). So its rows are zeros in the block's copies.
+  // Such a row's dS is 0, but its Q and dO rows still enter the dK and dV products, where 0 · NaN
+  // or 0 · inf would be NaN (and with a sink its P may be a few ulp above 0): the gradient of a
+  // row that saw no key must be 0 and reach no key (docs/semantics.md, 'Fully masked rows'). So
+  // its rows are zeros in the block's copies.
   if (any_empty) {
     const auto zero_empty_rows = [&](const float* src, int64_t ld, int64_t width, float* pad, int64_t ldp) {
       for (int64_t r = 0; r < nr; ++r) {
-        if (lse[r] == kNegInf)
+        if (empty[r])
           std::fill(pad + r * ldp, pad + r * ldp + width, 0.0f);
         else if (src != pad)  // (whole_vectors may have made this copy already)
           std::copy(src + r * ld, src + r * ld + width, pad + r * ldp);
@@ -635,7 +653,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     // dS = 0 times an infinite K row is NaN: a row that saw no key keeps dQ = 0.
     if (any_empty)
       for (int64_t r = 0; r < nr; ++r)
-        if (lse[r] == kNegInf) std::fill(dq + r * lddq, dq + r * lddq + D, 0.0f);
+        if (empty[r]) std::fill(dq + r * lddq, dq + r * lddq + D, 0.0f);
   }
 }
 
@@ -828,17 +846,12 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   // The sink z_h: dz_h = −Σ_{b,i} exp(z_h − lse_i) · D_i, summed in a fixed order (any thread
   // count gives the same bits); a NaN row gives NaN. A row that saw no key (lse = z_h, out = 0: a
   // constant) adds nothing, as in the reference, also where its dO holds a NaN (0 · NaN).
-  const auto saw_no_key = [&](int64_t b, int64_t h, int64_t i) {
-    if (p.lse(b, h, i, 0) != f.edits.sinks[h]) return false;
-    const float* o = p.out.row(b, h, i);
-    return std::all_of(o, o + f.d_v(), [](float x) { return x == 0.0f; });
-  };
   if (f.edits.sinks && p.dsinks)
     for (int64_t h = 0; h < H; ++h) {
       double acc = 0.0;
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Tq; ++i) {
-          if (saw_no_key(b, h, i)) continue;
+          if (saw_no_key(p, b, h, i)) continue;
           const double pz = std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(b, h, i, 0));
           acc -= pz * rowdot[(b * H + h) * Tq + i];
         }

@@ -22,6 +22,12 @@
 
 namespace mha::kernels {
 
+namespace {
+/// log of the smallest probability the float32 kernels keep: their exp (exp_nonpositive) is 0 below
+/// −87, where e^x nears float32's smallest normal number.
+constexpr double kMinLogProbability = -87.0;
+}  // namespace
+
 size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
   const SdpaParams& f = p.fwd;
   return static_cast<size_t>(f.t_k() * (4 + f.d() + f.d_v()) + f.heads());
@@ -94,7 +100,17 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
           double sum = f.edits.sinks ? std::exp(sink - row_max) : 0.0;
           for (int64_t j = 0; j < Tk; ++j)
             if (prob[j] != kNegInfDouble) sum += std::exp(prob[j] - row_max);
-          for (int64_t j = 0; j < Tk; ++j) prob[j] = prob[j] == kNegInfDouble ? 0.0 : std::exp(prob[j] - row_max) / sum;
+          // A probability below e^−87 is exactly 0, as the float32 kernels' exp gives it (and then
+          // dS_j = 0, whatever dp_j holds): so a NaN in such a key's V row reaches dK on no path.
+          const double log_sum = std::log(sum);
+          for (int64_t j = 0; j < Tk; ++j) {
+            if (prob[j] == kNegInfDouble) {  // hidden (or a −inf score): 0, also in a NaN row
+              prob[j] = 0.0;
+              continue;
+            }
+            const double x = prob[j] - row_max - log_sum;  // log p_j
+            prob[j] = x < kMinLogProbability ? 0.0 : std::exp(x);
+          }
 
           // Forward step 4: out_i = Σ_j p̃_j v_j with p̃_j = p_j · keep_ij · keep_scale. So
           //   dv_j += p̃_j · do_i      and      dp_j = keep_ij · keep_scale · (do_i · v_j).
