@@ -107,14 +107,20 @@ int mpi_count(int64_t n, const char* what) {
 Tensor gather_sequence(MPI_Comm comm, const Tensor& local, int64_t seq_len, SeqLayout layout) {
   const int P = comm_size(comm), me = comm_rank(comm);
   std::string err;
+  // Every local check sets err, none throws: a rank that threw alone would leave the others
+  // waiting in check_collectively's reduction.
   if (local.dim() != 4)
     err = "gather_sequence: local must be (B, H, T_local, D), got " + shape_str(local.shape());
-  else if (local.size(2) != local_length(seq_len, P, me, layout))
+  else if (seq_len < 0)
+    err = "gather_sequence: seq_len must be >= 0, got " + std::to_string(seq_len);
+  else if (const int64_t held = local_length(seq_len, P, me, layout); local.size(2) != held)
     err = "gather_sequence: local has " + std::to_string(local.size(2)) + " rows, this rank holds " +
-          std::to_string(local_length(seq_len, P, me, layout)) + " of " + std::to_string(seq_len);
+          std::to_string(held) + " of " + std::to_string(seq_len);
   check_collectively(comm, err);
   const int64_t B = local.size(0), H = local.size(1), D = local.size(3);
-  check_same_everywhere(comm, {B, H, D, seq_len}, "gather_sequence (B, H, D, T)");
+  // The layout too: ranks that cut the sequence differently would gather other rows (or counts
+  // that disagree, which MPI aborts on).
+  check_same_everywhere(comm, {B, H, D, seq_len, static_cast<int64_t>(layout)}, "gather_sequence (B, H, D, T, layout)");
   std::vector<int> counts(static_cast<size_t>(P)), displs(static_cast<size_t>(P));
   int64_t total = 0;
   for (int r = 0; r < P; ++r) {

@@ -369,6 +369,27 @@ TEST(BadUse, MismatchedGlobalShapesAcrossRanks) {
   EXPECT_NE(err.find("rank "), std::string::npos) << err;
 }
 
+// gather_sequence with arguments that disagree: a layout on the last rank only (each rank's rows cut
+// for the layout it names) gave other rows with no error, or counts MPI aborted on; a negative
+// length on one rank threw there alone and left the others waiting. Both are errors everywhere.
+TEST(BadUse, GatherSequenceArgumentsThatDisagree) {
+  if (ranks() == 1) GTEST_SKIP() << "needs two ranks";
+  const int P = ranks(), me = rank();
+  for (int64_t T : {8, 7}) {
+    const Tensor x = mha::testing::random_tensor({1, 2, T, 3}, 5);
+    const SeqLayout mine = me == P - 1 ? SeqLayout::Zigzag : SeqLayout::Contiguous;
+    const Tensor local = dist::take_sequence(x, P, me, mine);
+    const std::string err = mha::testing::error_of([&] { dist::gather_sequence(MPI_COMM_WORLD, local, T, mine); });
+    EXPECT_NE(err.find("differ across ranks"), std::string::npos) << "T = " << T << ": " << err;
+  }
+  const Tensor x = mha::testing::random_tensor({1, 2, 8, 3}, 6);
+  const Tensor local = dist::take_sequence(x, P, me, SeqLayout::Contiguous);
+  const int64_t T = me == P - 1 ? -1 : 8;
+  const std::string err =
+      mha::testing::error_of([&] { dist::gather_sequence(MPI_COMM_WORLD, local, T, SeqLayout::Contiguous); });
+  EXPECT_NE(err.find("seq_len must be >= 0, got -1"), std::string::npos) << err;
+}
+
 // Causal offsets and windows out of range are refused on every rank before any exchange: an inner
 // sdpa that threw on one rank alone (a local block's offset q0 − k0 + offset past sdpa's ±2⁴⁰, or
 // a window past 2⁴⁰) would leave the others waiting in the ring.
