@@ -210,8 +210,8 @@ class MultiheadAttention(_torch.nn.Module):
         args = list(self._core_args)
         for attr, (i, kind) in self._LIVE_ARGS.items():
             value = getattr(self, attr)
-            if kind is float and (isinstance(value, (bool, np.bool_)) or
-                                  not isinstance(value, (int, float, np.integer, np.floating))):
+            # (torch takes dropout=False as 0.0, and so does float(): bool is an int)
+            if kind is float and not isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
                 raise TypeError(f"{fn}: {attr} must be a float, got {type(value).__name__}")
             args[i] = kind(value)
         if tuple(args) != self._core_args:

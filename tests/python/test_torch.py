@@ -425,3 +425,11 @@ def test_errors_name_the_forward_the_user_called():
     for need_weights in (True, False):
         with pytest.raises(ValueError, match=r"^mha\.torch\.MultiheadAttention\.forward: attn_mask"):
             m(x, x, x, attn_mask=torch.zeros(4, 4), need_weights=need_weights)
+
+
+def test_dropout_false_is_zero_as_in_torch():
+    m = mt.MultiheadAttention(8, 2, dropout=False, batch_first=True)
+    x = torch.randn(1, 3, 8)
+    out, _ = m(x, x, x)
+    m.dropout = 0.0
+    torch.testing.assert_close(m(x, x, x)[0], out, atol=0, rtol=0)
