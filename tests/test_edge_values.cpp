@@ -123,9 +123,11 @@ void for_each_forward(const Case& c, const std::function<void(const Fwd&, Path)>
   });
 }
 
-SdpaGradTensors backward(const Case& c, Backend backend) {
+/// The backward of c on `backend`, d out random (seed 99) and then edited by `edit_d_out`.
+SdpaGradTensors backward(const Case& c, Backend backend, const std::function<void(Tensor&)>& edit_d_out = {}) {
   const Fwd f = forward(c, Path::Reference);
-  const Tensor d_out = random_tensor(f.out.shape(), 99);
+  Tensor d_out = random_tensor(f.out.shape(), 99);
+  if (edit_d_out) edit_d_out(d_out);
   SdpaGradTensors g{Tensor(c.q.shape()), Tensor(c.k.shape()), Tensor(c.v.shape())};
   SdpaOptions opt = c.opt;
   opt.backend = backend;
@@ -329,9 +331,32 @@ TEST(Infinity, VisiblePlusInfScoreMakesTheRowNaNOnEveryPath) {
   Case d(1, 1, 3, 70, 4, 31);
   for (int64_t j = 0; j < d.Tk; ++j) d.k.at({0, 0, j, 0}) = 0.5f + std::abs(d.k.at({0, 0, j, 0}));
   d.q.at({0, 0, 1, 0}) = kInf;
-  for_each_forward(d, [&](const Fwd& f, Path) {
+  for_each_forward(d, [&](const Fwd& f, Path p) {
     EXPECT_TRUE(row_nan(f.out, 0, 0, 1) && std::isnan(f.lse.at({0, 0, 1, 0})));
     EXPECT_TRUE(row_finite(f.out, 0, 0, 0) && row_finite(f.out, 0, 0, 2));
+    if (p == Path::ReferenceWithWeights) {
+      EXPECT_TRUE(row_nan(f.weights, 0, 0, 1) && row_finite(f.weights, 0, 0, 0));
+    }
+  });
+  // As a visible NaN: the row's gradient is NaN for its query and for the keys it sees.
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+    const SdpaGradTensors g = backward(d, be);
+    EXPECT_TRUE(row_nan(g.dq, 0, 0, 1));
+    EXPECT_TRUE(row_finite(g.dq, 0, 0, 0) && row_finite(g.dq, 0, 0, 2));
+    for (int64_t j : {0, 35, 69}) EXPECT_TRUE(row_nan(g.dk, 0, 0, j) && row_nan(g.dv, 0, 0, j)) << j;
+  }
+  // A +inf additive mask entry at one visible position: that row alone.
+  Case e(1, 1, 3, 70, 4, 33);
+  e.bias = Tensor({1, 1, 3, 70}, 0.0f);
+  e.bias.at({0, 0, 2, 40}) = kInf;
+  e.opt.masks.bias.view = e.bias.view4();
+  for_each_forward(e, [&](const Fwd& f, Path p) {
+    EXPECT_TRUE(row_nan(f.out, 0, 0, 2) && std::isnan(f.lse.at({0, 0, 2, 0})));
+    EXPECT_TRUE(row_finite(f.out, 0, 0, 0) && row_finite(f.out, 0, 0, 1));
+    if (p == Path::ReferenceWithWeights) {
+      EXPECT_TRUE(row_nan(f.weights, 0, 0, 2));
+    }
   });
 }
 
@@ -340,11 +365,12 @@ TEST(Infinity, VisiblePlusInfScoreMakesTheRowNaNOnEveryPath) {
 /// the fused ones and in PyTorch; before 2026-12-07 the reference skipped such V rows and gave a
 /// finite row. The backward passes agree too: NaN reaches dQ of the rows that read the key.
 TEST(NaN, ValueOfAVisibleKeyWithProbabilityZeroIsStillRead) {
-  Case c(1, 1, 2, 2, 1, 37);
+  Case c(1, 1, 2, 3, 1, 37);
   c.q.at({0, 0, 0, 0}) = c.q.at({0, 0, 1, 0}) = 1.0f;
   c.k.at({0, 0, 0, 0}) = 200.0f;
   c.k.at({0, 0, 1, 0}) = -200.0f;
-  c.v.at({0, 0, 1, 0}) = kNaN;
+  c.k.at({0, 0, 2, 0}) = 110.0f;  // p = e^−90: a float32 subnormal, below the kernels' e^−87
+  c.v.at({0, 0, 1, 0}) = c.v.at({0, 0, 2, 0}) = kNaN;
   for_each_forward(c, [&](const Fwd& f, Path) {
     EXPECT_TRUE(row_nan(f.out, 0, 0, 0) && row_nan(f.out, 0, 0, 1));
     EXPECT_TRUE(std::isfinite(f.lse.at({0, 0, 0, 0})));  // the scores are finite: only out meets the NaN
@@ -353,9 +379,10 @@ TEST(NaN, ValueOfAVisibleKeyWithProbabilityZeroIsStillRead) {
     SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
     const SdpaGradTensors g = backward(c, be);
     EXPECT_TRUE(std::isnan(g.dq.at({0, 0, 0, 0})));
-    // Its probability (e^−400) is 0 on every path (below e^−87, where the float32 exp gives 0),
-    // so dS of key 1 is 0 and its dK takes no NaN: the reference's double would keep e^−400.
+    // Their probabilities (e^−400, e^−90) are 0 on every path (below e^−87, where the float32
+    // exp gives 0), so their dS is 0 and their dK takes no NaN: a double would keep them.
     EXPECT_EQ(g.dk.at({0, 0, 1, 0}), 0.0f);
+    EXPECT_EQ(g.dk.at({0, 0, 2, 0}), 0.0f);
   }
 
   // Dropout: which keys are dropped depends on the seed only; poison the V row of one that is.
@@ -397,10 +424,27 @@ TEST(Infinity, RowWhoseVisibleScoresAreAllMinusInfIsFullyMasked) {
       SCOPED_TRACE(std::string(with_sinks ? "sinks, " : "") + std::to_string(threads) + " threads");
       c.opt.threads = threads;
       c.opt.sinks.logits = with_sinks ? std::span<const float>(sinks.data(), 1) : std::span<const float>();
-      const SdpaGradTensors ref = backward(c, Backend::Reference), fused = backward(c, Backend::Fused);
+      // Row 1's d out holds NaN and ±inf: its gradient reaches nothing, so each backend gives the
+      // same bits as with that row zero.
+      const auto poison_row_1 = [](Tensor& d_out) {
+        for (int64_t x = 0; x < d_out.size(3); ++x)
+          d_out.at({0, 0, 1, x}) = x % 3 == 0 ? kNaN : (x % 3 == 1 ? kInf : -kInf);
+      };
+      const auto zero_row_1 = [](Tensor& d_out) {
+        for (int64_t x = 0; x < d_out.size(3); ++x) d_out.at({0, 0, 1, x}) = 0.0f;
+      };
+      const SdpaGradTensors ref = backward(c, Backend::Reference, poison_row_1),
+                            fused = backward(c, Backend::Fused, poison_row_1);
       for (const SdpaGradTensors* g : {&ref, &fused}) {
         for (int64_t x = 0; x < c.D; ++x) EXPECT_EQ(g->dq.at({0, 0, 1, x}), 0.0f);
         EXPECT_TRUE(all_finite(g->dq) && all_finite(g->dk) && all_finite(g->dv));
+      }
+      for (Backend be : {Backend::Reference, Backend::Fused}) {
+        SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+        const SdpaGradTensors& got = be == Backend::Fused ? fused : ref;
+        const SdpaGradTensors want = backward(c, be, zero_row_1);
+        EXPECT_TRUE(testing::bitwise_equal(got.dk, want.dk));
+        EXPECT_TRUE(testing::bitwise_equal(got.dv, want.dv));
       }
       EXPECT_TRUE(all_close(fused.dk, ref.dk, 1e-4, 1e-4));
       EXPECT_TRUE(all_close(fused.dv, ref.dv, 1e-4, 1e-4));
@@ -422,6 +466,24 @@ TEST(Infinity, RowWhoseVisibleScoresAreAllMinusInfIsFullyMasked) {
         EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
       }
     }
+
+  // −inf additive terms on every key row 1 sees: the same fully masked row, d out's NaN row too.
+  Case a(1, 1, 3, 70, 4, 53);
+  a.bias = Tensor({1, 1, 3, 70}, 0.0f);
+  for (int64_t j = 0; j < 70; ++j) a.bias.at({0, 0, 1, j}) = -kInf;
+  a.opt.masks.bias.view = a.bias.view4();
+  for_each_forward(a, [&](const Fwd& f, Path) {
+    for (int64_t x = 0; x < a.Dv; ++x) EXPECT_EQ(f.out.at({0, 0, 1, x}), 0.0f);
+    EXPECT_EQ(f.lse.at({0, 0, 1, 0}), -kInf);
+  });
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+    const SdpaGradTensors g = backward(a, be, [](Tensor& d_out) {
+      for (int64_t x = 0; x < d_out.size(3); ++x) d_out.at({0, 0, 1, x}) = kNaN;
+    });
+    for (int64_t x = 0; x < a.D; ++x) EXPECT_EQ(g.dq.at({0, 0, 1, x}), 0.0f);
+    EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
+  }
 }
 
 /// A cache of one K/V head (d = 4) holding k and v, (1, 1, 40, 4) each.

@@ -605,8 +605,12 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
         if (f.edits.alibi()) x += alibi_bias(slope, i + cx.alibi_offset, j);
       }
   }
-  // Forward "softmax": P = exp(S − lse).
+  // Forward "softmax": P = exp(S − lse). A row that saw no key has P = 0 (with a sink its lse is
+  // finite, and its zeroed Q scored 0 above, not −inf).
   probabilities(s, lse, nr, cols, prob);
+  if (any_empty)
+    for (int64_t r = 0; r < nr; ++r)
+      if (empty[r]) std::fill(prob + r * kBc, prob + (r + 1) * kBc, 0.0f);
   // Dropout's keep/(1 − p) on both P̃ and dP.
   const float* p_used = prob;  // P̃
   if (f.dropout.active()) {
