@@ -163,19 +163,25 @@ TEST_P(SdpaGolden, Bf16WithinItsPrecision) {
   const mha::BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
   Tensor out({c.q.shape()[0], c.q.shape()[1], c.q.shape()[2], c.v.shape()[3]});
   Tensor lse4({c.q.shape()[0], c.q.shape()[1], c.q.shape()[2], 1});
-  c.opt.backend = mha::Backend::Fused;
-  mha::sdpa(qb.view4(), kb.view4(), vb.view4(), c.opt, {out.view4(), {}, lse4.view4()});
   Tensor lse(c.file.read_f32("expected.lse").shape());  // (B, h, T_q), as the owning form returns it
-  std::copy(lse4.data(), lse4.data() + lse4.numel(), lse.data());
   c.opt.backend = mha::Backend::Reference;
   const mha::SdpaResult same_inputs = mha::sdpa(widened(qb), widened(kb), widened(vb), c.opt, mha::Want::Lse);
   const Tensor want_out = c.file.read_f32("expected.out"), want_lse = c.file.read_f32("expected.lse");
   const double vmax = mha::testing::max_abs(c.v), delta = (2 * u + u * u) * max_abs_score(c.q, c.k, c.scale());
   const double kernel_bound = u * vmax + kAtol, torch_bound = (2 * u + std::expm1(2 * delta)) * vmax + kAtol;
-  EXPECT_TRUE(mha::testing::all_close(out, same_inputs.out, kernel_bound, 0));
-  EXPECT_TRUE(mha::testing::all_close(lse, same_inputs.lse, kAtol, kRtol));
-  EXPECT_TRUE(mha::testing::all_close(out, want_out, torch_bound, 0));
-  EXPECT_TRUE(mha::testing::all_close(lse, want_lse, delta + kAtol, kRtol));
+  // Every SIMD target: the dot-product, AMX (where present) and widened-FMA paths all keep the bounds.
+  c.opt.backend = mha::Backend::Fused;
+  mha::testing::for_each_fused_target([&] {
+    mha::sdpa(qb.view4(), kb.view4(), vb.view4(), c.opt, {out.view4(), {}, lse4.view4()});
+    std::copy(lse4.data(), lse4.data() + lse4.numel(), lse.data());
+    EXPECT_TRUE(mha::testing::all_close(out, same_inputs.out, kernel_bound, 0));
+    EXPECT_TRUE(mha::testing::all_close(lse, same_inputs.lse, kAtol, kRtol));
+    EXPECT_TRUE(mha::testing::all_close(out, want_out, torch_bound, 0));
+    EXPECT_TRUE(mha::testing::all_close(lse, want_lse, delta + kAtol, kRtol));
+  });
+  // The figures of the target this CPU dispatches to.
+  mha::sdpa(qb.view4(), kb.view4(), vb.view4(), c.opt, {out.view4(), {}, lse4.view4()});
+  std::copy(lse4.data(), lse4.data() + lse4.numel(), lse.data());
   std::printf("%-40s kernel %.2e of %.2e; vs PyTorch f32: out %.2e of %.2e, lse %.2e of %.2e\n",
               fs::path(GetParam()).stem().c_str(), max_error(out, same_inputs.out), kernel_bound,
               max_error(out, want_out), torch_bound, max_error(lse, want_lse), delta + kAtol);
