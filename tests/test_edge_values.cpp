@@ -486,6 +486,50 @@ TEST(Infinity, RowWhoseVisibleScoresAreAllMinusInfIsFullyMasked) {
   }
 }
 
+/// The same with a softcap: the empty row's zeroed query against an infinite K row scores 0 · inf
+/// (NaN) in the backward's recomputation, whose softcap factor must not reach dK. Other rows see
+/// that key (a capped ±inf score: its factor 0), so their dQ meets 0 · inf as in PyTorch.
+TEST(Infinity, FullyMaskedRowUnderASoftcapGivesNoGradient) {
+  Case c(1, 1, 3, 70, 4, 59);
+  c.opt.softcap = 5.0f;
+  c.bias = Tensor({1, 1, 3, 70}, 0.0f);
+  for (int64_t j = 0; j < 70; ++j) c.bias.at({0, 0, 1, j}) = -kInf;
+  c.opt.masks.bias.view = c.bias.view4();
+  c.k.at({0, 0, 40, 0}) = kInf;
+  for (const std::vector<float>& sinks : {std::vector<float>{}, std::vector<float>{0.5f}}) {
+    SCOPED_TRACE(sinks.empty() ? "no sink" : "sink");
+    c.opt.sinks.logits = sinks;
+    const SdpaGradTensors ref = backward(c, Backend::Reference), fused = backward(c, Backend::Fused);
+    for (const SdpaGradTensors* g : {&ref, &fused}) {
+      for (int64_t x = 0; x < c.D; ++x) EXPECT_EQ(g->dq.at({0, 0, 1, x}), 0.0f);
+      EXPECT_TRUE(all_finite(g->dk) && all_finite(g->dv));
+    }
+    EXPECT_TRUE(all_close(fused.dk, ref.dk, 1e-4, 1e-4));
+  }
+}
+
+/// A row that sees a key whose weight vanishes beside a sink (e^−200) has the output 0 and the lse
+/// of an empty row, yet it saw a key: its NaN d out reaches dV and d sinks on both backends, as
+/// differentiating the forward would (0 · NaN), instead of being taken for a fully masked row.
+TEST(NaN, RowWhoseKeysWeightVanishesBesideASinkIsNotFullyMasked) {
+  const Tensor q({1, 1, 1, 2}, 0.0f), k({1, 1, 1, 2}, 0.0f), v({1, 1, 1, 2}, 1.0f);
+  const std::vector<float> sinks{200.0f};
+  SdpaOptions opt;
+  opt.sinks.logits = sinks;
+  opt.backend = Backend::Reference;
+  const SdpaResult f = sdpa(q, k, v, opt, Want::Lse);
+  ASSERT_EQ(f.lse.at({0, 0, 0}), 200.0f);
+  ASSERT_EQ(f.out.at({0, 0, 0, 0}), 0.0f);
+  const Tensor d_out({1, 1, 1, 2}, kNaN);
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+    opt.backend = be;
+    const SdpaGradTensors g = sdpa_backward(q, k, v, f.out, d_out, f.lse, opt);
+    EXPECT_TRUE(std::isnan(g.dv.at({0, 0, 0, 0})));
+    EXPECT_TRUE(std::isnan(g.dsinks.at({0})));
+  }
+}
+
 /// A cache of one K/V head (d = 4) holding k and v, (1, 1, 40, 4) each.
 KvCache cache_of(const Tensor& k, const Tensor& v) {
   KvCacheConfig cc;

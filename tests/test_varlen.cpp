@@ -28,6 +28,7 @@ using testing::max_abs;
 using testing::random_tensor;
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 std::vector<int64_t> offsets(const std::vector<int64_t>& lens) {
   std::vector<int64_t> cu{0};
@@ -189,6 +190,23 @@ void expect_packed_equals_each_sequence(const Packed& c, Backend backend) {
   ASSERT_EQ(grads.dsinks.numel(), static_cast<int64_t>(c.sinks.size()));
   for (size_t h = 0; h < dsinks.size(); ++h)  // sums in another order: within rounding
     EXPECT_NEAR(grads.dsinks.data()[h], dsinks[h], 1e-4 * (1.0 + std::fabs(dsinks[h]))) << "head " << h;
+}
+
+/// A sequence with no keys (its rows see nothing: out 0, lse the sink logit) and NaN in its rows of
+/// d out adds nothing to the packed sink gradient, on both backends, as one sequence alone gives:
+/// the packed sum skipped only rows whose d out · out was 0, and NaN · 0 is not.
+TEST(Varlen, SequenceWithoutKeysAddsNothingToTheSinkGradient) {
+  Packed c({2, 3}, {0, 4}, 2, 1, 8, 8, Causal{}, 61);
+  c.sinks = {0.25f, -0.5f};
+  for (int64_t i = 0; i < 2; ++i)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t x = 0; x < c.Dv; ++x) c.dout.at({i, h, x}) = kNaN;
+  for (Backend backend : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(backend == Backend::Fused ? "fused" : "reference");
+    const SdpaGradTensors g = c.backward(backend);
+    for (int64_t h = 0; h < c.H; ++h) EXPECT_TRUE(std::isfinite(g.dsinks.at({h}))) << "head " << h;
+    expect_packed_equals_each_sequence(c, backend);
+  }
 }
 
 TEST(Varlen, EachPathEqualsPerSequenceSdpaBitwise) {

@@ -33,6 +33,13 @@ struct SdpaBackwardParams {
   float* dsinks = nullptr;  // (h): ∂L/∂(sink logit) when fwd.edits.sinks is set, else unused (may be null)
 };
 
+/// Whether query row (b, h, i) saw no key in the forward: every key hidden from it or scoring −inf
+/// (its output is then 0, a constant, and it gives nothing to any gradient). From lse where that
+/// decides it (−inf: yes; without a sink, finite or NaN: no); with a sink, whose logit is then the
+/// lse, by going over the row's keys (rare: a row whose lse is exactly the sink logit and whose
+/// output is 0; a row that saw keys whose weight rounds away beside the sink's is not empty).
+bool row_saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i);
+
 // ---- the reference oracle: plain loops, double accumulation, single-threaded ----------------
 /// Recomputes each row's softmax in double (reads neither out nor lse).
 size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p);

@@ -151,7 +151,7 @@ inline Scheme scheme_for(const SdpaParams& f) {
 /// Scheme::PerHead, each (batch, query head)'s share of dK and dV, (B, h, T_k) rows of ldk / ldv;
 /// with dense_dq, dQ of every (batch, head, query) in rows of ldk floats.
 struct Shared {
-  int64_t rowdot = 0, q = 0, dout = 0, dk_heads = 0, dv_heads = 0, dq = 0, total = 0;
+  int64_t rowdot = 0, empty = 0, q = 0, dout = 0, dk_heads = 0, dv_heads = 0, dq = 0, total = 0;
 };
 inline Shared shared_for(const SdpaParams& f, DenseCopies dense) {
   Shared S;
@@ -160,6 +160,7 @@ inline Shared shared_for(const SdpaParams& f, DenseCopies dense) {
                 ldv = round_up(f.d_v(), kMaxLanes);
   const int64_t key_rows = scheme_for(f) == Scheme::PerHead ? f.batch() * f.heads() * f.t_k() : 0;
   S.rowdot = c.take(rows);
+  S.empty = c.take(rows);
   S.q = c.take(dense.q_dout ? rows * ldk : 0);
   S.dout = c.take(dense.q_dout ? rows * ldv : 0);
   S.dk_heads = c.take(key_rows * ldk);
@@ -190,6 +191,7 @@ struct Ctx {
   int64_t alibi_offset = 0;
   float keep_scale = 1.0f;
   const float* rowdot = nullptr;  // D = rowsum(dO ∘ O), (B, h, T_q) contiguous
+  const float* empty = nullptr;   // 1 where the row saw no key (row_saw_no_key), else 0; (B, h, T_q)
   // With dense_rows: Q and dO as (B, h, T_q) rows of L.ldk / L.ldv floats; else null.
   const float* dense_q = nullptr;
   const float* dense_dout = nullptr;
@@ -237,19 +239,13 @@ inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
   }
 }
 
-/// Whether row (b, h, i) saw no key in the forward: lse −inf, or with attention sinks lse equal to
-/// the head's sink logit and an output row of zeros (the sink took all the mass; a row that saw
-/// keys whose weight rounds away beside the sink's takes nothing from them either). Such a row's
-/// output is a constant: it gives nothing to any gradient.
-inline bool saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i) {
-  const float lse = p.lse(b, h, i, 0);
-  if (lse == -std::numeric_limits<float>::infinity()) return true;
-  if (!p.fwd.edits.sinks || lse != p.fwd.edits.sinks[h]) return false;
-  const float* o = p.out.row(b, h, i);
-  const int64_t os = p.out.stride[3];
-  for (int64_t c = 0; c < p.fwd.d_v(); ++c)
-    if (o[c * os] != 0.0f) return false;
-  return true;
+/// out[(b·h + h)·T_q + i] = 1 where row (b, h, i) saw no key (row_saw_no_key), else 0.
+inline void empty_rows(const SdpaBackwardParams& p, float* out, int threads) {
+  const SdpaParams& f = p.fwd;
+  const int64_t B = f.batch(), H = f.heads(), Tq = f.t_q();
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t i = 0; i < Tq; ++i) out[bh * Tq + i] = row_saw_no_key(p, bh / H, bh % H, i) ? 1.0f : 0.0f;
 }
 
 /// True when block [j0, j1) of batch b contains a key that is never read: padded, or with
@@ -511,11 +507,11 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   const int64_t lddq = cx.dense_dq ? cx.L.ldk : p.dq.stride[2];
   float* const dq = cx.dense_dq ? cx.dense_dq + row0 * lddq : p.dq.row(job.b, job.h, job.i0);
   float lse[64];
-  bool empty[64];  // rows that saw no key (saw_no_key)
+  bool empty[64];  // rows that saw no key (row_saw_no_key)
   bool any_empty = false;
   for (int64_t r = 0; r < nr; ++r) {
     lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
-    empty[r] = saw_no_key(p, job.b, job.h, job.i0 + r);
+    empty[r] = cx.empty[row0 + r] != 0.0f;
     any_empty |= empty[r];
   }
   // Such a row's dS is 0, but its Q and dO rows still enter the dK and dV products, where 0 · NaN
@@ -639,6 +635,11 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   if (f.edits.capped())
     for (int64_t r = 0; r < nr; ++r)
       for (int64_t c = 0; c < nc; ++c) s[r * kBc + c] *= cap[r * kBc + c];
+  // A row that saw no key: dS = 0, also where its zeroed Q met an infinite K row (0 · inf in S
+  // made the softcap factor NaN).
+  if (any_empty)
+    for (int64_t r = 0; r < nr; ++r)
+      if (empty[r]) std::fill(s + r * kBc, s + (r + 1) * kBc, 0.0f);
   // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
   if (dk_acc) {
     for (int64_t c0 = 0; c0 < nc; c0 += group) {
@@ -840,6 +841,9 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   float* rowdot = plan.shared_part(workspace) + shared.rowdot;
   cx.rowdot = rowdot;
   row_dots(p, rowdot, threads);
+  float* empty = plan.shared_part(workspace) + shared.empty;
+  cx.empty = empty;
+  empty_rows(p, empty, threads);
   if (dense.q_dout) {
     float* q = plan.shared_part(workspace) + shared.q;
     float* dout = plan.shared_part(workspace) + shared.dout;
@@ -855,7 +859,7 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
       double acc = 0.0;
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Tq; ++i) {
-          if (saw_no_key(p, b, h, i)) continue;
+          if (empty[(b * H + h) * Tq + i] != 0.0f) continue;
           const double pz = std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(b, h, i, 0));
           acc -= pz * rowdot[(b * H + h) * Tq + i];
         }

@@ -28,6 +28,30 @@ namespace {
 constexpr double kMinLogProbability = -87.0;
 }  // namespace
 
+bool row_saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i) {
+  const SdpaParams& f = p.fwd;
+  const float lse = p.lse(b, h, i, 0);
+  if (lse == -std::numeric_limits<float>::infinity()) return true;
+  if (!f.edits.sinks || lse != f.edits.sinks[h]) return false;
+  for (int64_t c = 0; c < f.d_v(); ++c)
+    if (p.out(b, h, i, c) != 0.0f) return false;
+  // The scores as the reference forms them (score edits included): any that is not −inf was seen.
+  const View4<const float> q = f.q.as<float>(), k = f.k.as<float>();
+  const int64_t g = h / f.group(), causal_offset = f.masks.causal.offset_for(f.t_q(), f.t_k());
+  const int64_t alibi_off = alibi_offset(f);
+  for (int64_t j = 0; j < f.t_k(); ++j) {
+    if (key_hidden(f, b, h, i, j, causal_offset)) continue;
+    double dot = 0.0;
+    for (int64_t c = 0; c < f.d(); ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
+    double s = static_cast<double>(f.scale) * dot;
+    if (f.edits.capped()) s = softcap_score(s, static_cast<double>(f.edits.softcap));
+    s += additive_terms(f, b, h, i, j);
+    if (f.edits.alibi()) s += static_cast<double>(f.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
+    if (s != kNegInfDouble) return false;
+  }
+  return true;
+}
+
 size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p) {
   const SdpaParams& f = p.fwd;
   return static_cast<size_t>(f.t_k() * (4 + f.d() + f.d_v()) + f.heads());

@@ -68,11 +68,16 @@ inline void packed_sinks_gradient(const SdpaBackwardParams& p) {
   const SdpaParams& f = p.fwd;
   for (int64_t h = 0; h < f.heads(); ++h) {
     double acc = 0.0;
-    for (int64_t i = 0; i < f.t_q(); ++i) {
-      double dot = 0.0;
-      for (int64_t c = 0; c < f.d_v(); ++c) dot += static_cast<double>(p.dout(0, h, i, c)) * p.out(0, h, i, c);
-      if (dot != 0.0)  // a fully masked row (out = 0) adds nothing; NaN ≠ 0 propagates
-        acc -= std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(0, h, i, 0)) * dot;
+    // Sequence by sequence, so that a row's keys are its own sequence's (row_saw_no_key): rows in order.
+    for (int64_t s = 0; s < f.varlen.seqs; ++s) {
+      const SdpaBackwardParams r = sequence_params(p, s);
+      for (int64_t i = 0; i < r.fwd.t_q(); ++i) {
+        // A row that saw no key adds nothing, also where its d out holds a NaN (0 · NaN).
+        if (row_saw_no_key(r, 0, h, i)) continue;
+        double dot = 0.0;
+        for (int64_t c = 0; c < f.d_v(); ++c) dot += static_cast<double>(r.dout(0, h, i, c)) * r.out(0, h, i, c);
+        acc -= std::exp(static_cast<double>(f.edits.sinks[h]) - r.lse(0, h, i, 0)) * dot;
+      }
     }
     p.dsinks[h] = static_cast<float>(acc);
   }
