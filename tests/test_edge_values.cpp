@@ -530,6 +530,28 @@ TEST(NaN, RowWhoseKeysWeightVanishesBesideASinkIsNotFullyMasked) {
   }
 }
 
+/// A score past float's range (1e20 · −1e20) is −inf on the float paths: the row saw nothing, and
+/// the backwards agree (the reference's double once kept −1e40 and gave the row a gradient).
+TEST(Infinity, ScorePastFloatRangeIsAFullyMaskedRowOnEveryPath) {
+  const Tensor q({1, 1, 1, 1}, 1e20f), k({1, 1, 1, 1}, -1e20f), v({1, 1, 1, 1}, 1.0f), d_out({1, 1, 1, 1}, 1.0f);
+  SdpaOptions opt;
+  opt.scale = 1.0f;
+  for (Backend fwd : {Backend::Reference, Backend::Fused}) {
+    opt.backend = fwd;
+    const SdpaResult f = sdpa(q, k, v, opt, Want::Lse);
+    EXPECT_EQ(f.out.at({0, 0, 0, 0}), 0.0f);
+    EXPECT_EQ(f.lse.at({0, 0, 0}), -kInf);
+    for (Backend be : {Backend::Reference, Backend::Fused}) {
+      SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+      opt.backend = be;
+      const SdpaGradTensors g = sdpa_backward(q, k, v, f.out, d_out, f.lse, opt);
+      EXPECT_EQ(g.dq.at({0, 0, 0, 0}), 0.0f);
+      EXPECT_EQ(g.dk.at({0, 0, 0, 0}), 0.0f);
+      EXPECT_EQ(g.dv.at({0, 0, 0, 0}), 0.0f);
+    }
+  }
+}
+
 /// A cache of one K/V head (d = 4) holding k and v, (1, 1, 40, 4) each.
 KvCache cache_of(const Tensor& k, const Tensor& v) {
   KvCacheConfig cc;

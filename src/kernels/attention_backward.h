@@ -41,7 +41,8 @@ struct SdpaBackwardParams {
 bool row_saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i);
 
 // ---- the reference oracle: plain loops, double accumulation, single-threaded ----------------
-/// Recomputes each row's softmax in double (reads neither out nor lse).
+/// Recomputes each row's softmax in double from the scores rounded to float as the forward rounds
+/// them (reads neither out nor lse, but for a packed batch's sink gradient, packed_sinks_gradient).
 size_t reference_backward_workspace_doubles(const SdpaBackwardParams& p);
 void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace);
 

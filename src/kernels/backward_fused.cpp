@@ -239,13 +239,12 @@ inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
   }
 }
 
-/// out[(b·h + h)·T_q + i] = 1 where row (b, h, i) saw no key (row_saw_no_key), else 0.
+/// out[(b·H + h)·T_q + i] = 1 where row (b, h, i) saw no key (row_saw_no_key), else 0.
 inline void empty_rows(const SdpaBackwardParams& p, float* out, int threads) {
   const SdpaParams& f = p.fwd;
-  const int64_t B = f.batch(), H = f.heads(), Tq = f.t_q();
+  const int64_t H = f.heads(), Tq = f.t_q(), rows = f.batch() * H * Tq;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    for (int64_t i = 0; i < Tq; ++i) out[bh * Tq + i] = row_saw_no_key(p, bh / H, bh % H, i) ? 1.0f : 0.0f;
+  for (int64_t r = 0; r < rows; ++r) out[r] = row_saw_no_key(p, r / Tq / H, r / Tq % H, r % Tq) ? 1.0f : 0.0f;
 }
 
 /// True when block [j0, j1) of batch b contains a key that is never read: padded, or with

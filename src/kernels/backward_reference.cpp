@@ -41,13 +41,19 @@ bool row_saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i
   const int64_t alibi_off = alibi_offset(f);
   for (int64_t j = 0; j < f.t_k(); ++j) {
     if (key_hidden(f, b, h, i, j, causal_offset)) continue;
+    // A −inf additive term hides the key whatever the product (a NaN or +inf product would have
+    // made the row's lse NaN, which is not the sink's): no product needed, so rows padded with
+    // −inf terms cost T_k tests, not T_k·d multiply-adds.
+    const double add = additive_terms(f, b, h, i, j);
+    if (add == kNegInfDouble) continue;
     double dot = 0.0;
     for (int64_t c = 0; c < f.d(); ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
     double s = static_cast<double>(f.scale) * dot;
     if (f.edits.capped()) s = softcap_score(s, static_cast<double>(f.edits.softcap));
-    s += additive_terms(f, b, h, i, j);
+    s += add;
     if (f.edits.alibi()) s += static_cast<double>(f.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
-    if (s != kNegInfDouble) return false;
+    // As the forward rounds it: a score past float's range is −inf there.
+    if (static_cast<float>(s) != -std::numeric_limits<float>::infinity()) return false;
   }
   return true;
 }
@@ -107,6 +113,9 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             prob[j] = t + additive_terms(f, b, h, i, j);
             if (f.edits.alibi())
               prob[j] += static_cast<double>(f.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
+            // Rounded to float as the forward's scores are: one past float's range is ±inf there
+            // (−inf: a key the row does not see, so a row of them saw nothing).
+            prob[j] = static_cast<float>(prob[j]);
             row_max = std::max(row_max, prob[j]);
             row_nan = row_nan || std::isnan(prob[j]);
           }
