@@ -192,6 +192,7 @@ struct Ctx {
   float keep_scale = 1.0f;
   const float* rowdot = nullptr;  // D = rowsum(dO ∘ O), (B, h, T_q) contiguous
   const float* empty = nullptr;   // 1 where the row saw no key (row_saw_no_key), else 0; (B, h, T_q)
+  bool any_empty = false;         // whether any row of the call saw no key (most calls: none)
   // With dense_rows: Q and dO as (B, h, T_q) rows of L.ldk / L.ldv floats; else null.
   const float* dense_q = nullptr;
   const float* dense_dout = nullptr;
@@ -239,12 +240,19 @@ inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
   }
 }
 
-/// out[(b·H + h)·T_q + i] = 1 where row (b, h, i) saw no key (row_saw_no_key), else 0.
-inline void empty_rows(const SdpaBackwardParams& p, float* out, int threads) {
+/// out[(b·H + h)·T_q + i] = 1 where row (b, h, i) saw no key (row_saw_no_key), else 0; returns
+/// whether any did.
+inline bool empty_rows(const SdpaBackwardParams& p, float* out, int threads) {
   const SdpaParams& f = p.fwd;
   const int64_t H = f.heads(), Tq = f.t_q(), rows = f.batch() * H * Tq;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < rows; ++r) out[r] = row_saw_no_key(p, r / Tq / H, r / Tq % H, r % Tq) ? 1.0f : 0.0f;
+  int64_t count = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : count)
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool none = row_saw_no_key(p, r / Tq / H, r / Tq % H, r % Tq);
+    out[r] = none ? 1.0f : 0.0f;
+    count += none ? 1 : 0;
+  }
+  return count > 0;
 }
 
 /// True when block [j0, j1) of batch b contains a key that is never read: padded, or with
@@ -506,11 +514,11 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   const int64_t lddq = cx.dense_dq ? cx.L.ldk : p.dq.stride[2];
   float* const dq = cx.dense_dq ? cx.dense_dq + row0 * lddq : p.dq.row(job.b, job.h, job.i0);
   float lse[64];
-  bool empty[64];  // rows that saw no key (row_saw_no_key)
+  bool empty[64];  // rows that saw no key (row_saw_no_key); read only where the call has such rows
   bool any_empty = false;
   for (int64_t r = 0; r < nr; ++r) {
     lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
-    empty[r] = cx.empty[row0 + r] != 0.0f;
+    empty[r] = cx.any_empty && cx.empty[row0 + r] != 0.0f;
     any_empty |= empty[r];
   }
   // Such a row's dS is 0, but its Q and dO rows still enter the dK and dV products, where 0 · NaN
@@ -842,7 +850,7 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   row_dots(p, rowdot, threads);
   float* empty = plan.shared_part(workspace) + shared.empty;
   cx.empty = empty;
-  empty_rows(p, empty, threads);
+  cx.any_empty = empty_rows(p, empty, threads);
   if (dense.q_dout) {
     float* q = plan.shared_part(workspace) + shared.q;
     float* dout = plan.shared_part(workspace) + shared.dout;
