@@ -294,22 +294,23 @@ def _i64(fn: str, name: str, value: Any) -> int:
     return v
 
 
-def _threads(fn: str, threads: Any) -> int:
-    """A per-call thread count: an int ≥ 0 (0 = the library default), as :func:`_i64` says. Counts
-    past what the library runs are capped (as the library caps them), here to a C int first."""
-    v = _i64(fn, "threads", threads)
+def _count(fn: str, name: str, value: Any, zero: str) -> int:
+    """A count the core takes as a C int: an int ≥ 0 (``zero`` says what 0 means), as :func:`_i64`
+    says; counts past a C int are capped, as the library caps every count to the work there is."""
+    v = _i64(fn, name, value)
     if v < 0:
-        raise ValueError(f"{fn}: threads must be >= 0 (0 = the library default), got {v}")
+        raise ValueError(f"{fn}: {name} must be >= 0 (0 = {zero}), got {v}")
     return min(v, 2**31 - 1)
+
+
+def _threads(fn: str, threads: Any) -> int:
+    """A per-call thread count (0 = the library default): :func:`_count`."""
+    return _count(fn, "threads", threads, "the library default")
 
 
 def _splits(fn: str, splits: Any) -> int:
-    """A decode split count: an int ≥ 0 (0 = auto); counts past a C int are capped, as the library
-    caps every count to the work there is."""
-    v = _i64(fn, "splits", splits)
-    if v < 0:
-        raise ValueError(f"{fn}: splits must be >= 0 (0 = auto), got {v}")
-    return min(v, 2**31 - 1)
+    """A decode split count (0 = chosen from the shapes): :func:`_count`."""
+    return _count(fn, "splits", splits, "auto")
 
 
 def set_num_threads(threads: int) -> None:

@@ -525,6 +525,12 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   // or 0 · inf would be NaN (and with a sink its P may be a few ulp above 0): the gradient of a
   // row that saw no key must be 0 and reach no key (docs/semantics.md, 'Fully masked rows'). So
   // its rows are zeros in the block's copies.
+  // Zeros over the first `width` floats of each such row of x (rows ld apart).
+  const auto clear_empty_rows = [&](float* x, int64_t ld, int64_t width) {
+    if (any_empty)
+      for (int64_t r = 0; r < nr; ++r)
+        if (empty[r]) std::fill(x + r * ld, x + r * ld + width, 0.0f);
+  };
   if (any_empty) {
     const auto zero_empty_rows = [&](const float* src, int64_t ld, int64_t width, float* pad, int64_t ldp) {
       for (int64_t r = 0; r < nr; ++r) {
@@ -611,9 +617,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   // Forward "softmax": P = exp(S − lse). A row that saw no key has P = 0 (with a sink its lse is
   // finite, and its zeroed Q scored 0 above, not −inf).
   probabilities(s, lse, nr, cols, prob);
-  if (any_empty)
-    for (int64_t r = 0; r < nr; ++r)
-      if (empty[r]) std::fill(prob + r * kBc, prob + (r + 1) * kBc, 0.0f);
+  clear_empty_rows(prob, kBc, kBc);
   // Dropout's keep/(1 − p) on both P̃ and dP.
   const float* p_used = prob;  // P̃
   if (f.dropout.active()) {
@@ -644,9 +648,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
       for (int64_t c = 0; c < nc; ++c) s[r * kBc + c] *= cap[r * kBc + c];
   // A row that saw no key: dS = 0, also where its zeroed Q met an infinite K row (0 · inf in S
   // made the softcap factor NaN).
-  if (any_empty)
-    for (int64_t r = 0; r < nr; ++r)
-      if (empty[r]) std::fill(s + r * kBc, s + (r + 1) * kBc, 0.0f);
+  clear_empty_rows(s, kBc, kBc);
   // Forward "S = scale · Q Kᵀ": dK_j += scale · dSᵀ Q_i, dQ_i += scale · dS K_j.
   if (dk_acc) {
     for (int64_t c0 = 0; c0 < nc; c0 += group) {
@@ -663,9 +665,7 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
         block_gemm({s + r0 * kBc, kBc, 1, job.kb, job.ldkb, dq + r0 * lddq, lddq}, r1 - r0, D, k, f.scale, true);
     }
     // dS = 0 times an infinite K row is NaN: a row that saw no key keeps dQ = 0.
-    if (any_empty)
-      for (int64_t r = 0; r < nr; ++r)
-        if (empty[r]) std::fill(dq + r * lddq, dq + r * lddq + D, 0.0f);
+    clear_empty_rows(dq, lddq, D);
   }
 }
 

@@ -26,6 +26,25 @@ namespace {
 /// log of the smallest probability the float32 kernels keep: their exp (exp_nonpositive) is 0 below
 /// −87, where e^x nears float32's smallest normal number.
 constexpr double kMinLogProbability = -87.0;
+
+/// Forward step 1 for key j of row (b, h, i), K/V head g, in double: t = scale·q·k, s = c·tanh(t/c)
+/// with a softcap (then *cap_grad = ds/dt = 1 − tanh²(t/c)), + the additive terms `add`, + ALiBi;
+/// rounded to float as the forward's scores are (one past float's range is ±inf there).
+double reference_score(const SdpaParams& f, int64_t b, int64_t h, int64_t g, int64_t i, int64_t j, double add,
+                       int64_t alibi_off, double* cap_grad) {
+  const View4<const float> q = f.q.as<float>(), k = f.k.as<float>();  // float32 only
+  double dot = 0.0;
+  for (int64_t c = 0; c < f.d(); ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
+  double t = static_cast<double>(f.scale) * dot;
+  if (f.edits.capped()) {
+    const double u = std::tanh(t / static_cast<double>(f.edits.softcap));
+    t = static_cast<double>(f.edits.softcap) * u;
+    *cap_grad = 1.0 - u * u;
+  }
+  double s = t + add;
+  if (f.edits.alibi()) s += static_cast<double>(f.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
+  return static_cast<float>(s);
+}
 }  // namespace
 
 bool row_saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i) {
@@ -36,9 +55,9 @@ bool row_saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i
   for (int64_t c = 0; c < f.d_v(); ++c)
     if (p.out(b, h, i, c) != 0.0f) return false;
   // The scores as the reference forms them (score edits included): any that is not −inf was seen.
-  const View4<const float> q = f.q.as<float>(), k = f.k.as<float>();
   const int64_t g = h / f.group(), causal_offset = f.masks.causal.offset_for(f.t_q(), f.t_k());
   const int64_t alibi_off = alibi_offset(f);
+  double unused_cap_grad = 0.0;
   for (int64_t j = 0; j < f.t_k(); ++j) {
     if (key_hidden(f, b, h, i, j, causal_offset)) continue;
     // A −inf additive term hides the key whatever the product (a NaN or +inf product would have
@@ -46,14 +65,7 @@ bool row_saw_no_key(const SdpaBackwardParams& p, int64_t b, int64_t h, int64_t i
     // −inf terms cost T_k tests, not T_k·d multiply-adds.
     const double add = additive_terms(f, b, h, i, j);
     if (add == kNegInfDouble) continue;
-    double dot = 0.0;
-    for (int64_t c = 0; c < f.d(); ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
-    double s = static_cast<double>(f.scale) * dot;
-    if (f.edits.capped()) s = softcap_score(s, static_cast<double>(f.edits.softcap));
-    s += add;
-    if (f.edits.alibi()) s += static_cast<double>(f.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
-    // As the forward rounds it: a score past float's range is −inf there.
-    if (static_cast<float>(s) != -std::numeric_limits<float>::infinity()) return false;
+    if (reference_score(f, b, h, g, i, j, add, alibi_off, &unused_cap_grad) != kNegInfDouble) return false;
   }
   return true;
 }
@@ -101,21 +113,9 @@ void sdpa_backward_reference(const SdpaBackwardParams& p, double* workspace) {
             prob[j] = kNegInfDouble;
             hidden[j] = key_hidden(f, b, h, i, j, causal_offset) ? 1.0 : 0.0;
             if (hidden[j] != 0.0) continue;
-            double dot = 0.0;
-            for (int64_t c = 0; c < D; ++c) dot += static_cast<double>(q(b, h, i, c)) * k(b, g, j, c);
-            // Score edits as in the forward: t = scale·q·k, s = c·tanh(t/c), + biases, + ALiBi.
-            double t = static_cast<double>(f.scale) * dot;
-            if (f.edits.capped()) {
-              const double u = std::tanh(t / static_cast<double>(f.edits.softcap));
-              t = static_cast<double>(f.edits.softcap) * u;
-              cap_grad[j] = 1.0 - u * u;  // ds/dt
-            }
-            prob[j] = t + additive_terms(f, b, h, i, j);
-            if (f.edits.alibi())
-              prob[j] += static_cast<double>(f.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
-            // Rounded to float as the forward's scores are: one past float's range is ±inf there
-            // (−inf: a key the row does not see, so a row of them saw nothing).
-            prob[j] = static_cast<float>(prob[j]);
+            // Score edits as in the forward; rounded to float (−inf: a key the row does not see,
+            // so a row of them saw nothing).
+            prob[j] = reference_score(f, b, h, g, i, j, additive_terms(f, b, h, i, j), alibi_off, &cap_grad[j]);
             row_max = std::max(row_max, prob[j]);
             row_nan = row_nan || std::isnan(prob[j]);
           }
