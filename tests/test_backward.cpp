@@ -926,6 +926,69 @@ TEST(ModuleBackward, PaddedKeyRowsHoldingNaNReachNoGradient) {
       }
 }
 
+// A query row that sees no key (SEMANTICS 4: output 0, gradient 0) gives nothing to any gradient
+// either: NaN or inf in its query input row must not reach dW_Q through dW_Q = dQᵀ · query and its
+// zero dQ row (0 · NaN). Cross-attention with the packed in_proj weight and with separate q/k/v
+// weights (kdim/vdim), and self-attention's one packed block, where the row is also a padded key
+// (else its NaN reaches the other queries through K and V); a boolean attn_mask, (T_q, T_k) or per
+// head; both layouts, 1–3 threads: every result is the one the step gives with finite values
+// there, bit for bit. (A −inf float mask row is no such row: NaN + −inf is a NaN score, and the
+// row's output is NaN on every path, as in PyTorch.)
+TEST(ModuleBackward, QueryRowThatSawNoKeyHoldingNaNReachesNoGradient) {
+  enum class Kind { InProj, Separate, SelfAttention };
+  for (const Kind kind : {Kind::InProj, Kind::Separate, Kind::SelfAttention})
+    for (const bool per_head : {false, true})
+      for (const Layout layout : {Layout::SeqFirst, Layout::BatchFirst})
+        for (const int threads : {1, 2, 3}) {
+          SCOPED_TRACE(std::string(kind == Kind::InProj     ? "in_proj"
+                                   : kind == Kind::Separate ? "kdim/vdim"
+                                                            : "self") +
+                       (per_head ? ", per-head mask" : "") + (layout == Layout::BatchFirst ? ", batch first" : "") +
+                       ", " + std::to_string(threads) + " threads");
+          MhaConfig cfg = config(8, 2);
+          cfg.layout = layout;
+          if (kind == Kind::Separate) cfg.kdim = 6, cfg.vdim = 5;
+          const MultiheadAttention m(cfg, 3);
+          const bool self = kind == Kind::SelfAttention;
+          const int64_t B = 2, Tq = 4, Tk = self ? Tq : 5;
+          const Tensor query = make_input(cfg, B, Tq, 8, 31);
+          const Tensor key = self ? query : make_input(cfg, B, Tk, cfg.key_dim(), 32);
+          const Tensor value = self ? query : make_input(cfg, B, Tk, cfg.value_dim(), 33);
+          MhaForwardOptions o;
+          o.mode = Mode::Training, o.dropout_seed = 9, o.threads = threads;
+          // Query 2 sees no key: its row of the (T_q, T_k) mask hides every one.
+          // Per head: a (B·h, T_q, T_k) mask that hides them from that query of sequence 1 in every head.
+          BoolTensor allowed = per_head ? BoolTensor({B * 2, Tq, Tk}, 1) : BoolTensor({Tq, Tk}, 1);
+          for (int64_t j = 0; j < Tk; ++j)
+            if (per_head)
+              allowed.at({2, 2, j}) = allowed.at({3, 2, j}) = 0;
+            else
+              allowed.at({2, j}) = 0;
+          o.attn_mask.allowed = allowed;
+          if (self) {  // position 2 of sequence 1 is padding too
+            o.key_padding_mask.is_padding = BoolTensor({B, Tk}, 0);
+            o.key_padding_mask.is_padding.at({1, 2}) = 1;
+          }
+          Tensor bad_query = query;
+          for (int64_t c = 0; c < 8; ++c)
+            (layout == Layout::BatchFirst ? bad_query.at({1, 2, c}) : bad_query.at({2, 1, c})) =
+                c % 2 ? std::numeric_limits<float>::infinity() : std::nanf("");
+          const Tensor& bad_key = self ? bad_query : key;
+          const Tensor& bad_value = self ? bad_query : value;
+          const Tensor G = random_tensor(query.shape(), 34);
+          const MhaTrainOutput good = forward_train(m, query, key, value, o);
+          const MhaTrainOutput bad = forward_train(m, bad_query, bad_key, bad_value, o);
+          EXPECT_TRUE(bitwise_equal(bad.output, good.output));
+          const MhaGradients g = backward(m, bad.context, G);
+          const MhaGradients want = backward(m, good.context, G);
+          for (const Tensor* t : parameter_tensors(g.params))
+            for (const float x : t->values()) ASSERT_TRUE(std::isfinite(x));
+          // The input gradients' other rows and every parameter's, bit for bit; the bad row's own
+          // input gradient is dQ · W_Q = 0 (self-attention: also its zero dK and dV rows).
+          expect_same_gradients(g, want);
+        }
+}
+
 // One training step's shapes: self-attention (one packed GEMM) or cross-attention (three).
 struct TrainStep {
   Shape q, kv;

@@ -74,6 +74,32 @@ const float* padded_rows_finite(const float* x, int64_t width, const detail::Row
   return out ? out : x;
 }
 
+/// The query input (`rows` rows of `width` floats; with self-attention's one packed block, the
+/// input of all three projections) as the weight gradient dW = dYᵀ · x may read it, dY being its
+/// projections' gradient rows (`dy_cols` floats a row, `ldy` apart). A query row that saw no key
+/// in any head — a fully masked row (SEMANTICS 4) — has a dY row of zeros, and 0 · NaN is NaN: a
+/// NaN or inf in its input row would make the whole weight gradient NaN, where the row gives
+/// nothing. (A row some head saw has a NaN dQ row then anyway: its output is NaN.) Returns x itself
+/// when no row with a non-finite value has a zero dY row (the usual case: a scan, no copy), else a
+/// copy in `copy` with those rows zero — the products the other rows give, bit for bit.
+const float* unseen_rows_finite(const float* x, int64_t rows, int64_t width, const float* dy, int64_t ldy,
+                                int64_t dy_cols, Tensor& copy) {
+  float* out = nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * width;
+    if (std::all_of(xr, xr + width, [](float v) { return std::isfinite(v); })) continue;
+    const float* dr = dy + r * ldy;
+    if (!std::all_of(dr, dr + dy_cols, [](float v) { return v == 0.0f; })) continue;
+    if (!out) {
+      copy = Tensor::uninitialized({rows, width});
+      out = copy.data();
+      std::copy(x, x + rows * width, out);
+    }
+    std::fill(out + r * width, out + (r + 1) * width, 0.0f);
+  }
+  return out ? out : x;
+}
+
 }  // namespace
 
 MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& query, const Tensor& key,
@@ -239,16 +265,21 @@ MhaGradients backward(const MultiheadAttention& module, const MhaContext& ctx, c
     gp.v_proj_weight = Tensor({KV * d, vdim});
     dwq = gp.q_proj_weight.data(), dwk = gp.k_proj_weight.data(), dwv = gp.v_proj_weight.data();
   }
+  Tensor query_copy;
   if (packed) {
-    // One input for all three: the packed weight's gradient is one GEMM over the whole block.
-    kernels::linear_backward_params(dqkv, Nq, c.in_proj_rows(), ldq, query.data(), E, E, dwq, E, db, threads);
+    // One input for all three: the packed weight's gradient is one GEMM over the whole block. (A
+    // row that is both a padded key and a query that saw nothing has a zero dQ, dK and dV row.)
+    const float* query_x = unseen_rows_finite(query.data(), Nq, E, dqkv, ldq, c.in_proj_rows(), query_copy);
+    kernels::linear_backward_params(dqkv, Nq, c.in_proj_rows(), ldq, query_x, E, E, dwq, E, db, threads);
   } else {
-    // (Self-attention's packed block above takes no such care: there a padded position's input row
-    // is also a query's, and a NaN in it reaches that query's output and its gradients anyway.)
+    // Keys and values by their padding (a padded row's dK and dV rows are 0), queries by their dQ
+    // rows. (Self-attention's packed block above needs only the latter: a padded position's input
+    // row is also a query's, and its NaN reaches that query's output unless the row saw nothing.)
     Tensor key_copy, value_copy;
     const float* key_x = padded_rows_finite(key.data(), kdim, call.k_rows, ctx, Nq == 0, key_copy);
     const float* value_x = padded_rows_finite(value.data(), vdim, call.k_rows, ctx, Nq == 0, value_copy);
-    kernels::linear_backward_params(dq_rows, Nq, H * d, ldq, query.data(), E, E, dwq, lddq, db, threads);
+    const float* query_x = unseen_rows_finite(query.data(), Nq, E, dq_rows, ldq, H * d, query_copy);
+    kernels::linear_backward_params(dq_rows, Nq, H * d, ldq, query_x, E, E, dwq, lddq, db, threads);
     kernels::linear_backward_params(dk_rows, Nk, KV * d, ldkv, key_x, kdim, kdim, dwk, lddk, db ? db + H * d : nullptr,
                                     threads);
     kernels::linear_backward_params(dv_rows, Nk, KV * d, ldkv, value_x, vdim, vdim, dwv, lddv,
