@@ -28,7 +28,9 @@ struct Files {
   std::string weights, inputs;
 };
 
-Files write_known_heads(const std::string& dir) {
+/// q0, tq: the query input is rows [q0, q0 + tq) of the one-hot sequence (keys and values all kT
+/// of it); align: the metadata's causal_align, if any.
+Files write_known_heads(const std::string& dir, int64_t q0 = 0, int64_t tq = kT, const std::string& align = "") {
   mha::MhaConfig c;
   c.embed_dim = kE, c.num_heads = 2, c.layout = mha::Layout::BatchFirst;
   mha::MultiheadAttention m(c, 1);
@@ -47,12 +49,16 @@ Files write_known_heads(const std::string& dir) {
   mha::io::SafetensorsWriter w;
   mha::io::add_weights(w, m, mha::io::WeightNames::PyTorch);
   w.set_metadata("is_causal", "true");
+  if (!align.empty()) w.set_metadata("causal_align", align);
   w.write(f.weights);
-  mha::Tensor x({2, kT, kE});
+  mha::Tensor x({2, kT, kE}), q({2, tq, kE});
   for (int64_t b = 0; b < 2; ++b)
     for (int64_t t = 0; t < kT; ++t) x.at({b, t, t}) = 1.0f;
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t t = 0; t < tq; ++t) q.at({b, t, q0 + t}) = 1.0f;
   mha::io::SafetensorsWriter in;
-  for (const char* name : {"query", "key", "value"}) in.add(name, x);
+  in.add("query", q);
+  for (const char* name : {"key", "value"}) in.add(name, x);
   in.write(f.inputs);
   return f;
 }
@@ -98,6 +104,33 @@ TEST(CliAnalyze, JsonMatchesTheLibrary) {
     EXPECT_EQ(j["heads"][h]["entropy"].get<double>(), m[h].entropy);
     EXPECT_EQ(j["heads"][h]["self"].get<double>(), m[h].self);
     EXPECT_EQ(j["heads"][h]["focus"].get<double>(), m[h].focus);
+  }
+}
+
+// Cross-attention (T_q = 4 queries, T_k = 8 keys): a query's own key is where the causal mask
+// puts it. Top-left (the metadata's is_causal), query t = e_t sits at key t and head 1 looks at key
+// t − 1; bottom-right (causal_align), query t = e_{t+4} sits at key t + 4 and looks at t + 3.
+// Either way head 1 puts its weight on the previous token; measured at bottom-right's offset under
+// a top-left mask, its previous keys were hidden ones and it read 0. `--causal` leaves a causal mask the
+// metadata names as it is.
+TEST(CliAnalyze, OwnKeyFollowsTheCausalAlignment) {
+  constexpr int64_t kTq = 4;
+  for (const std::string align : {"", "bottom_right"}) {
+    SCOPED_TRACE(align.empty() ? "top-left" : align);
+    const Files f = write_known_heads(mha::testing::temp_dir(), align.empty() ? 0 : kT - kTq, kTq, align);
+    std::string first;
+    for (const char* flag : {"", " --causal"}) {
+      const auto r = run_command(kCli + " analyze --json" + flag + " --weights " + f.weights + " --inputs " + f.inputs);
+      ASSERT_EQ(r.exit_code, 0) << r.err;
+      const auto j = nlohmann::json::parse(r.out);
+      EXPECT_EQ(j["query_offset"], align.empty() ? 0 : kT - kTq);
+      EXPECT_GT(j["heads"][1]["prev_token"].get<double>(), 0.99);
+      EXPECT_LT(j["heads"][1]["self"].get<double>(), 0.3);  // top-left's query 0 sees only key 0: 1/4
+      if (first.empty())
+        first = r.out;
+      else
+        EXPECT_EQ(r.out, first);
+    }
   }
 }
 

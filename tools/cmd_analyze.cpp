@@ -48,7 +48,9 @@ void run_analyze(const AnalyzeArgs& a) {
   MhaForwardOptions opt = in.options;
   opt.threads = a.threads;
   opt.need_weights = NeedWeights::PerHead;
-  if (a.causal) opt.causal = Causal::top_left();
+  // --causal adds PyTorch's is_causal where the metadata has none; a causal mask the metadata
+  // names keeps its alignment.
+  if (a.causal && !opt.causal.enabled()) opt.causal = Causal::top_left();
   const MhaOutput out = module.forward(in.query, in.key, in.value, opt);
   // Unbatched input gives (h, T_q, S): treat it as a batch of one.
   const Tensor w =
@@ -58,10 +60,12 @@ void run_analyze(const AnalyzeArgs& a) {
   const int64_t B = w.size(0), H = w.size(1), Tq = w.size(2), S = w.size(3);
   const int64_t extra = (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0), Tk = S - extra;
 
-  // Positions: the appended bias_k / zero columns come after the real keys, so query i's own key
-  // is i + T_k − T_q over the real keys (bottom-right), not over S.
+  // Positions: query i's own key is i + offset over the real keys (the appended bias_k / zero
+  // columns come after them, not counted): the causal mask's offset where there is one (top-left:
+  // 0, so that previous-token and self are measured at keys the query can see), else bottom-right,
+  // T_k − T_q.
   MetricsOptions mopt;
-  mopt.query_offset = Tk - Tq;
+  mopt.query_offset = opt.causal.enabled() ? opt.causal.offset_for(Tq, Tk) : Tk - Tq;
   const std::vector<HeadMetrics> metrics = head_metrics(w, mopt);
   std::vector<double> importance;
   if (a.importance) importance = head_importance(module, in.query, in.key, in.value, opt);
@@ -170,7 +174,9 @@ static void add_analyze_command(CLI::App& app) {
                   "self-attention)");
   cmd->add_option("--query-tokens", a->query_tokens, "space-separated labels of the T_q queries (cross-attention)");
   cmd->add_option("--batch", a->batch, "which batch element to draw (default 0)");
-  cmd->add_flag("--causal", a->causal, "apply a causal mask (top-left), as if the metadata said is_causal");
+  cmd->add_flag("--causal", a->causal,
+                "apply a causal mask (top-left), as if the metadata said is_causal (a causal mask the metadata "
+                "names keeps its alignment)");
   cmd->add_flag("--importance", a->importance, "also score each head by ablation (relative change of the output)");
   cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(whole_number_at_least(0));
   cmd->callback([a] { run_analyze(*a); });
