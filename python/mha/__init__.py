@@ -14,8 +14,9 @@ The module (torch.nn.MultiheadAttention's constructor, forward, state_dict names
 With PyTorch installed, ``mha.torch`` holds a torch.nn.Module drop-in with autograd.
 Bad input raises ValueError (shapes, values) or TypeError (types, dtypes) with the library's message.
 """
-from ._core import cached_tensor_bytes, num_threads, release_cached_tensors, set_tensor_cache_limit, tensor_cache_limit
-from ._functional import Additive, Allowed, Causal, alibi_slopes, sdpa, sdpa_backward, sdpa_varlen, set_num_threads
+from ._core import cached_tensor_bytes, num_threads, release_cached_tensors, tensor_cache_limit
+from ._functional import (Additive, Allowed, Causal, alibi_slopes, sdpa, sdpa_backward, sdpa_varlen, set_num_threads,
+                          set_tensor_cache_limit)
 from ._module import (KvCache, MultiheadAttention, PagedKvCache, Rope, analyze, attend_cache, attend_paged_cache,
                       head_importance, load_safetensors, prune_heads)
 

@@ -26,6 +26,11 @@ class Causal:
     align: str = "none"
     value: int = 0
 
+    def __post_init__(self) -> None:
+        if self.align not in ("none", "top_left", "bottom_right", "offset"):
+            raise ValueError(f"Causal: align must be 'none', 'top_left', 'bottom_right' or 'offset', got {self.align!r}")
+        object.__setattr__(self, "value", _i64("Causal", "value", self.value))
+
     @staticmethod
     def none() -> "Causal":
         """No causal mask."""
@@ -44,9 +49,7 @@ class Causal:
     @staticmethod
     def offset(n: int) -> "Causal":
         """Query ``i`` sees keys ``0 … i + n``."""
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
-            raise TypeError(f"Causal.offset: n must be an int, got {type(n).__name__}")
-        return Causal("offset", int(n))
+        return Causal("offset", _i64("Causal.offset", "n", n))
 
 
 class Allowed:
@@ -133,9 +136,7 @@ def _score_edits(fn: str, args: "_core.SdpaArgs", alibi_slopes: Any, softcap: An
     """ALiBi slopes, softcap and sinks onto ``args`` (lengths and values are checked by the library)."""
     if alibi_slopes is not None:
         args.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, fn)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{fn}: softcap must be a number, got {type(softcap).__name__}")
-    args.softcap = float(softcap)
+    args.softcap = _number(fn, "softcap", softcap)
     if sinks is not None:
         args.sinks = _per_head("sinks", sinks, fn)
 
@@ -143,16 +144,15 @@ def _score_edits(fn: str, args: "_core.SdpaArgs", alibi_slopes: Any, softcap: An
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """The standard ALiBi slopes for ``num_heads`` heads (Press et al.; BLOOM's recipe when
     ``num_heads`` is not a power of two), float32."""
-    return np.asarray(_core.alibi_slopes(int(num_heads)), dtype=np.float32)
+    return np.asarray(_core.alibi_slopes(_i64("alibi_slopes", "num_heads", num_heads)), dtype=np.float32)
 
 
 def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, window, dropout_p, seed,
           threads) -> "_core.SdpaArgs":
     a = _core.SdpaArgs()
+    bias_name = "bias"
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-            raise TypeError(f"{fn}: scale must be a number or None, got {type(scale).__name__}")
-        a.scale = float(scale)
+        a.scale = _number(fn, "scale", scale)
     if attn_mask is not None:
         if isinstance(attn_mask, Allowed):
             if allowed is not None:
@@ -169,11 +169,11 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
                                 f"or attn_mask=mha.Allowed(…) (PyTorch's 'True = masked out' is ~allowed)")
             if bias is not None:
                 raise ValueError(f"{fn}: pass the additive mask once (attn_mask or bias)")
-            bias = arr
+            bias, bias_name = arr, "attn_mask"
     if allowed is not None:
         a.allowed = _bool_mask("allowed", allowed, fn)
     if bias is not None:
-        a.bias = _float_mask("bias", bias, fn)
+        a.bias = _float_mask(bias_name, bias, fn)
     if key_padding_mask is not None:
         kpm = np.asarray(key_padding_mask)
         if kpm.ndim != 2:
@@ -197,7 +197,7 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
         raise ValueError(f"{fn}: window must be >= 0, got {window}")
     if window and (causal is None or causal.align == "none"):
         raise ValueError(f"{fn}: window={window} needs a causal alignment (e.g. causal=mha.Causal.bottom_right())")
-    a.window = int(window)
+    a.window = window
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)):
         raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -294,6 +294,22 @@ def _i64(fn: str, name: str, value: Any) -> int:
     return v
 
 
+def _number(fn: str, name: str, value: Any) -> float:
+    """``value`` as a Python float for a C++ float argument: a TypeError naming the argument for
+    anything but a real number (a string such as "0.1" included, which float() would take)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{fn}: {name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _name(fn: str, name: str, value: Any) -> str:
+    """``value`` as a Python str for a C++ string argument (a dtype, a layout): a TypeError naming
+    the argument otherwise; the library checks the spelling."""
+    if not isinstance(value, str):
+        raise TypeError(f"{fn}: {name} must be a str, got {type(value).__name__}")
+    return value
+
+
 def _count(fn: str, name: str, value: Any, zero: str) -> int:
     """A count the core takes as a C int: an int ≥ 0 (``zero`` says what 0 means), as :func:`_i64`
     says; counts past a C int are capped, as the library caps every count to the work there is."""
@@ -316,6 +332,15 @@ def _splits(fn: str, splits: Any) -> int:
 def set_num_threads(threads: int) -> None:
     """The default thread count of every later call that passes threads=0 (0: the machine's cores)."""
     _core.set_num_threads(_threads("set_num_threads", threads))
+
+
+def set_tensor_cache_limit(bytes: int) -> None:  # noqa: A002 (the library's own name for it)
+    """Sets the tensor cache's limit in bytes, freeing the oldest blocks beyond it (0 turns it off)."""
+    fn = "set_tensor_cache_limit"
+    v = _i64(fn, "bytes", bytes)
+    if v < 0:
+        raise ValueError(f"{fn}: bytes must be >= 0 (0 = off), got {v}")
+    _core.set_tensor_cache_limit(v)
 
 
 def _seed(fn: str, name: str, value: Any) -> int:
@@ -370,7 +395,8 @@ def sdpa_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.nd
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, fn)
     cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, fn)
     args = _args(fn, scale, None, None, None, None, causal, window, 0.0, 0, threads)
-    out, lse = _core.sdpa_varlen(arrays[0], arrays[1], arrays[2], cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k),
+    out, lse = _core.sdpa_varlen(arrays[0], arrays[1], arrays[2], cu_q, cu_k, _i64(fn, "max_seqlen_q", max_seqlen_q),
+                                 _i64(fn, "max_seqlen_k", max_seqlen_k),
                                  args, bool(return_lse), dtype == "bf16")
     return (out, lse) if return_lse else out
 

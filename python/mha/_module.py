@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core
-from ._functional import _i64, _offsets, _seed, _splits, _threads
+from ._functional import _i64, _name, _number, _offsets, _per_head, _seed, _splits, _threads
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -100,6 +100,11 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     return args
 
 
+def _indices(fn: str, **named: Any) -> List[int]:
+    """Each index as :func:`_i64` checks it (its name in the error), in the order given."""
+    return [_i64(fn, n, x) for n, x in named.items()]
+
+
 class KvCache:
     """A key/value cache for one attention layer (see :meth:`MultiheadAttention.new_cache`).
 
@@ -118,12 +123,16 @@ class KvCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *, value_dim: int = 0,
                  dtype: str = "f32", ring: bool = False, sinks: int = 0, int8_keys: str = "per-token",
                  key_group: int = 32, key_layout: str = "rows"):
-        self._c = _core.KvCache(int(batch), int(kv_heads), int(head_dim), int(value_dim), int(capacity), dtype,
-                                bool(ring), int(sinks), int8_keys, int(key_group), key_layout)
+        fn = "KvCache"
+        sizes = [_i64(fn, n, x) for n, x in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                                             ("value_dim", value_dim), ("capacity", capacity))]
+        self._c = _core.KvCache(*sizes, _name(fn, "dtype", dtype), bool(ring), _i64(fn, "sinks", sinks),
+                                _name(fn, "int8_keys", int8_keys), _i64(fn, "key_group", key_group),
+                                _name(fn, "key_layout", key_layout))
 
     def length(self, b: int = 0) -> int:
         """Absolute length of sequence ``b`` (the position of its next token)."""
-        return self._c.length(b)
+        return self._c.length(_i64("KvCache.length", "b", b))
 
     def lengths(self) -> List[int]:
         """Every sequence's length."""
@@ -131,11 +140,11 @@ class KvCache:
 
     def stored(self, b: int = 0) -> int:
         """Positions sequence ``b`` holds (less than its length once a ring has wrapped)."""
-        return self._c.stored(b)
+        return self._c.stored(_i64("KvCache.stored", "b", b))
 
     def remaining(self, b: int = 0) -> int:
         """Positions sequence ``b`` can still take before :meth:`append` fails (a ring: unlimited)."""
-        return self._c.remaining(b)
+        return self._c.remaining(_i64("KvCache.remaining", "b", b))
 
     @property
     def batch(self) -> int:
@@ -166,18 +175,18 @@ class KvCache:
     def k_at(self, b: int, g: int, p: int, x: int) -> float:
         """Element x of the key of sequence b, K/V head g, position p, as stored (int8 and bf16:
         read back as float)."""
-        return self._c.k_at(int(b), int(g), int(p), int(x))
+        return self._c.k_at(*_indices("KvCache.k_at", b=b, g=g, p=p, x=x))
 
     def v_at(self, b: int, g: int, p: int, x: int) -> float:
         """Element x of the value of sequence b, K/V head g, position p, as stored."""
-        return self._c.v_at(int(b), int(g), int(p), int(x))
+        return self._c.v_at(*_indices("KvCache.v_at", b=b, g=g, p=p, x=x))
 
     def reset(self, b: Optional[int] = None) -> None:
         """Every sequence (or sequence ``b``) back to length 0."""
         if b is None:
             self._c.reset()
         else:
-            self._c.reset_sequence(b)
+            self._c.reset_sequence(_i64("KvCache.reset", "b", b))
 
     def clone(self) -> "KvCache":
         """A deep copy (e.g. to branch a shared prompt)."""
@@ -202,8 +211,10 @@ class PagedKvCache:
 
     def __init__(self, kv_heads: int, head_dim: int, block_size: int = 16, *, num_blocks: int,
                  value_dim: int = 0, dtype: str = "f32", key_layout: str = "rows"):
-        self._c = _core.PagedKvCache(int(kv_heads), int(head_dim), int(block_size), int(num_blocks), int(value_dim),
-                                     dtype, key_layout)
+        fn = "PagedKvCache"
+        sizes = [_i64(fn, n, x) for n, x in (("kv_heads", kv_heads), ("head_dim", head_dim), ("block_size", block_size),
+                                             ("num_blocks", num_blocks), ("value_dim", value_dim))]
+        self._c = _core.PagedKvCache(*sizes, _name(fn, "dtype", dtype), _name(fn, "key_layout", key_layout))
 
     def add_sequence(self) -> int:
         """A new empty sequence; returns its id (ids of freed sequences are reused)."""
@@ -211,15 +222,15 @@ class PagedKvCache:
 
     def fork(self, seq: int) -> int:
         """A new sequence holding the same positions as ``seq``, sharing its blocks."""
-        return self._c.fork(int(seq))
+        return self._c.fork(_i64("PagedKvCache.fork", "seq", seq))
 
     def free(self, seq: int) -> None:
         """Releases ``seq``; its blocks no other sequence holds return to the pool."""
-        self._c.free(int(seq))
+        self._c.free(_i64("PagedKvCache.free", "seq", seq))
 
     def length(self, seq: int) -> int:
         """Positions sequence ``seq`` holds (the position of its next token)."""
-        return self._c.length(int(seq))
+        return self._c.length(_i64("PagedKvCache.length", "seq", seq))
 
     def append(self, seq: int, k: Any, v: Any) -> None:
         """Appends k (kv_heads, T, d) / v (kv_heads, T, d_v) (or with a leading 1) to sequence
@@ -238,25 +249,25 @@ class PagedKvCache:
 
     def k_at(self, seq: int, g: int, p: int, x: int) -> float:
         """Element x of the key of sequence ``seq``, K/V head g, position p, as stored."""
-        return self._c.k_at(int(seq), int(g), int(p), int(x))
+        return self._c.k_at(*_indices("PagedKvCache.k_at", seq=seq, g=g, p=p, x=x))
 
     def v_at(self, seq: int, g: int, p: int, x: int) -> float:
         """Element x of the value of sequence ``seq``, K/V head g, position p, as stored."""
-        return self._c.v_at(int(seq), int(g), int(p), int(x))
+        return self._c.v_at(*_indices("PagedKvCache.v_at", seq=seq, g=g, p=p, x=x))
 
     def alive(self, seq: int) -> bool:
-        return self._c.alive(int(seq))
+        return self._c.alive(_i64("PagedKvCache.alive", "seq", seq))
 
     def block_table(self, seq: int) -> List[int]:
         """The pool blocks holding ``seq``'s positions, in order."""
-        return self._c.block_table(int(seq))
+        return self._c.block_table(_i64("PagedKvCache.block_table", "seq", seq))
 
     def free_blocks(self) -> int:
         return self._c.free_blocks()
 
     def refcount(self, block: int) -> int:
         """How many live sequences hold pool block ``block``."""
-        return self._c.refcount(int(block))
+        return self._c.refcount(_i64("PagedKvCache.refcount", "block", block))
 
     @property
     def block_size(self) -> int:
@@ -292,8 +303,8 @@ def attend_cache(q: Any, cache: KvCache, *, q_start: Optional[Sequence[int]] = N
     row that sees no key gives zeros and lse = −inf."""
     fn = "attend_cache"
     a = _cache_query(fn, q, cache, KvCache)
-    return _core.attend_cache(a, cache._c, [_i64(fn, "q_start", p) for p in (q_start or [])],
-                              None if scale is None else float(scale), _i64(fn, "window", window),
+    return _core.attend_cache(a, cache._c, [_i64(fn, "q_start", p) for p in ([] if q_start is None else q_start)],
+                              None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window),
                               _splits(fn, splits), _threads(fn, threads))
 
 
@@ -307,8 +318,8 @@ def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_st
     fn = "attend_paged_cache"
     a = _cache_query(fn, q, cache, PagedKvCache)
     return _core.attend_paged_cache(a, cache._c, [_i64(fn, "seqs", s) for s in seqs],
-                                    [_i64(fn, "q_start", p) for p in (q_start or [])],
-                                    None if scale is None else float(scale), _i64(fn, "window", window),
+                                    [_i64(fn, "q_start", p) for p in ([] if q_start is None else q_start)],
+                                    None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window),
                                     _splits(fn, splits), _threads(fn, threads))
 
 
@@ -333,28 +344,28 @@ class MultiheadAttention:
                  num_kv_heads: Optional[int] = None, rope: Optional[Rope] = None, seed: int = 0,
                  scale: Optional[float] = None, alibi_slopes: Optional[Any] = None, softcap: float = 0.0,
                  attention_sinks: bool = False):
-        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
-                raise TypeError(f"MultiheadAttention: {name} must be an int, got {type(val).__name__}")
+        fn = "MultiheadAttention"
+        embed_dim, num_heads = _i64(fn, "embed_dim", embed_dim), _i64(fn, "num_heads", num_heads)
         if device not in (None, "cpu") and str(device) != "cpu":
             raise ValueError(f"MultiheadAttention: mha computes on the CPU; device={device!r} is not supported")
         if dtype is not None and str(dtype) not in ("float32", "torch.float32", "<class 'numpy.float32'>", "f32"):
             raise TypeError(f"MultiheadAttention: parameters are float32; dtype={dtype!r} is not supported")
         if rope is not None and not isinstance(rope, Rope):
             raise TypeError(f"MultiheadAttention: rope must be an mha.Rope or None, got {type(rope).__name__}")
-        fn = "MultiheadAttention"
         widths = [0 if val is None else _i64(fn, name, val)
                   for name, val in (("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim))]
-        self._m = _core.Module(int(embed_dim), int(num_heads), *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn), float(dropout),
+        self._m = _core.Module(embed_dim, num_heads, *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn),
+                               _number(fn, "dropout", dropout),
                                bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
                                int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
                                _seed(fn, "seed", seed))
+        softcap = 0.0 if softcap is None else _number(fn, "softcap", softcap)
         if scale is not None or alibi_slopes is not None or softcap or attention_sinks:
             # Softmax scale (default 1/sqrt(d)), ALiBi slopes (mha.alibi_slopes(h) for the standard
             # schedule), logit softcap c > 0, learned sink logits (parameter "sinks", zeros at init).
-            slopes = [] if alibi_slopes is None else [float(x) for x in np.asarray(alibi_slopes).ravel()]
-            self._m = self._m.with_score_options(slopes, float(softcap), bool(attention_sinks),
-                                                 None if scale is None else float(scale))
+            slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
+            self._m = self._m.with_score_options(slopes, softcap, bool(attention_sinks),
+                                                 None if scale is None else _number(fn, "scale", scale))
         self.training = True
         self.dropout_seed = 0
 
@@ -517,7 +528,7 @@ class MultiheadAttention:
         Returns the output only (no weights)."""
         fn = "MultiheadAttention.forward_incremental"
         q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
-        lens = [_i64(fn, "new_lengths", n) for n in (new_lengths or [])]
+        lens = [_i64(fn, "new_lengths", n) for n in ([] if new_lengths is None else new_lengths)]
         if isinstance(cache, PagedKvCache):
             if seqs is None:
                 raise ValueError(f"{fn}: a PagedKvCache needs seqs=[…], one sequence id per batch row")
@@ -547,6 +558,8 @@ def head_importance(module: MultiheadAttention, query: Any, key: Any, value: Any
                     attn_mask: Any = None, is_causal: bool = False) -> np.ndarray:
     """Each head's importance by ablation: ‖y − y₋ᵢ‖ / ‖y‖ on these inputs (masks in PyTorch's polarity)."""
     fn = "head_importance"
+    if not isinstance(module, MultiheadAttention):
+        raise TypeError(f"{fn}: module must be an mha.MultiheadAttention, got {type(module).__name__}")
     q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
     args = _forward_args(fn, key_padding_mask, attn_mask, is_causal, "none", False, 0, 0)
     return np.asarray(module._m.head_importance(q, k, v, args))
@@ -570,8 +583,9 @@ def analyze(weights: Any, *, query_offset: Optional[int] = None, png: Optional[P
 
 
 def load_safetensors(path: PathLike) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
-    """Reads every tensor of a safetensors file as numpy (float types → float32, BOOL → bool),
-    with the file's metadata. The file is validated completely first (mha/safetensors.h)."""
+    """Reads every tensor of a safetensors file as numpy (float types → float32, BOOL → bool,
+    integer types as they are: U8 → uint8, I64 → int64, …), with the file's metadata. The file is
+    validated completely first (mha/safetensors.h)."""
     return _core.read_safetensors(os.fspath(path))
 
 

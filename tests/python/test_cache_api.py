@@ -201,6 +201,15 @@ def test_integer_arguments_out_of_range_name_themselves(rng):
         "q_start": lambda: mha.attend_cache(q, cache, q_start=[huge]),
         "counts": lambda: cache.append(k, v, counts=[huge]),
         "new_lengths": lambda: m.forward_incremental(tok, tok, tok, mha.KvCache(1, 2, 4, 8), new_lengths=[huge]),
+        "capacity": lambda: mha.KvCache(1, 2, 4, huge),
+        "num_blocks": lambda: mha.PagedKvCache(2, 4, 4, num_blocks=huge),
+        "embed_dim": lambda: mha.MultiheadAttention(huge, 1),
+        "b": lambda: cache.length(huge),
+        "seq": lambda: paged.alive(huge),
+        "x": lambda: cache.k_at(0, 0, 0, huge),
+        "block": lambda: paged.refcount(huge),
+        "num_heads": lambda: mha.alibi_slopes(huge),
+        "bytes": lambda: mha.set_tensor_cache_limit(huge),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"{name} must fit in 64 bits, got -?{huge}$"):
@@ -211,6 +220,52 @@ def test_integer_arguments_out_of_range_name_themselves(rng):
         paged.append(huge, k[0], v[0])
     with pytest.raises(ValueError, match="threads must fit in 64 bits"):
         m(tok, tok, tok, threads=huge)
+    # Floats and strings where ints, numbers or names go: int() and float() took 2.5, "8" and "0.1".
+    wrong = {
+        "KvCache: batch must be an int, got float": lambda: mha.KvCache(2.5, 2, 4, 8),
+        "new_cache: capacity|KvCache: capacity must be an int, got float": lambda: m.new_cache(1, 8.9),
+        "KvCache: dtype must be a str, got NoneType": lambda: mha.KvCache(1, 2, 4, 8, dtype=None),
+        "KvCache.length: b must be an int, got str": lambda: cache.length("0"),
+        "alibi_slopes: num_heads must be an int, got float": lambda: mha.alibi_slopes(2.5),
+        "attend_cache: scale must be a number, got str": lambda: mha.attend_cache(q, cache, scale="a"),
+        "MultiheadAttention: dropout must be a number, got str": lambda: mha.MultiheadAttention(16, 2, dropout="0.1"),
+        "head_importance: module must be an mha.MultiheadAttention, got NoneType":
+            lambda: mha.head_importance(None, tok, tok, tok),
+        "set_tensor_cache_limit: bytes must be an int, got float": lambda: mha.set_tensor_cache_limit(1.5),
+    }
+    for message, call in wrong.items():
+        with pytest.raises(TypeError, match=message):
+            call()
+    with pytest.raises(ValueError, match="set_tensor_cache_limit: bytes must be >= 0"):
+        mha.set_tensor_cache_limit(-1)
+    with pytest.raises(TypeError, match="alibi_slopes must be a 1-D sequence"):  # was flattened silently
+        mha.MultiheadAttention(16, 2, alibi_slopes=[[1, 2], [3, 4]])
+
+
+def test_numpy_arrays_of_positions_and_lengths_work_like_lists(rng):
+    """q_start and new_lengths were tested for truth (`q_start or []`): np.array([0]) was taken as
+    "not given" (another position, a wrong result) and a longer array raised numpy's ambiguity error."""
+    cache = mha.KvCache(2, 1, 8, 10)
+    cache.append(x(rng, 2, 1, 4, 8), x(rng, 2, 1, 4, 8))
+    q = x(rng, 2, 1, 1, 8)
+    for starts in ([0, 2], [3, 1]):
+        want = mha.attend_cache(q, cache, q_start=starts)
+        for got in (mha.attend_cache(q, cache, q_start=np.array(starts)),
+                    mha.attend_cache(q, cache, q_start=np.array(starts, np.int32))):
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+    paged = mha.PagedKvCache(1, 8, 4, num_blocks=4)
+    s = paged.add_sequence()
+    paged.append(s, x(rng, 1, 4, 8), x(rng, 1, 4, 8))
+    np.testing.assert_array_equal(mha.attend_paged_cache(q[:1], paged, [s], q_start=np.array([0]))[0],
+                                  mha.attend_paged_cache(q[:1], paged, [s], q_start=[0])[0])
+    m = mha.MultiheadAttention(16, 4, batch_first=True).eval()
+    X = x(rng, 1, 5, 16)
+    a, b = m.new_cache(1, 8), m.new_cache(1, 8)
+    ya = m.forward_incremental(X, X, X, a, new_lengths=[0])
+    yb = m.forward_incremental(X, X, X, b, new_lengths=np.array([0]))
+    assert a.lengths() == b.lengths() == [0]
+    np.testing.assert_array_equal(ya, yb)
 
 
 def test_negative_threads_and_far_first_positions_are_refused(rng):

@@ -347,6 +347,28 @@ def test_edge_shapes_and_values_never_crash(rng):
         mha.load_safetensors("/nonexistent/x.safetensors")
 
 
+def test_arguments_past_64_bits_or_of_the_wrong_type_are_named(rng):
+    """Causal offsets and varlen bounds went through int() or straight to pybind11: 2**70 printed
+    pybind11's dump of every argument (the arrays included), 5.9 became 5, Causal('offset', 2.5) and
+    an unknown alignment were taken; an integer attn_mask's error named `bias`."""
+    q = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match="Causal.offset: n must fit in 64 bits"):
+        mha.Causal.offset(2**70)
+    with pytest.raises(TypeError, match="Causal: value must be an int, got float"):
+        mha.Causal("offset", 2.5)
+    with pytest.raises(ValueError, match="Causal: align must be"):
+        mha.Causal("sideways", 0)
+    assert mha.Causal("offset", np.int64(2)) == mha.Causal.offset(2)
+    packed = q[0].transpose(1, 0, 2)
+    for value, error, message in ((2**64, ValueError, "max_seqlen_q must fit in 64 bits"),
+                                  (5.9, TypeError, "max_seqlen_q must be an int, got float"),
+                                  ("3", TypeError, "max_seqlen_q must be an int, got str")):
+        with pytest.raises(error, match=f"sdpa_varlen: {message}"):
+            mha.sdpa_varlen(packed, packed, packed, [0, 3], [0, 3], max_seqlen_q=value)
+    with pytest.raises(TypeError, match="sdpa: attn_mask must be a float32 array"):
+        mha.sdpa(q, q, q, attn_mask=np.zeros((3, 3), np.int32))
+
+
 def test_key_padding_mask_of_integers_names_both_kinds():
     q = np.zeros((1, 1, 3, 4), np.float32)
     with pytest.raises(TypeError, match=r"key_padding_mask must be bool \(True = padding\) or float"):
