@@ -445,6 +445,32 @@ py::list metrics_list(const std::vector<mha::HeadMetrics>& metrics) {
   return out;
 }
 
+/// The numpy format of a safetensors integer dtype (little-endian, as the format stores them), or
+/// null for the others.
+const char* integer_format(mha::io::DType dtype) {
+  using mha::io::DType;
+  switch (dtype) {
+    case DType::U8:
+      return "<u1";
+    case DType::I8:
+      return "<i1";
+    case DType::I16:
+      return "<i2";
+    case DType::U16:
+      return "<u2";
+    case DType::I32:
+      return "<i4";
+    case DType::U32:
+      return "<u4";
+    case DType::I64:
+      return "<i8";
+    case DType::U64:
+      return "<u8";
+    default:
+      return nullptr;
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -819,6 +845,13 @@ PYBIND11_MODULE(_core, m) {
         const mha::BoolTensor b = f.read_bool(name);
         py::array_t<bool> a(std::vector<py::ssize_t>(b.shape().begin(), b.shape().end()));
         for (int64_t i = 0; i < b.numel(); ++i) a.mutable_data()[i] = b.data()[i] != 0;
+        tensors[py::str(name)] = a;
+      } else if (const char* format = integer_format(info.dtype)) {
+        // Integers keep their type (cu_seqlens, token ids): as float32 they lost every value past
+        // 2^24 and could not be passed back where the API takes integer offsets.
+        const std::span<const std::byte> bytes = f.raw(name);
+        py::array a(py::dtype(format), std::vector<py::ssize_t>(info.shape.begin(), info.shape.end()));
+        if (!bytes.empty()) std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
         tensors[py::str(name)] = a;
       } else {
         tensors[py::str(name)] = array_take(f.read_f32(name));

@@ -142,6 +142,32 @@ def test_save_load(rng, tmp_path):
         mha.load_safetensors(tmp_path / "bad.safetensors")
 
 
+def test_load_safetensors_keeps_integer_tensors_integers(tmp_path):
+    """Integer tensors came back as float32: 2**24 + 1 read as 2**24, and a file's cu_seqlens could
+    not go back into forward(cu_seqlens_q=…), which takes integers."""
+    import json
+    import struct
+    tensors = {"ids": np.array([16777217, 2**53 + 1, -5], np.int64), "flags": np.array([[0, 1, 255]], np.uint8),
+               "i32": np.zeros((0, 3), np.int32), "u16": np.array([65535], np.uint16),
+               "x": np.array([1.5, -2.0], np.float32)}
+    names = {np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32",
+             np.dtype(np.uint16): "U16", np.dtype(np.float32): "F32"}
+    header, blobs, offset = {}, [], 0
+    for name, a in tensors.items():
+        b = a.tobytes()
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path = tmp_path / "ints.safetensors"
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    got, _ = mha.load_safetensors(path)
+    for name, a in tensors.items():
+        assert got[name].dtype == a.dtype and got[name].shape == a.shape, name
+        np.testing.assert_array_equal(got[name], a)
+
+
 def test_kv_cache_decoding_equals_causal_forward(rng):
     m = mha.MultiheadAttention(32, 8, num_kv_heads=2, batch_first=True, rope=mha.Rope(), seed=1).eval()
     xs = x(rng, 2, 9, 32)
