@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include "mha/safetensors.h"
 #include "support/test_support.h"
 
@@ -288,6 +290,12 @@ TEST(Safetensors, OpenNamesAMissingOrEmptyFile) {
   EXPECT_NE(e2.find("0 bytes"), std::string::npos) << e2;
 
   EXPECT_THROW(SafetensorsFile::open(dir), Error);  // a directory
+
+  // A FIFO with no writer: refused at once (a blocking open waited for a writer for ever).
+  const std::string fifo = dir + "/pipe.safetensors";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string e3 = error_of([&] { SafetensorsFile::open(fifo); });
+  EXPECT_NE(e3.find("not a regular file"), std::string::npos) << e3;
 }
 
 TEST(Safetensors, MovesKeepTheMappingAlive) {

@@ -343,7 +343,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   detail::check_path("safetensors", path);  // "a\0b" would open "a" (Python passes such strings on)
   auto impl = std::make_unique<Impl>();
   impl->path = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO (or a device) opens at once and is refused below, where a blocking open
+  // waited for a writer for ever; regular files and their mapping are unaffected.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail("safetensors: ", path, ": cannot open: ", errno_str());
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
