@@ -155,6 +155,23 @@ TEST(Cli, HelpEverywhereAndUnknownFlagsFail) {
   }
   expect_one_line_failure(run_command(kCli + " params --embed-dim 8 --heads 2 --frobnicate"), "frobnicate");
   expect_one_line_failure(run_command(kCli), "mha:");
+  // A misspelt command is named (CLI11 said only that a subcommand is required).
+  expect_one_line_failure(run_command(kCli + " frobnicate --help"), "unknown command 'frobnicate'");
+}
+
+// An empty path where a file is written is refused before any work (analyze's --image '' drew
+// nothing and exited 0).
+TEST(Cli, EmptyOutputPathsAreRefused) {
+  const std::string dir = mha::testing::temp_dir();
+  expect_one_line_failure(run_command(kCli + " forward --weights " + kCase + " --inputs " + kCase + " --output ''"),
+                          "--output: expected a path, got ''");
+  expect_one_line_failure(run_command(kCli + " prune --weights " + kCase + " --heads 0 --output ''"),
+                          "--output: expected a path, got ''");
+  for (const char* opt : {"--image", "--svg"})
+    expect_one_line_failure(
+        run_command(kCli + " analyze --weights " + kCase + " --inputs " + kCase + " " + opt + " ''"),
+        std::string(opt) + ": expected a path, got ''");
+  EXPECT_TRUE(fs::is_empty(dir));
 }
 
 // --threads takes a whole number ≥ 0 on every subcommand that has it, and says so in a short line

@@ -30,7 +30,8 @@ struct Files {
 
 /// q0, tq: the query input is rows [q0, q0 + tq) of the one-hot sequence (keys and values all kT
 /// of it); align: the metadata's causal_align, if any.
-Files write_known_heads(const std::string& dir, int64_t q0 = 0, int64_t tq = kT, const std::string& align = "") {
+Files write_known_heads(const std::string& dir, int64_t q0 = 0, int64_t tq = kT, const std::string& align = "",
+                        bool causal = true) {
   mha::MhaConfig c;
   c.embed_dim = kE, c.num_heads = 2, c.layout = mha::Layout::BatchFirst;
   mha::MultiheadAttention m(c, 1);
@@ -48,7 +49,7 @@ Files write_known_heads(const std::string& dir, int64_t q0 = 0, int64_t tq = kT,
   Files f{dir + "/known.safetensors", dir + "/known_inputs.safetensors"};
   mha::io::SafetensorsWriter w;
   mha::io::add_weights(w, m, mha::io::WeightNames::PyTorch);
-  w.set_metadata("is_causal", "true");
+  w.set_metadata("is_causal", causal ? "true" : "false");
   if (!align.empty()) w.set_metadata("causal_align", align);
   w.write(f.weights);
   mha::Tensor x({2, kT, kE}), q({2, tq, kE});
@@ -132,6 +133,18 @@ TEST(CliAnalyze, OwnKeyFollowsTheCausalAlignment) {
         EXPECT_EQ(r.out, first);
     }
   }
+}
+
+// The picture's options without a picture (an out-of-range --batch, labels of the wrong count:
+// exit 0, ignored) and a misspelt causal_align in a file that is not causal (ignored) are errors.
+TEST(CliAnalyze, OptionsThatWouldBeIgnoredAreRefused) {
+  const Files f = write_known_heads(mha::testing::temp_dir());
+  const std::string base = kCli + " analyze --weights " + f.weights + " --inputs " + f.inputs;
+  for (const char* opt : {" --batch 2", " --tokens 'a b'", " --query-tokens 'a'"})
+    expect_one_line_failure(run_command(base + opt), "give --image or --svg");
+  const Files g = write_known_heads(mha::testing::temp_dir(), 0, kT, "center", false);
+  expect_one_line_failure(run_command(kCli + " analyze --weights " + g.weights + " --inputs " + g.inputs),
+                          "metadata 'causal_align' must be top_left or bottom_right, got 'center'");
 }
 
 TEST(CliAnalyze, ImageShowsTheSinkColumnAndTheMaskedTriangle) {

@@ -71,6 +71,10 @@ void run_analyze(const AnalyzeArgs& a) {
   if (a.importance) importance = head_importance(module, in.query, in.key, in.value, opt);
 
   const bool drawing = !a.image.empty() || !a.svg.empty();
+  // The picture's options without a picture would be ignored: an out-of-range --batch or labels of
+  // the wrong length exited 0.
+  if (!drawing && (a.batch != 0 || !a.tokens.empty() || !a.query_tokens.empty()))
+    fail("analyze: --batch, --tokens and --query-tokens choose and label the picture: give --image or --svg");
   HeatmapOptions hopt;
   if (drawing) {
     if (a.batch < 0 || a.batch >= B) fail("analyze: --batch ", a.batch, " is out of range [0, ", B, ")");
@@ -167,13 +171,14 @@ static void add_analyze_command(CLI::App& app) {
       ->required();
   cmd->add_option("--inputs", a->inputs, "safetensors file with query, key, value and optional masks")->required();
   cmd->add_flag("--json", a->json, "one JSON object on stdout instead of the table");
-  cmd->add_option("--image", a->image, "write a PNG grid of per-head heat maps (one batch element)");
-  cmd->add_option("--svg", a->svg, "write the same grid as SVG");
+  cmd->add_option("--image", a->image, "write a PNG grid of per-head heat maps (one batch element)")
+      ->check(path_to_write());
+  cmd->add_option("--svg", a->svg, "write the same grid as SVG")->check(path_to_write());
   cmd->add_option("--tokens", a->tokens,
                   "space-separated labels of the T_k key positions (and of the queries in "
                   "self-attention)");
   cmd->add_option("--query-tokens", a->query_tokens, "space-separated labels of the T_q queries (cross-attention)");
-  cmd->add_option("--batch", a->batch, "which batch element to draw (default 0)");
+  cmd->add_option("--batch", a->batch, "which batch element to draw (default 0; with --image or --svg)");
   cmd->add_flag("--causal", a->causal,
                 "apply a causal mask (top-left), as if the metadata said is_causal (a causal mask the metadata "
                 "names keeps its alignment)");

@@ -79,7 +79,9 @@ static void add_forward_command(CLI::App& app) {
   cmd->add_option("--weights", args->weights, "safetensors file with the weights and the configuration metadata")
       ->required();
   cmd->add_option("--inputs", args->inputs, "safetensors file with query, key, value and optional masks")->required();
-  cmd->add_option("--output", args->output, "where to write the results (written atomically)")->required();
+  cmd->add_option("--output", args->output, "where to write the results (written atomically)")
+      ->required()
+      ->check(path_to_write());
   cmd->add_option("--threads", args->threads, "threads to use (0 = all cores)")->check(whole_number_at_least(0));
   cmd->callback([args] { run_forward(*args); });
 }

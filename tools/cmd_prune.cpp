@@ -118,7 +118,7 @@ static void add_prune_command(CLI::App& app) {
   cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")
       ->required();
   cmd->add_option("--heads", a->heads, "comma-separated head indices to remove, e.g. 0,3")->required()->delimiter(',');
-  cmd->add_option("--output", a->output, "where to write the pruned weights")->required();
+  cmd->add_option("--output", a->output, "where to write the pruned weights")->required()->check(path_to_write());
   cmd->add_option("--inputs", a->inputs, "inputs (as for `mha forward`) to measure the change of the output on");
   cmd->add_flag("--importance", a->importance, "print every head's importance by ablation (needs --inputs)");
   cmd->add_flag("--duplicate-kv", a->duplicate_kv,

@@ -95,11 +95,11 @@ LoadedInputs load_inputs(const io::SafetensorsFile& weights, const std::string& 
   const auto& meta = weights.metadata();
   if (metadata_flag(weights, "is_causal", false)) opt.causal = Causal::top_left();
   // Per-sequence alignment for packed or cross-attention inputs: "top_left" (default) or "bottom_right".
-  if (auto it = meta.find("causal_align"); it != meta.end() && opt.causal.enabled()) {
-    if (it->second == "bottom_right")
-      opt.causal = Causal::bottom_right();
-    else if (it->second != "top_left")
+  // A misspelt value is refused whether or not the file is causal (it was ignored without is_causal).
+  if (auto it = meta.find("causal_align"); it != meta.end()) {
+    if (it->second != "top_left" && it->second != "bottom_right")
       fail("metadata 'causal_align' must be top_left or bottom_right, got '", it->second, "'");
+    if (it->second == "bottom_right" && opt.causal.enabled()) opt.causal = Causal::bottom_right();
   }
   in.need_weights = metadata_flag(weights, "need_weights", false);
   in.average = metadata_flag(weights, "average_attn_weights", true);

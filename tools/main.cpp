@@ -14,6 +14,15 @@ int main(int argc, char** argv) {
   auto& commands = mha::cli::command_registry();
   std::stable_sort(commands.begin(), commands.end(), [](const auto& a, const auto& b) { return a.order < b.order; });
   for (const auto& command : commands) command.add(app);
+  // A first word that is neither an option nor a command: CLI11 said only "A subcommand is
+  // required", without naming what it got.
+  if (argc > 1 && argv[1][0] != '-') {
+    const auto names = app.get_subcommands([&](const CLI::App* sub) { return sub->check_name(argv[1]); });
+    if (names.empty()) {
+      std::fprintf(stderr, "mha: unknown command '%s' (see mha --help)\n", argv[1]);
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

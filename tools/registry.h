@@ -48,6 +48,13 @@ inline CLI::Validator whole_number_at_least(int64_t least) {
       "");
 }
 
+/// A path to write: refused when empty ("--image ''" was taken as no picture at all).
+inline CLI::Validator path_to_write() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string { return s.empty() ? std::string("expected a path, got ''") : std::string(); },
+      "");
+}
+
 /// At namespace scope in a tools/cmd_*.cpp:  static const CommandRegistrar reg{30, add_my_command};
 struct CommandRegistrar {
   CommandRegistrar(int order, std::function<void(CLI::App&)> add) {
