@@ -322,6 +322,63 @@ TEST(KvCache, BadArguments) {
   EXPECT_THROW(c.validate(), Error);
 }
 
+// An empty cache — default-constructed, or the source of a move, whose defaulted move kept its
+// sizes over no storage — is an error to use (every method segfaulted reading past its lengths),
+// and a view with a negative T (which matched the shape checks, T being the view's own) is refused
+// before anything changes (the length went negative and the next append wrote before the storage).
+TEST(KvCache, EmptyCachesAndNegativeExtentsAreErrors) {
+  const KvCacheConfig config{.batch = 2, .kv_heads = 1, .head_dim = 4, .capacity = 8};
+  const Tensor k = random_tensor({2, 1, 3, 4}, 1), k1 = random_tensor({1, 1, 3, 4}, 3),
+               q = random_tensor({2, 1, 1, 4}, 2);
+  Tensor out({2, 1, 1, 4});
+  KvCache source(config);
+  source.append(k.view4(), k.view4());
+  KvCache moved(std::move(source));
+  EXPECT_EQ(moved.length(1), 3);
+  KvCache assigned;
+  assigned = std::move(moved);
+  EXPECT_EQ(assigned.k_at(1, 0, 2, 3), k.at({1, 0, 2, 3}));
+  KvCache empty;
+  for (KvCache* c : {&empty, &source, &moved}) {
+    KvCache& cache = *c;
+    EXPECT_EQ(cache.batch(), 0);
+    for (const auto& use : std::vector<std::function<void()>>{
+             [&] { (void)cache.length(0); }, [&] { (void)cache.first(0); }, [&] { (void)cache.stored(0); },
+             [&] { (void)cache.holds(0, 0); }, [&] { (void)cache.remaining(0); }, [&] { cache.reset(0); },
+             [&] { (void)cache.k_at(0, 0, 0, 0); }, [&] { cache.append(k.view4(), k.view4()); },
+             [&] { cache.append_sequence(0, k1.view4(), k1.view4()); },
+             [&] { attend_cache(q.view4(), cache, {}, {}, out.view4()); }}) {
+      const std::string e = testing::error_of(use);
+      EXPECT_NE(e.find("empty"), std::string::npos) << e;
+    }
+    cache.reset();  // nothing to reset
+  }
+  KvCache cache(config);
+  cache.append(k.view4(), k.view4());
+  std::vector<float> buf(64);
+  const View4<const float> negative{buf.data(), {1, 1, -100000, 4}, {4, 4, 4, 1}};
+  const View4<const float> negative_batch{buf.data(), {2, 1, -3, 4}, {4, 4, 4, 1}};
+  for (const std::string& e : {testing::error_of([&] { cache.append_sequence(0, negative, negative); }),
+                               testing::error_of([&] { cache.append(negative_batch, negative_batch); })})
+    EXPECT_NE(e.find("has a negative extent"), std::string::npos) << e;
+  EXPECT_EQ(cache.length(0), 3);
+  const View4<const float> negative_q{buf.data(), {2, 1, -1, 4}, {4, 4, 4, 1}};
+  const View4<float> negative_out{out.data(), {2, 1, -1, 4}, {4, 4, 4, 1}};
+  EXPECT_NE(testing::error_of([&] {
+              attend_cache(negative_q, cache, {}, {}, negative_out);
+            }).find("query has a negative extent"),
+            std::string::npos);
+  // A window past 2^40 is refused as sdpa refuses it.
+  CacheAttentionOptions wide;
+  wide.window = (int64_t{1} << 40) + 1;
+  EXPECT_NE(testing::error_of([&] {
+              attend_cache(q.view4(), cache, {}, wide, out.view4());
+            }).find("window must be in [0, 2^40]"),
+            std::string::npos);
+  wide.window = int64_t{1} << 40;
+  EXPECT_NO_THROW(attend_cache(q.view4(), cache, {}, wide, out.view4()));
+}
+
 // ---- the split-K decode kernel ---------------------------------------------------------------
 
 struct CacheCase {

@@ -201,6 +201,36 @@ TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {
   }
 }
 
+// A moved-from pool kept its sizes over no storage (attend_paged_blocks then read freed memory); a
+// negative T set a negative length, and the next append indexed its block table with it.
+TEST(PagedKvCache, MovedFromPoolsAndNegativeExtentsAreErrors) {
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 3;
+  PagedKvCache source(pc);
+  const int64_t s = source.add_sequence();
+  const Tensor kv = random_tensor({1, 1, 3, 4}, 2);
+  source.append(s, kv.view4(), kv.view4());
+  PagedKvCache pool(std::move(source));
+  EXPECT_EQ(pool.length(s), 3);
+  EXPECT_EQ(source.config().num_blocks, 0);
+  EXPECT_FALSE(source.alive(s));
+  const Tensor q = random_tensor({1, 2, 1, 4}, 1);
+  Tensor out({1, 2, 1, 4});
+  const std::vector<int32_t> table{0, 1};
+  const std::vector<int64_t> len{3};
+  const std::string moved =
+      error_of([&] { attend_paged_blocks(q.view4(), source, table, 2, len, {}, {}, out.view4()); });
+  EXPECT_NE(moved.find("empty"), std::string::npos) << moved;
+  std::vector<float> buf(64);
+  const View4<const float> negative{buf.data(), {1, 1, -100000, 4}, {4, 4, 4, 1}};
+  const std::string neg = error_of([&] { pool.append(s, negative, negative); });
+  EXPECT_NE(neg.find("has a negative extent"), std::string::npos) << neg;
+  EXPECT_EQ(pool.length(s), 3);
+  const Tensor one = random_tensor({1, 1, 1, 4}, 4);
+  pool.append(s, one.view4(), one.view4());  // the pool works on
+  EXPECT_EQ(pool.length(s), 4);
+}
+
 TEST(PagedKvCache, GrowsWithoutReservingAndRefusesAFullPool) {
   PagedKvCacheConfig pc;
   pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 3;
@@ -242,6 +272,18 @@ TEST(PagedKvCache, BlockTableOutsideThePoolIsAnError) {
               attend_paged_blocks(q.view4(), cache, {}, -1, len, {}, {}, out.view4());
             }).find("table_width must be ≥ 0, got -1"),
             std::string::npos);
+  // B × table_width past int64 wrapped to 16 and matched the table's 16 entries, then read far
+  // outside it; it is formed checked now.
+  {
+    const Tensor q16 = random_tensor({16, 2, 1, 4}, 3);
+    Tensor out16({16, 2, 1, 4});
+    const std::vector<int32_t> table16(16, 0);
+    const std::vector<int64_t> len16(16, 1);
+    const std::string err = error_of([&] {
+      attend_paged_blocks(q16.view4(), cache, table16, (int64_t{1} << 60) + 1, len16, {}, {}, out16.view4());
+    });
+    EXPECT_NE(err.find("table_width"), std::string::npos) << err;
+  }
   // Entries past a sequence's length are not read, so they may hold anything.
   const std::vector<int32_t> tail_garbage{0, 99};
   const std::vector<int64_t> short_len{2};

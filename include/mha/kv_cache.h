@@ -118,15 +118,17 @@ struct KvCacheConfig {
 
 class KvCache {
  public:
-  KvCache() = default;
+  /// An empty cache (batch 0, no storage): every use but assignment is an mha::Error.
+  KvCache() noexcept { config_.batch = 0; }
   /// Allocates (batch, kv_heads, capacity, d) for K and for V; throws mha::Error on bad sizes.
   explicit KvCache(const KvCacheConfig& config);
 
-  // Copies are explicit (clone()); moves are cheap.
+  // Copies are explicit (clone()); moves are cheap and leave the source empty, as KvCache() is
+  // (a defaulted move kept its sizes over no storage, and its next use read past the end).
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
-  KvCache(KvCache&&) noexcept = default;
-  KvCache& operator=(KvCache&&) noexcept = default;
+  KvCache(KvCache&& other) noexcept;
+  KvCache& operator=(KvCache&& other) noexcept;
   /// A deep copy (e.g. to branch a shared prompt into several continuations).
   KvCache clone() const;
 

@@ -45,8 +45,9 @@ class PagedKvCache {
   explicit PagedKvCache(const PagedKvCacheConfig& config);
   PagedKvCache(const PagedKvCache&) = delete;
   PagedKvCache& operator=(const PagedKvCache&) = delete;
-  PagedKvCache(PagedKvCache&&) noexcept = default;
-  PagedKvCache& operator=(PagedKvCache&&) noexcept = default;
+  /// Moves leave the source empty (no blocks, no sequences): every use of it is an mha::Error.
+  PagedKvCache(PagedKvCache&& other) noexcept;
+  PagedKvCache& operator=(PagedKvCache&& other) noexcept;
 
   const PagedKvCacheConfig& config() const { return config_; }
 

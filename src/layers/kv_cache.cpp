@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "kernels/decode.h"
 #include "kernels/quantize.h"
@@ -51,6 +52,19 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   lengths_.assign(static_cast<size_t>(c.batch), 0);
 }
 
+KvCache::KvCache(KvCache&& other) noexcept { *this = std::move(other); }
+
+KvCache& KvCache::operator=(KvCache&& other) noexcept {
+  if (this != &other) {
+    config_ = std::exchange(other.config_, KvCacheConfig{});
+    other.config_.batch = 0;
+    lengths_ = std::exchange(other.lengths_, {});
+    k_ = std::exchange(other.k_, {});
+    v_ = std::exchange(other.v_, {});
+  }
+  return *this;
+}
+
 KvCache KvCache::clone() const {
   KvCache copy;
   copy.config_ = config_;
@@ -63,6 +77,7 @@ KvCache KvCache::clone() const {
 size_t KvCache::bytes() const { return detail::plane_bytes(k_) + detail::plane_bytes(v_); }
 
 void KvCache::check_batch_index(int64_t b, const char* who) const {
+  if (lengths_.empty()) fail("KvCache::", who, ": the cache is empty (default-constructed or moved from): no storage");
   if (b < 0 || b >= config_.batch)
     fail("KvCache::", who, ": sequence ", b, " is out of range [0, ", config_.batch, ")");
 }
@@ -179,6 +194,9 @@ void KvCache::store_sequence(View4<const float> k, View4<const float> v, int64_t
 
 void KvCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) {
   const KvCacheConfig& c = config_;
+  if (lengths_.empty()) fail("KvCache::append: the cache is empty (default-constructed or moved from): no storage");
+  detail::check_extents("KvCache::append", "key", k);
+  detail::check_extents("KvCache::append", "value", v);
   const Shape want_k{c.batch, c.kv_heads, k.shape[2], c.head_dim}, want_v{c.batch, c.kv_heads, k.shape[2], c.v_dim()};
   if (k.shape_vec() != want_k || v.shape_vec() != want_v)
     fail("KvCache::append: key ", shape_str(k), " and value ", shape_str(v), " must be ", shape_str(want_k), " and ",
@@ -207,6 +225,8 @@ void KvCache::append(View4<const float> k, View4<const float> v, std::span<const
 
 void KvCache::append_sequence(int64_t b, View4<const float> k, View4<const float> v) {
   check_batch_index(b, "append_sequence");
+  detail::check_extents("KvCache::append_sequence", "key", k);
+  detail::check_extents("KvCache::append_sequence", "value", v);
   const KvCacheConfig& c = config_;
   const Shape want_k{1, c.kv_heads, k.shape[2], c.head_dim}, want_v{1, c.kv_heads, k.shape[2], c.v_dim()};
   if (k.shape_vec() != want_k || v.shape_vec() != want_v)
@@ -222,7 +242,7 @@ void KvCache::append_sequence(int64_t b, View4<const float> k, View4<const float
   store_sequence(k, v, 0, b, n);
 }
 
-void KvCache::reset() { std::fill(lengths_.begin(), lengths_.end(), 0); }
+void KvCache::reset() { std::fill(lengths_.begin(), lengths_.end(), 0); }  // empty: nothing to reset
 void KvCache::reset(int64_t b) {
   check_batch_index(b, "reset");
   lengths_[static_cast<size_t>(b)] = 0;
@@ -240,7 +260,8 @@ int auto_cache_splits(int64_t batch, int64_t kv_heads, int64_t q_rows_per_group,
 void attend_cache(View4<const float> q, const KvCache& cache, std::span<const int64_t> q_start,
                   const CacheAttentionOptions& options, View4<float> out, View4<float> lse) {
   const KvCacheConfig& c = cache.config();
-  if (c.capacity == 0) fail("attend_cache: the cache is empty-constructed (no storage)");
+  if (c.capacity == 0) fail("attend_cache: the cache is empty (default-constructed or moved from): no storage");
+  detail::check_extents("attend_cache", "query", q);
   const int64_t B = q.shape[0], H = q.shape[1], Tq = q.shape[2], d = q.shape[3];
   if (B != c.batch || d != c.head_dim || H < 0 || H % c.kv_heads != 0)
     fail("attend_cache: query ", shape_str(q), " must be (", c.batch, ", h, T_q, ", c.head_dim,
@@ -258,7 +279,7 @@ void attend_cache(View4<const float> q, const KvCache& cache, std::span<const in
                           {"sink logits", detail::byte_span(options.sinks.logits)}});
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
     fail("attend_cache: q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
-  if (options.window < 0) fail("attend_cache: window must be ≥ 0 (0 = unlimited), got ", options.window);
+  detail::check_window("attend_cache", options.window);
   if (options.splits < 0) fail("attend_cache: splits must be ≥ 0 (0 = auto), got ", options.splits);
   if (options.scale && !std::isfinite(*options.scale)) fail("attend_cache: scale must be finite, got ", *options.scale);
   const kernels::ScoreEdits edits =

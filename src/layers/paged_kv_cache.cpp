@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "kernels/decode.h"
 #include "layers/cache_storage.h"
@@ -39,6 +40,20 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
   free_.resize(static_cast<size_t>(c.num_blocks));
   // Taken from the back: block 0 first.
   for (int64_t i = 0; i < c.num_blocks; ++i) free_[static_cast<size_t>(i)] = static_cast<int32_t>(c.num_blocks - 1 - i);
+}
+
+PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept { *this = std::move(other); }
+
+PagedKvCache& PagedKvCache::operator=(PagedKvCache&& other) noexcept {
+  if (this != &other) {
+    config_ = std::exchange(other.config_, PagedKvCacheConfig{});
+    k_ = std::exchange(other.k_, {});
+    v_ = std::exchange(other.v_, {});
+    refs_ = std::exchange(other.refs_, {});
+    free_ = std::exchange(other.free_, {});
+    seqs_ = std::exchange(other.seqs_, {});
+  }
+  return *this;
 }
 
 const PagedKvCache::Sequence& PagedKvCache::sequence(int64_t seq, const char* who) const {
@@ -107,6 +122,8 @@ void PagedKvCache::copy_block(int32_t from, int32_t to) {
 
 void PagedKvCache::append(int64_t seq, View4<const float> k, View4<const float> v) {
   sequence(seq, "append");
+  detail::check_extents("PagedKvCache::append", "key", k);
+  detail::check_extents("PagedKvCache::append", "value", v);
   const PagedKvCacheConfig& c = config_;
   const int64_t T = k.shape[2];
   const Shape want_k{1, c.kv_heads, T, c.head_dim}, want_v{1, c.kv_heads, T, c.v_dim()};
@@ -180,6 +197,8 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
                          const CacheAttentionOptions& options, View4<float> out, View4<float> lse) {
   const char* fn = "attend_paged_blocks";
   const PagedKvCacheConfig& c = cache.config();
+  if (c.num_blocks == 0) fail(fn, ": the cache is empty (moved from): no storage");
+  detail::check_extents(fn, "query", q);
   const int64_t B = q.shape[0], H = q.shape[1], Tq = q.shape[2], d = q.shape[3];
   if (d != c.head_dim || H < 0 || H % c.kv_heads != 0)
     fail(fn, ": query ", shape_str(q), " must be (B, h, T_q, ", c.head_dim, ") with h a multiple of the cache's ",
@@ -198,10 +217,13 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   if (!q_start.empty() && static_cast<int64_t>(q_start.size()) != B)
     fail(fn, ": q_start has ", q_start.size(), " entries, expected one per sequence (", B, ")");
   if (table_width < 0) fail(fn, ": table_width must be ≥ 0, got ", table_width);
-  if (static_cast<int64_t>(block_tables.size()) != B * table_width)
+  // Products formed checked: B × table_width past int64 wrapped to a small count that matched.
+  const int64_t table_positions =
+      checked_mul(table_width, c.block_size, std::string(fn) + ": table_width × block_size");
+  if (static_cast<int64_t>(block_tables.size()) != checked_mul(B, table_width, std::string(fn) + ": B × table_width"))
     fail(fn, ": block_tables has ", block_tables.size(), " entries, expected B × table_width = ", B, " × ",
          table_width);
-  if (options.window < 0) fail(fn, ": window must be ≥ 0 (0 = unlimited), got ", options.window);
+  detail::check_window(fn, options.window);
   if (options.splits < 0) fail(fn, ": splits must be ≥ 0 (0 = auto), got ", options.splits);
   if (options.scale && !std::isfinite(*options.scale)) fail(fn, ": scale must be finite, got ", *options.scale);
   const kernels::ScoreEdits edits = detail::check_score_edits(fn, H, options.alibi, options.softcap, options.sinks);
@@ -210,9 +232,9 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   for (int64_t b = 0; b < B; ++b) {
     const size_t i = static_cast<size_t>(b);
     const int64_t len = lengths[i];
-    if (len < 0 || len > table_width * c.block_size)
-      fail(fn, ": lengths[", b, "] = ", len, " is outside [0, ", table_width * c.block_size, "] (table_width ",
-           table_width, " × block_size ", c.block_size, ")");
+    if (len < 0 || len > table_positions)
+      fail(fn, ": lengths[", b, "] = ", len, " is outside [0, ", table_positions, "] (table_width ", table_width,
+           " × block_size ", c.block_size, ")");
     for (int64_t j = 0; j < (len + c.block_size - 1) / c.block_size; ++j) {
       const int32_t blk = block_tables[static_cast<size_t>(b * table_width + j)];
       if (blk < 0 || blk >= c.num_blocks)
@@ -235,7 +257,7 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   p.k_transposed = c.transposed_keys();
   p.k_slots = c.block_size;  // transposed keys: tiles per (block, head)
   p.kv_heads = c.kv_heads;
-  p.capacity = table_width * c.block_size;
+  p.capacity = table_positions;
   p.d_v = c.v_dim();
   p.block_table = block_tables.data();
   p.table_stride = table_width;
