@@ -187,10 +187,15 @@ TEST(Cli, ThreadsMustBeAWholeNumberAtLeastZero) {
 }
 
 // 0 used to mean "the default" silently (--kv-heads 0 counted h heads); leaving the option out
-// means that now, and 0, negatives and non-integers fail in one line.
+// means that now, and 0, negatives and non-integers fail in one line. --embed-dim and --heads
+// likewise ('' was read as 0, a number past int64 as INT64_MAX).
 TEST(Cli, HeadAndWidthCountsMustBeWholeNumbersAtLeastOne) {
   const std::vector<std::string> commands = {kCli + " params -E 64 -H 4 --kv-heads ",
-                                             kCli + " params -E 64 -H 4 --kdim ", kCli + " params -E 64 -H 4 --vdim ",
+                                             kCli + " params -E 64 -H 4 --kdim ",
+                                             kCli + " params -E 64 -H 4 --vdim ",
+                                             kCli + " params -H 4 -E ",
+                                             kCli + " params -E 64 -H ",
+                                             kCli + " bench --core --seq 8 --heads 4 --embed-dim ",
                                              kCli + " bench --core --seq 8 --embed-dim 64 --heads 4 --kv-heads "};
   for (const std::string& cmd : commands)
     for (const char* bad : {"0", "-2", "1.5", "x"}) {

@@ -424,8 +424,8 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--batch,-B", c.batch, "batch size B (default 1)");
   cmd->add_option("--seq,-T", c.seq, "query length T (required)");
   cmd->add_option("--kv-seq,-S", c.kv_seq, "key/value length S (default T: self-attention)");
-  cmd->add_option("--embed-dim,-E", c.embed_dim, "model width E (required)");
-  cmd->add_option("--heads,-H", c.heads, "query heads h (must divide E) (required)");
+  cmd->add_option("--embed-dim,-E", c.embed_dim, "model width E (required)")->check(whole_number_at_least(1));
+  cmd->add_option("--heads,-H", c.heads, "query heads h (must divide E) (required)")->check(whole_number_at_least(1));
   cmd->add_option("--kv-heads", c.kv_heads, "key/value heads (GQA; must divide h; default h)")
       ->check(whole_number_at_least(1));
   cmd->add_flag("--causal", c.causal, "top-left causal mask (PyTorch's is_causal)");

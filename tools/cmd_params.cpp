@@ -115,8 +115,8 @@ static void add_params_command(CLI::App& app) {
   auto a = std::make_shared<ParamsArgs>();
   CLI::App* cmd = app.add_subcommand(
       "params", "Parameter count and bytes per dtype, by projection, and the KV-cache bytes per token.");
-  cmd->add_option("--embed-dim,-E", a->embed_dim, "model width E")->required();
-  cmd->add_option("--heads,-H", a->heads, "query heads h (must divide E)")->required();
+  cmd->add_option("--embed-dim,-E", a->embed_dim, "model width E")->required()->check(whole_number_at_least(1));
+  cmd->add_option("--heads,-H", a->heads, "query heads h (must divide E)")->required()->check(whole_number_at_least(1));
   cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (GQA; 1 = MQA; default h)")
       ->check(whole_number_at_least(1));
   cmd->add_option("--kdim", a->kdim, "feature size of the key input (default E)")->check(whole_number_at_least(1));
