@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "mha/safetensors.h"
 #include "support/test_support.h"
@@ -258,6 +259,27 @@ TEST(Safetensors, WriteReplacesAtomicallyAndNamesThePathOnFailure) {
   EXPECT_EQ(entries, 1u);
 }
 
+// The temporary name is predictable (pid and a counter): a symbolic link planted there was written
+// through (and a file there truncated). It is created new now (O_EXCL | O_NOFOLLOW), taking the
+// next name when one is taken; the link's target is left alone and the result is a regular file.
+TEST(Safetensors, WriteNeverFollowsALinkAtItsTemporaryName) {
+  const std::string dir = testing::temp_dir();
+  const std::string victim = dir + "/victim.txt";
+  std::ofstream(victim) << "keep me";
+  for (int i = 0; i < 16; ++i)
+    std::filesystem::create_symlink(victim,
+                                    dir + "/.mha-" + std::to_string(::getpid()) + "-" + std::to_string(i) + ".tmp");
+  SafetensorsWriter w;
+  w.add("a", Tensor({2}, 3.0f));
+  const std::string path = dir + "/out.safetensors";
+  w.write(path);
+  EXPECT_FALSE(std::filesystem::is_symlink(path));
+  EXPECT_EQ(SafetensorsFile::open(path).read_f32("a").storage(), (mha::TensorStorage<float>{3.0f, 3.0f}));
+  std::ifstream in(victim);
+  const std::string kept((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(kept, "keep me");
+}
+
 // Paths the OS would read differently, or could not name with a suffix added, and a progress
 // callback that throws: each fails or succeeds cleanly, leaving no temporary behind.
 TEST(Safetensors, NulPathsLongNamesAndThrowingProgress) {
@@ -487,6 +509,46 @@ TEST(SafetensorsMalformed, ShapeProductOverflows) {
   // With a zero extent the product really is zero, however large the other extents.
   EXPECT_NO_THROW(
       SafetensorsFile::from_bytes(image(R"({"z":{"dtype":"F32","shape":[0,1099511627776],"data_offsets":[0,0]}})", 0)));
+}
+
+// A header of nested brackets within the size limit took ~130 times its size in memory before it
+// failed; a NUL byte ended nlohmann's reading, so what followed it (a tensor, invalid UTF-8) was
+// never checked. Both are refused as the header is read.
+TEST(SafetensorsMalformed, DeepNestingAndNulBytesInTheHeader) {
+  expect_header_rejected("{\"x\":" + std::string(100, '[') + std::string(100, ']') + "}", 0,
+                         {"nests deeper than 32 levels"});
+  expect_header_rejected(R"({"__metadata__":{"x":"1"}})" + std::string(1, '\0') +
+                             R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                         4, {"NUL byte at offset 26"});
+  // A real header's depth (object, entry, shape) and a deeper but sane one are fine.
+  EXPECT_NO_THROW(SafetensorsFile::from_bytes(
+      image(R"({"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4)));
+}
+
+// Zero bytes whatever the order of the extents ([2^63 − 1, 0] overflowed before it reached the 0).
+TEST(SafetensorsMalformed, AZeroExtentAnywhereIsZeroBytes) {
+  const auto f = SafetensorsFile::from_bytes(
+      image(R"({"z":{"dtype":"F32","shape":[9223372036854775807,0],"data_offsets":[0,0]}})", 0));
+  EXPECT_EQ(f.info("z").shape, (Shape{9223372036854775807, 0}));
+  SafetensorsWriter w;
+  EXPECT_NO_THROW(w.add_raw("h", DType::F32, {9223372036854775807, 0}, {}));
+}
+
+// An F64 weight past float32's range loaded as ±inf (and the C++ conversion is undefined there):
+// it is refused, naming the tensor and element; float32's largest value still converts.
+TEST(Safetensors, F64BeyondFloatRangeIsRefused) {
+  SafetensorsWriter w;
+  const double ok[3] = {3.4028234663852886e38, -1e-300, std::numeric_limits<double>::infinity()};
+  const double bad[2] = {1.0, 3.5e38};
+  w.add_raw("ok", DType::F64, {3}, std::as_bytes(std::span(ok)));
+  w.add_raw("bad", DType::F64, {2}, std::as_bytes(std::span(bad)));
+  const auto f = SafetensorsFile::from_bytes(w.to_bytes(), "f64");
+  const Tensor t = f.read_f32("ok");
+  EXPECT_EQ(t.data()[0], std::numeric_limits<float>::max());
+  EXPECT_EQ(t.data()[2], std::numeric_limits<float>::infinity());  // an infinity stays one
+  const std::string e = error_of([&] { (void)f.read_f32("bad"); });
+  EXPECT_NE(e.find("tensor 'bad' element 1"), std::string::npos) << e;
+  EXPECT_NE(e.find("beyond float32's range"), std::string::npos) << e;
 }
 
 TEST(SafetensorsMalformed, BadMetadata) {

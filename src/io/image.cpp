@@ -168,7 +168,9 @@ Image to_image(cairo_surface_t* s) {
 template <class Write>
 void write_atomically(const std::string& path, const char* fn, Write write) {
   io::detail::check_path(fn, path);
-  const std::string tmp = io::detail::temp_path_beside(path);
+  // The name is created here, new and not a link (create_temp_beside), before cairo opens it.
+  std::string tmp;
+  ::close(io::detail::create_temp_beside(fn, path, tmp));
   std::error_code ec;
   try {
     write(tmp);

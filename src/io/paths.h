@@ -3,10 +3,13 @@
 // files are written to a short temporary name in the target's directory, then renamed into place.
 #pragma once
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
@@ -27,6 +30,20 @@ inline std::string temp_path_beside(const std::string& path) {
   const std::string dir = std::filesystem::path(path).parent_path().string();
   return (dir.empty() ? std::string() : dir + "/") + ".mha-" + std::to_string(::getpid()) + "-" +
          std::to_string(writes.fetch_add(1)) + ".tmp";
+}
+
+/// Creates a new temporary file beside `path` (temp_path_beside) for writing and returns its
+/// descriptor, its name in `tmp`. Never an existing name: O_EXCL | O_NOFOLLOW, so a file or a
+/// symbolic link planted at the predictable name is neither truncated nor written through (the
+/// next name is tried); fails naming `fn` and `path` when none can be made.
+inline int create_temp_beside(const char* fn, const std::string& path, std::string& tmp) {
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    tmp = temp_path_beside(path);
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0) return fd;
+    if (errno != EEXIST) fail(fn, ": ", path, ": cannot create ", tmp, ": ", std::strerror(errno));
+  }
+  fail(fn, ": ", path, ": cannot create a temporary file beside it: 64 names taken (", tmp, " the last)");
 }
 
 }  // namespace mha::io::detail

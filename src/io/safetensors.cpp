@@ -84,6 +84,8 @@ uint64_t read_le64(const std::byte* p) {
 
 /// Byte count of `shape` elements of `dtype`, or nullopt on overflow of 64 bits.
 std::optional<uint64_t> checked_nbytes(const Shape& shape, DType dtype) {
+  // Any zero extent makes 0 bytes, whatever the others (2^63 − 1 × 0 overflowed before the 0).
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   uint64_t n = dtype_size(dtype);
   for (int64_t s : shape)
     if (__builtin_mul_overflow(n, static_cast<uint64_t>(s), &n)) return std::nullopt;
@@ -105,7 +107,14 @@ std::optional<uint64_t> as_index(const json& v) {
 /// A parser callback sees every key with the object it belongs to, so duplicates are caught here.
 class DuplicateKeyFinder {
  public:
-  bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
+  /// A real header nests 3 levels (the object, a tensor's entry, its shape); each level costs this
+  /// finder a frame and nlohmann a node, so a header of nested brackets within the size limit took
+  /// ~130 times its size in memory before failing. Deeper than this is refused as it is read.
+  static constexpr int kMaxDepth = 32;
+  struct TooDeep {};
+
+  bool operator()(int depth, json::parse_event_t event, json& parsed) {
+    if (depth > kMaxDepth) throw TooDeep{};
     switch (event) {
       case json::parse_event_t::object_start:
         frames_.push_back(Frame{true, {}, last_key(), {}});
@@ -219,6 +228,11 @@ void SafetensorsFile::Impl::parse(const std::byte* base, uint64_t size) {
   if (n > kMaxHeaderBytes) fail(where, "header length ", n, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
 
   const char* text = reinterpret_cast<const char*>(base + 8);
+  // nlohmann stops reading at a NUL byte as at the end of its input, so what follows one (a
+  // tensor's entry, invalid UTF-8) went unread and unchecked; JSON holds none (strings escape it).
+  if (const void* nul = std::memchr(text, 0, n))
+    fail(where, "header (", n, " bytes) holds a NUL byte at offset ", static_cast<const char*>(nul) - text,
+         ": not JSON");
   DuplicateKeyFinder dups;
   json header;
   try {
@@ -226,6 +240,8 @@ void SafetensorsFile::Impl::parse(const std::byte* base, uint64_t size) {
     header = json::parse(text, text + n, std::ref(dups));
   } catch (const json::exception& e) {
     fail(where, "header (", n, " bytes) is not valid JSON: ", printable(e.what()));
+  } catch (const DuplicateKeyFinder::TooDeep&) {
+    fail(where, "header (", n, " bytes) nests deeper than ", DuplicateKeyFinder::kMaxDepth, " levels");
   }
   if (dups.duplicate()) {
     const auto& [key, owner] = *dups.duplicate();
@@ -413,7 +429,15 @@ Tensor SafetensorsFile::read_f32(const std::string& name) const {
       std::memcpy(dst, src, n * 4);
       break;
     case DType::F64:
-      convert<double>(src, dst, n);
+      for (size_t i = 0; i < n; ++i) {
+        double v;
+        std::memcpy(&v, src + 8 * i, 8);
+        // Past float32's largest value plus half its last step the float is ±inf (and the C++
+        // conversion undefined): a finite weight must not load as an infinite one.
+        if (std::fabs(v) >= 0x1.ffffffp+127 && std::isfinite(v))
+          fail("read_f32: ", impl_->path, ": tensor '", name, "' element ", i, " = ", v, " is beyond float32's range");
+        dst[i] = static_cast<float>(v);
+      }
       break;
     case DType::BF16:
       for (size_t i = 0; i < n; ++i) {
@@ -576,9 +600,8 @@ void SafetensorsWriter::write(const std::string& path, const Progress& progress)
   const Layout l = layout();
   detail::check_path("SafetensorsWriter::write", path);
   // Write beside the target and rename: readers see either the old file or the complete new one.
-  const std::string tmp = detail::temp_path_beside(path);
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("SafetensorsWriter::write: ", path, ": cannot create ", tmp, ": ", errno_str());
+  std::string tmp;
+  const int fd = detail::create_temp_beside("SafetensorsWriter::write", path, tmp);
   const auto give_up = [&](const char* what) {
     const std::string err = errno_str();
     ::close(fd);
