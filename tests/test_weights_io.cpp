@@ -385,6 +385,40 @@ TEST(WeightsIo, FailedLoadLeavesTheModuleUnchanged) {
   expect_same_params(m, before);
 }
 
+// Equal shapes are not the same module: weights saved from 8 heads fit a module of 4 heads of the
+// same width, and a module with RoPE or a softcap reads them as something else. A file that stores
+// its configuration loads only into that configuration (but the layout and dropout, which say how
+// the module is called); a file without one is checked by shapes alone, as before.
+TEST(WeightsIo, LoadWeightsRefusesAModuleOfAnotherConfiguration) {
+  const MhaConfig c = gqa_config();
+  const auto s = saved(c, WeightNames::PyTorch);
+  const SafetensorsFile file = rewrite(s.metadata, s.tensors);
+  MhaConfig fewer_heads = c;
+  fewer_heads.num_heads = 4;
+  MhaConfig with_rope = c;
+  with_rope.rope = Rope::half_split(10000.0);
+  MhaConfig capped = c;
+  capped.softcap = 30.0f;
+  for (const auto& [other, needle] : std::vector<std::pair<MhaConfig, std::string>>{
+           {fewer_heads, "num_heads = 8 where the module's has 4"},
+           {with_rope, "the module's configuration has rope = half_split where the file's has none"},
+           {capped, "softcap = 30 where the file's has none"}}) {
+    MultiheadAttention m = random_module(other, 8);
+    const MultiheadAttention before = m;
+    EXPECT_ERROR_MENTIONS(load_weights(m, file), "edited.safetensors", needle);
+    expect_same_params(m, before);
+  }
+  MhaConfig called_otherwise = c;
+  called_otherwise.layout = Layout::BatchFirst, called_otherwise.dropout = 0.25f;
+  MultiheadAttention m = random_module(called_otherwise, 8);
+  load_weights(m, file);
+  expect_same_params(m, load_module(file));
+  std::map<std::string, std::string> no_config;  // tensors alone: shapes decide
+  MultiheadAttention n = random_module(c, 9);
+  load_weights(n, rewrite(no_config, s.tensors));
+  expect_same_params(n, load_module(file));
+}
+
 TEST(WeightsIo, DetectsTheNamingSchemeOrSaysWhyNot) {
   SafetensorsWriter neither;
   neither.add("query", Tensor({2, 2}));

@@ -348,6 +348,27 @@ MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
 }  // namespace
 
 void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
+  // A file that stores its configuration must have been saved from a module that computes what
+  // this one does: equal shapes are not enough (8 × 8 projections fit 2 heads of 4 and 4 heads of
+  // 2; RoPE, ALiBi, a softcap or sinks change the scores without changing a shape). The layout and
+  // dropout are how a module is called, not what its weights mean, and may differ.
+  if (file.metadata().contains("embed_dim")) {
+    auto file_meta = metadata_from_config(config_from_metadata(file.metadata(), file.path()));
+    auto module_meta = metadata_from_config(module.config());
+    for (auto* m : {&file_meta, &module_meta})
+      for (const char* key : {"batch_first", "dropout"}) m->erase(key);
+    for (const auto& [key, value] : file_meta) {
+      const auto it = module_meta.find(key);
+      const std::string mine = it == module_meta.end() ? "(unset)" : it->second;
+      if (mine != value)
+        fail("load_weights: ", file.path(), ": the file's configuration has ", key, " = ", value,
+             " where the module's has ", mine, " (load_module builds the module the file describes)");
+    }
+    for (const auto& [key, value] : module_meta)
+      if (!file_meta.contains(key))
+        fail("load_weights: ", file.path(), ": the module's configuration has ", key, " = ", value,
+             " where the file's has none (load_module builds the module the file describes)");
+  }
   module.params() = read_parameters(module.config(), file);
 }
 
