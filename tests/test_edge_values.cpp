@@ -360,6 +360,71 @@ TEST(Infinity, VisiblePlusInfScoreMakesTheRowNaNOnEveryPath) {
   });
 }
 
+/// Weights as each backend writes them: per head and averaged, over every column.
+struct BothWeights {
+  Tensor per_head, averaged, out;
+};
+BothWeights weights_of(const Tensor& q, const Tensor& k, const Tensor& v, SdpaOptions o, Backend be) {
+  o.backend = be;
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2);
+  BothWeights w{Tensor({B, H, Tq, Tk}, 777.0f), Tensor({B, 1, Tq, Tk}, 777.0f), Tensor({B, H, Tq, v.size(3)}, 777.0f)};
+  SdpaOutputs so;
+  so.out = w.out.view4(), so.weights = w.per_head.view4(), so.averaged_weights = w.averaged.view4();
+  sdpa(View4<const float>(q.view4()), View4<const float>(k.view4()), View4<const float>(v.view4()), o, so);
+  return w;
+}
+
+/// A row whose max is +inf is NaN in every weight column, hidden ones included, on both backends
+/// (the reference wrote 0 for its hidden and −inf columns, and its head average of such a row
+/// could stay finite); with no heads at all the averaged weights are zeros on both (the reference
+/// gave 0 / 0, the fused kernel left them unwritten).
+TEST(Infinity, PlusInfRowIsNaNInEveryWeightColumnOnBothBackends) {
+  Tensor q({1, 2, 2, 2}, 0.5f), k({1, 2, 2, 2}, 0.25f), v({1, 2, 2, 2}, 1.0f);
+  k.at({0, 0, 0, 0}) = kInf;  // head 0: key 0 scores +inf for both queries
+  SdpaOptions o;
+  o.masks.causal = Causal::top_left();  // query 0 sees key 0 only: key 1 is hidden from it
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused" : "reference");
+    const BothWeights w = weights_of(q, k, v, o, be);
+    for (int64_t i = 0; i < 2; ++i) {
+      EXPECT_TRUE(row_nan(w.per_head, 0, 0, i)) << i;
+      EXPECT_TRUE(row_nan(w.averaged, 0, 0, i)) << i;
+      EXPECT_TRUE(row_finite(w.per_head, 0, 1, i)) << i;  // head 1 is untouched
+    }
+  }
+  const Tensor q0({1, 0, 2, 4}), k0({1, 1, 3, 4}, 1.0f), v0({1, 1, 3, 4}, 1.0f);
+  SdpaOptions none;
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    none.backend = be;
+    Tensor averaged({1, 1, 2, 3}, 777.0f), out({1, 0, 2, 4});
+    SdpaOutputs so;
+    so.out = out.view4(), so.averaged_weights = averaged.view4();
+    sdpa(View4<const float>(q0.view4()), View4<const float>(k0.view4()), View4<const float>(v0.view4()), none, so);
+    for (const float x : averaged.values()) EXPECT_EQ(x, 0.0f) << (be == Backend::Fused ? "fused" : "reference");
+  }
+}
+
+/// A probability below e^−87 is 0 on the reference forward too, as the float32 exp gives it: with
+/// +inf in that key's V row both backends give NaN (0 · inf). The reference kept the subnormal
+/// (e^−95 · inf = inf) where the fused kernel gave NaN. PyTorch, which keeps subnormals, gives inf.
+TEST(Infinity, SubnormalProbabilityTimesInfiniteValueIsTheSameOnBothBackends) {
+  Tensor q({1, 1, 1, 1}, 1.0f), k({1, 1, 2, 1}), v({1, 1, 2, 1});
+  k.at({0, 0, 0, 0}) = 0.0f, k.at({0, 0, 1, 0}) = -95.0f;
+  v.at({0, 0, 0, 0}) = 1.0f, v.at({0, 0, 1, 0}) = kInf;
+  SdpaOptions o;
+  o.scale = 1.0f;
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused" : "reference");
+    const BothWeights w = weights_of(q, k, v, o, be);
+    EXPECT_TRUE(std::isnan(w.out.at({0, 0, 0, 0})));
+    EXPECT_EQ(w.per_head.at({0, 0, 0, 1}), 0.0f);
+    EXPECT_EQ(w.per_head.at({0, 0, 0, 0}), 1.0f);
+  }
+  k.at({0, 0, 1, 0}) = -80.0f;  // e^−80 is a normal float: kept, and inf there is inf on both
+  for (Backend be : {Backend::Reference, Backend::Fused})
+    EXPECT_EQ(weights_of(q, k, v, o, be).out.at({0, 0, 0, 0}), kInf) << (be == Backend::Fused ? "fused" : "reference");
+}
+
 /// A key the row sees is read even where its probability is 0: an underflow (key 1's score is
 /// 400 below key 0's) or a dropped key. 0 · NaN in its V row is NaN, on the reference paths as on
 /// the fused ones and in PyTorch; before 2026-12-07 the reference skipped such V rows and gave a

@@ -23,10 +23,6 @@
 namespace mha::kernels {
 
 namespace {
-/// log of the smallest probability the float32 kernels keep: their exp (exp_nonpositive) is 0 below
-/// −87, where e^x nears float32's smallest normal number.
-constexpr double kMinLogProbability = -87.0;
-
 /// Forward step 1 for key j of row (b, h, i), K/V head g, in double: t = scale·q·k, s = c·tanh(t/c)
 /// with a softcap (then *cap_grad = ds/dt = 1 − tanh²(t/c)), + the additive terms `add`, + ALiBi;
 /// rounded to float as the forward's scores are (one past float's range is ±inf there).

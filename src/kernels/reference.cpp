@@ -56,11 +56,12 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
             s += static_cast<double>(p.edits.alibi_slopes[h]) * static_cast<double>(j - (i + alibi_off));
           scores[j] = static_cast<float>(s);
           if (scores[j] > row_max) row_max = scores[j];
-          row_nan = row_nan || std::isnan(scores[j]);
+          // NaN, or +inf (a +inf max makes every visible exp(s − max) NaN: inf − inf).
+          row_nan = row_nan || std::isnan(scores[j]) || scores[j] == -kNegInf;
         }
         float* out_row = p.out.row(b, h, i);
-        // A visible NaN makes the whole row NaN — out, weights and lse — as PyTorch's softmax does
-        // (docs/semantics.md, 'NaN').
+        // A visible NaN or +inf score makes the whole row NaN — out, lse and the weights of every
+        // column, hidden ones included — as PyTorch's softmax does (docs/semantics.md, 'NaN').
         if (row_nan) {
           for (int64_t c = 0; c < Dv; ++c) out_row[c * p.out.stride[3]] = kNaN;
           if (p.weights.defined())
@@ -85,12 +86,15 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           if (scores[j] == kNegInf) continue;
           sum += std::exp(static_cast<double>(scores[j]) - row_max);
         }
-        if (p.lse.defined()) p.lse(b, h, i, 0) = static_cast<float>(row_max + std::log(sum));
+        const double log_sum = std::log(sum);
+        if (p.lse.defined()) p.lse(b, h, i, 0) = static_cast<float>(row_max + log_sum);
         // 4. Probabilities, dropout (kept ones scaled by 1/(1 − p)), and the weighted sum of V.
         const double keep_scale = p.dropout.active() ? 1.0 / (1.0 - static_cast<double>(p.dropout.p)) : 1.0;
         for (int64_t j = 0; j < Tk; ++j) {
           double prob = 0.0;
-          if (scores[j] != kNegInf) {
+          // Below e^−87 a probability is 0, as the float32 exp gives it (kMinLogProbability).
+          const double log_p = static_cast<double>(scores[j]) - row_max - log_sum;
+          if (scores[j] != kNegInf && log_p >= kMinLogProbability) {
             prob = std::exp(static_cast<double>(scores[j]) - row_max) / sum;
             if (p.dropout.active())
               prob = dropout_keep(p.dropout.seed, p.dropout.p, b, h, i, j) ? prob * keep_scale : 0.0;

@@ -50,6 +50,16 @@ void run(kernels::SdpaParams p, Backend backend, SdpaThreadStats* stats) {
     p.thread_busy_ms = stats->busy_ms.data();
   }
   if (shape_numel(p.out.shape_vec()) == 0 && !p.weights.defined() && !p.weights_avg.defined()) return;
+  if (p.heads() == 0) {
+    // No heads: every output is empty but the averaged weights, zeros on every path (an average
+    // over no head; the reference gave 0 / 0 = NaN, the fused kernel left them unwritten).
+    const View4<float> avg = p.weights_avg;
+    if (avg.defined())
+      for (int64_t b = 0; b < avg.shape[0]; ++b)
+        for (int64_t i = 0; i < avg.shape[2]; ++i)
+          for (int64_t j = 0; j < avg.shape[3]; ++j) avg(b, 0, i, j) = 0.0f;
+    return;
+  }
   if (use_fused(p, backend, nullptr)) {
     detail::KernelScratch workspace = detail::kernel_scratch(kernels::fused_workspace_floats(p));
     kernels::sdpa_fused(p, workspace.get());
