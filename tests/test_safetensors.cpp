@@ -278,6 +278,11 @@ TEST(Safetensors, WriteNeverFollowsALinkAtItsTemporaryName) {
   std::ifstream in(victim);
   const std::string kept((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_EQ(kept, "keep me");
+  // A file it replaces keeps its permissions.
+  std::filesystem::permissions(path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  w.write(path);
+  EXPECT_EQ(std::filesystem::status(path).permissions(),
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
 }
 
 // Paths the OS would read differently, or could not name with a suffix added, and a progress

@@ -602,6 +602,9 @@ void SafetensorsWriter::write(const std::string& path, const Progress& progress)
   // Write beside the target and rename: readers see either the old file or the complete new one.
   std::string tmp;
   const int fd = detail::create_temp_beside("SafetensorsWriter::write", path, tmp);
+  // A file it replaces keeps its permissions (a 0600 weights file became 0644).
+  struct stat existing {};
+  if (::stat(path.c_str(), &existing) == 0 && S_ISREG(existing.st_mode)) (void)::fchmod(fd, existing.st_mode & 07777);
   const auto give_up = [&](const char* what) {
     const std::string err = errno_str();
     ::close(fd);
