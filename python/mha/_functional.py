@@ -297,6 +297,8 @@ def _i64(fn: str, name: str, value: Any) -> int:
 def _number(fn: str, name: str, value: Any) -> float:
     """``value`` as a Python float for a C++ float argument: a TypeError naming the argument for
     anything but a real number (a string such as "0.1" included, which float() would take)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        value = value[()]  # a 0-d array: its number
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{fn}: {name} must be a number, got {type(value).__name__}")
     return float(value)

@@ -240,6 +240,9 @@ def test_integer_arguments_out_of_range_name_themselves(rng):
         mha.set_tensor_cache_limit(-1)
     with pytest.raises(TypeError, match="alibi_slopes must be a 1-D sequence"):  # was flattened silently
         mha.MultiheadAttention(16, 2, alibi_slopes=[[1, 2], [3, 4]])
+    # Numbers as numpy gives them still work: scalars and 0-d arrays.
+    mha.MultiheadAttention(16, 2, dropout=np.array(0.1), scale=np.float32(0.5), softcap=np.float64(30.0))
+    mha.attend_cache(q, cache, scale=np.array(0.25))
 
 
 def test_numpy_arrays_of_positions_and_lengths_work_like_lists(rng):
