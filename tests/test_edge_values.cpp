@@ -423,6 +423,18 @@ TEST(Infinity, SubnormalProbabilityTimesInfiniteValueIsTheSameOnBothBackends) {
   k.at({0, 0, 1, 0}) = -80.0f;  // e^−80 is a normal float: kept, and inf there is inf on both
   for (Backend be : {Backend::Reference, Backend::Fused})
     EXPECT_EQ(weights_of(q, k, v, o, be).out.at({0, 0, 0, 0}), kInf) << (be == Backend::Fused ? "fused" : "reference");
+  // The cut is on the score's distance to the best key, before the division by the sum: with three
+  // keys at 0, a key at −86.5 has probability e^−86.5 / 3, below e^−87, and is kept on both (as in
+  // PyTorch: inf); a cut on the normalised probability dropped it on the reference alone.
+  Tensor k4({1, 1, 4, 1}, 0.0f), v4({1, 1, 4, 1}, 1.0f);
+  k4.at({0, 0, 3, 0}) = -86.5f;
+  v4.at({0, 0, 3, 0}) = kInf;
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused" : "reference");
+    const BothWeights w = weights_of(q, k4, v4, o, be);
+    EXPECT_EQ(w.out.at({0, 0, 0, 0}), kInf);
+    EXPECT_GT(w.per_head.at({0, 0, 0, 3}), 0.0f);
+  }
 }
 
 /// A key the row sees is read even where its probability is 0: an underflow (key 1's score is

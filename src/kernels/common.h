@@ -21,10 +21,11 @@ enum class DType : uint8_t { F32, BF16, I8 };  // I8: KV caches only (decode)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr double kNegInfDouble = -std::numeric_limits<double>::infinity();
-/// log of the smallest probability the float32 kernels keep: their exp (exp_nonpositive) is 0 below
-/// −87, where e^x nears float32's smallest normal number. The double-precision references cut
-/// there too, so that a subnormal probability times inf or NaN in its V row (inf on one path, NaN
-/// on another) cannot make the paths disagree.
+/// Where the float32 kernels' exp (exp_nonpositive) gives 0: below −87, where e^x nears float32's
+/// smallest normal number. The forwards take it of s − m (m the row's largest key score) before
+/// dividing by the sum, the backwards of s − lse; the double-precision references cut at the same
+/// place as their fused twins, so that a subnormal probability times inf or NaN in its V row (inf
+/// on one path, NaN on another) cannot make the paths disagree.
 constexpr double kMinLogProbability = -87.0;
 
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

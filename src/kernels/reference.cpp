@@ -80,6 +80,7 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
           continue;
         }
         // 3. Softmax with the maximum subtracted; a sink joins the denominator only.
+        const double key_max = row_max;
         row_max = std::max(row_max, sink);
         double sum = p.edits.sinks ? std::exp(sink - row_max) : 0.0;
         for (int64_t j = 0; j < Tk; ++j) {
@@ -92,9 +93,9 @@ void reference_rows(const SdpaParams& p, View4<const T> q, View4<const T> k, Vie
         const double keep_scale = p.dropout.active() ? 1.0 / (1.0 - static_cast<double>(p.dropout.p)) : 1.0;
         for (int64_t j = 0; j < Tk; ++j) {
           double prob = 0.0;
-          // Below e^−87 a probability is 0, as the float32 exp gives it (kMinLogProbability).
-          const double log_p = static_cast<double>(scores[j]) - row_max - log_sum;
-          if (scores[j] != kNegInf && log_p >= kMinLogProbability) {
+          // A key scoring more than 87 below the row's best key has probability 0, as the fused
+          // kernels' float32 exp(s − m) gives it before dividing by the sum (kMinLogProbability).
+          if (scores[j] != kNegInf && static_cast<double>(scores[j]) - key_max >= kMinLogProbability) {
             prob = std::exp(static_cast<double>(scores[j]) - row_max) / sum;
             if (p.dropout.active())
               prob = dropout_keep(p.dropout.seed, p.dropout.p, b, h, i, j) ? prob * keep_scale : 0.0;
