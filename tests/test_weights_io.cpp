@@ -399,10 +399,10 @@ TEST(WeightsIo, LoadWeightsRefusesAModuleOfAnotherConfiguration) {
   with_rope.rope = Rope::half_split(10000.0);
   MhaConfig capped = c;
   capped.softcap = 30.0f;
-  for (const auto& [other, needle] : std::vector<std::pair<MhaConfig, std::string>>{
-           {fewer_heads, "num_heads = 8 where the module's has 4"},
-           {with_rope, "the module's configuration has rope = half_split where the file's has none"},
-           {capped, "softcap = 30 where the file's has none"}}) {
+  for (const auto& [other, needle] :
+       std::vector<std::pair<MhaConfig, std::string>>{{fewer_heads, "num_heads = 8 where the module's has 4"},
+                                                      {with_rope, "rope = none where the module's has half_split"},
+                                                      {capped, "softcap = 0 where the module's has 30"}}) {
     MultiheadAttention m = random_module(other, 8);
     const MultiheadAttention before = m;
     EXPECT_ERROR_MENTIONS(load_weights(m, file), "edited.safetensors", needle);
@@ -417,6 +417,18 @@ TEST(WeightsIo, LoadWeightsRefusesAModuleOfAnotherConfiguration) {
   MultiheadAttention n = random_module(c, 9);
   load_weights(n, rewrite(no_config, s.tensors));
   expect_same_params(n, load_module(file));
+  // A foreign file states a few fields: those are compared, as they resolve; the rest are not
+  // (bias absent is no claim that there are biases). Another spelling of the same module loads.
+  MhaConfig no_bias = c;
+  no_bias.bias = false;
+  auto nb = saved(no_bias, WeightNames::PyTorch);
+  const std::map<std::string, std::string> sparse{
+      {"embed_dim", "32"}, {"num_heads", "8"}, {"head_dim", "4"}, {"scale", "0.5"}};
+  MultiheadAttention o = random_module(no_bias, 10);
+  load_weights(o, rewrite(sparse, nb.tensors));
+  std::map<std::string, std::string> other_scale = sparse;
+  other_scale["scale"] = "0.25";
+  EXPECT_ERROR_MENTIONS(load_weights(o, rewrite(other_scale, nb.tensors)), "scale = 0.25 where the module's has 0.5");
 }
 
 TEST(WeightsIo, DetectsTheNamingSchemeOrSaysWhyNot) {

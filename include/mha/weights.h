@@ -32,9 +32,10 @@ bool metadata_bool(const std::string& who, const std::string& key, const std::st
 WeightNames detect_weight_names(const SafetensorsFile& file);
 
 /// Loads every parameter of `module` from `file` (either naming scheme, auto-detected), checking
-/// each shape against the module's configuration, and, where the file's metadata stores a
-/// configuration, that it is the module's (all but batch_first and dropout): a file of 2 heads
-/// must not load into a module of 4 of the same width.
+/// each shape against the module's configuration, and each configuration field the file's
+/// metadata states (mha's own files state them all) against the module's, as they resolve, all
+/// but batch_first and dropout: a file of 2 heads must not load into a module of 4 of the same
+/// width, nor one without RoPE into a module with it.
 void load_weights(MultiheadAttention& module, const SafetensorsFile& file);
 
 /// Config from the metadata, then the weights.

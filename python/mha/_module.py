@@ -355,7 +355,7 @@ class MultiheadAttention:
         widths = [0 if val is None else _i64(fn, name, val)
                   for name, val in (("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim))]
         self._m = _core.Module(embed_dim, num_heads, *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn),
-                               _number(fn, "dropout", dropout),
+                               0.0 if dropout is False else _number(fn, "dropout", dropout),  # as torch takes it
                                bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
                                int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
                                _seed(fn, "seed", seed))
@@ -450,7 +450,9 @@ class MultiheadAttention:
         return cls._wrap(_core.load_module(os.fspath(path)))
 
     def load_weights(self, path: PathLike) -> None:
-        """Loads weights (either naming) from a safetensors file into this module; shapes are checked."""
+        """Loads weights (either naming) from a safetensors file into this module. Shapes are checked,
+        and every configuration field the file's metadata states (mha's own files state them all)
+        must be this module's, but batch_first and dropout: ValueError naming the field otherwise."""
         _core.load_weights(self._m, os.fspath(path))
 
     # ---- forward ----------------------------------------------------------------------------
@@ -585,7 +587,8 @@ def analyze(weights: Any, *, query_offset: Optional[int] = None, png: Optional[P
 def load_safetensors(path: PathLike) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
     """Reads every tensor of a safetensors file as numpy (float types → float32, BOOL → bool,
     integer types as they are: U8 → uint8, I64 → int64, …), with the file's metadata. The file is
-    validated completely first (mha/safetensors.h)."""
+    validated completely first (mha/safetensors.h); a finite F64 value past float32's range is a
+    ValueError naming the tensor."""
     return _core.read_safetensors(os.fspath(path))
 
 

@@ -11,6 +11,10 @@
 #include <string_view>
 #include <system_error>
 #include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "layers/sdpa_prepare.h"
 
 namespace mha::io {
 
@@ -347,27 +351,54 @@ MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
 
 }  // namespace
 
+/// What a configuration computes, field by field, every default resolved (the head dim, K/V
+/// heads, widths, the softmax scale, RoPE's rotated dims): two spellings of one module (scale=0.5
+/// where 1/√d is 0.5, head_dim equal to E/h) give the same values. In the order a mismatch is best
+/// reported in (the head count before the head dim it implies).
+std::vector<std::pair<std::string, std::string>> effective_fields(const MhaConfig& c) {
+  const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  const int64_t d = c.head_dim();
+  std::string slopes = "none";
+  for (size_t i = 0; i < c.alibi_slopes.size(); ++i) slopes = (i ? slopes + "," : "") + shortest(c.alibi_slopes[i]);
+  return {{"embed_dim", std::to_string(c.embed_dim)},
+          {"num_heads", std::to_string(c.num_heads)},
+          {"num_kv_heads", std::to_string(c.kv_heads())},
+          {"head_dim", std::to_string(d)},
+          {"kdim", std::to_string(c.key_dim())},
+          {"vdim", std::to_string(c.value_dim())},
+          {"bias", b(c.bias)},
+          {"add_bias_kv", b(c.add_bias_kv)},
+          {"add_zero_attn", b(c.add_zero_attn)},
+          {"scale", shortest(mha::detail::resolve_scale(c.scale, d))},
+          {"softcap", shortest(c.softcap)},
+          {"attention_sinks", b(c.attention_sinks)},
+          {"alibi_slopes", slopes},
+          {"rope", !c.rope.enabled                              ? "none"
+                   : c.rope.pairing == RopePairing::Interleaved ? "interleaved"
+                                                                : "half_split"},
+          {"rope_theta", c.rope.enabled ? shortest(c.rope.theta) : "-"},
+          {"rope_dims", c.rope.enabled ? std::to_string(c.rope.dims > 0 ? c.rope.dims : d) : "-"}};
+}
+
 void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
-  // A file that stores its configuration must have been saved from a module that computes what
+  // A file that states its configuration must have been saved from a module that computes what
   // this one does: equal shapes are not enough (8 × 8 projections fit 2 heads of 4 and 4 heads of
-  // 2; RoPE, ALiBi, a softcap or sinks change the scores without changing a shape). The layout and
-  // dropout are how a module is called, not what its weights mean, and may differ.
-  if (file.metadata().contains("embed_dim")) {
-    auto file_meta = metadata_from_config(config_from_metadata(file.metadata(), file.path()));
-    auto module_meta = metadata_from_config(module.config());
-    for (auto* m : {&file_meta, &module_meta})
-      for (const char* key : {"batch_first", "dropout"}) m->erase(key);
-    for (const auto& [key, value] : file_meta) {
-      const auto it = module_meta.find(key);
-      const std::string mine = it == module_meta.end() ? "(unset)" : it->second;
-      if (mine != value)
+  // 2; RoPE, ALiBi, a softcap or sinks change the scores without changing a shape). Each field the
+  // file states is compared, as it resolves (every field of mha's own files, which state the whole
+  // configuration); a field a foreign file leaves out is not. The layout and dropout say how a
+  // module is called, not what its weights mean, and may differ.
+  const auto& meta = file.metadata();
+  if (meta.contains("embed_dim") && meta.contains("num_heads")) {
+    const auto theirs = effective_fields(config_from_metadata(meta, file.path()));
+    const auto mine = effective_fields(module.config());
+    const bool whole = meta.contains("format") && meta.at("format") == "mha-weights/1";
+    for (size_t i = 0; i < theirs.size(); ++i) {
+      const auto& [key, value] = theirs[i];
+      const bool stated = whole || meta.contains(key) || (key.starts_with("rope") && meta.contains("rope"));
+      if (stated && mine[i].second != value)
         fail("load_weights: ", file.path(), ": the file's configuration has ", key, " = ", value,
-             " where the module's has ", mine, " (load_module builds the module the file describes)");
+             " where the module's has ", mine[i].second, " (load_module builds the module the file describes)");
     }
-    for (const auto& [key, value] : module_meta)
-      if (!file_meta.contains(key))
-        fail("load_weights: ", file.path(), ": the module's configuration has ", key, " = ", value,
-             " where the file's has none (load_module builds the module the file describes)");
   }
   module.params() = read_parameters(module.config(), file);
 }
