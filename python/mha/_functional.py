@@ -1,6 +1,7 @@
 """Scaled dot-product attention on numpy arrays: :func:`sdpa` and :func:`sdpa_backward`."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
 
@@ -198,11 +199,10 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
     if window and (causal is None or causal.align == "none"):
         raise ValueError(f"{fn}: window={window} needs a causal alignment (e.g. causal=mha.Causal.bottom_right())")
     a.window = window
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)):
-        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    dropout_p = _number(fn, "dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
-    a.dropout_p = float(dropout_p)
+    a.dropout_p = dropout_p
     a.seed = _seed(fn, "seed", seed)
     if threads is not None:
         a.threads = _threads(fn, threads)
@@ -282,13 +282,23 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] 
     return tuple(result)
 
 
+def _integer(fn: str, name: str, value: Any) -> int:
+    """``value`` as a Python int if it is an integer (operator.index: int, numpy integers and 0-d
+    integer arrays, torch integer scalars); a TypeError naming the argument for a bool and for
+    anything int() would truncate or parse (2.5, "3")."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}") from None
+
+
 def _i64(fn: str, name: str, value: Any) -> int:
     """``value`` as a Python int for a 64-bit C++ argument: a TypeError or ValueError naming the
     argument, where pybind11 would raise a TypeError that prints every argument of the call (whole
     arrays included)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
-    v = int(value)
+    v = _integer(fn, name, value)
     if not -2**63 <= v < 2**63:
         raise ValueError(f"{fn}: {name} must fit in 64 bits, got {v}")
     return v
@@ -297,11 +307,14 @@ def _i64(fn: str, name: str, value: Any) -> int:
 def _number(fn: str, name: str, value: Any) -> float:
     """``value`` as a Python float for a C++ float argument: a TypeError naming the argument for
     anything but a real number (a string such as "0.1" included, which float() would take)."""
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
-        value = value[()]  # a 0-d array: its number
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    # Anything with a float value (int, float, numpy scalars and 0-d arrays, torch scalars), but no
+    # bool and no string (float("0.1") would parse it).
+    if isinstance(value, (bool, np.bool_, str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"{fn}: {name} must be a number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # e.g. an array of several numbers
+        raise TypeError(f"{fn}: {name} must be a single number, got {type(value).__name__}") from None
 
 
 def _name(fn: str, name: str, value: Any) -> str:
@@ -348,9 +361,7 @@ def set_tensor_cache_limit(bytes: int) -> None:  # noqa: A002 (the library's own
 def _seed(fn: str, name: str, value: Any) -> int:
     """A seed (dropout's, or a module's initialisation): an int in [0, 2**64), as :func:`_i64` names
     a wrong type (TypeError) or value (ValueError)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
-    v = int(value)
+    v = _integer(fn, name, value)
     if not 0 <= v < 2**64:
         raise ValueError(f"{fn}: {name} must be in [0, 2**64), got {v}")
     return v

@@ -240,9 +240,25 @@ def test_integer_arguments_out_of_range_name_themselves(rng):
         mha.set_tensor_cache_limit(-1)
     with pytest.raises(TypeError, match="alibi_slopes must be a 1-D sequence"):  # was flattened silently
         mha.MultiheadAttention(16, 2, alibi_slopes=[[1, 2], [3, 4]])
-    # Numbers as numpy gives them still work: scalars and 0-d arrays.
+    # Numbers as numpy and torch give them still work: scalars and 0-d arrays, integers where
+    # integers go (FlashAttention-style code passes max_seqlen as a torch scalar); dropout=False
+    # as torch takes it.
     mha.MultiheadAttention(16, 2, dropout=np.array(0.1), scale=np.float32(0.5), softcap=np.float64(30.0))
+    mha.MultiheadAttention(16, 2, dropout=False)
     mha.attend_cache(q, cache, scale=np.array(0.25))
+    assert mha.KvCache(np.array(1), np.int32(2), 4, np.uint16(8)).capacity == 8
+    assert cache.length(np.array(0)) == cache.length(0)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        assert mha.KvCache(torch.tensor(1), 2, 4, torch.tensor([3, 8]).max()).capacity == 8
+        mha.MultiheadAttention(16, 2, dropout=torch.tensor(0.1))
+    with pytest.raises(TypeError, match="KvCache: capacity must be an int, got float"):
+        mha.KvCache(1, 2, 4, np.float64(8.0))
+    with pytest.raises(TypeError, match="MultiheadAttention: scale must be a single number"):
+        mha.MultiheadAttention(16, 2, scale=np.array([0.1, 0.2]))
 
 
 def test_numpy_arrays_of_positions_and_lengths_work_like_lists(rng):
