@@ -518,16 +518,19 @@ TEST(SafetensorsMalformed, ShapeProductOverflows) {
 
 // A header of nested brackets within the size limit took ~130 times its size in memory before it
 // failed; a NUL byte ended nlohmann's reading, so what followed it (a tensor, invalid UTF-8) was
-// never checked. Both are refused as the header is read.
+// never checked. Both are refused as the header is read, but a run of NULs that ends the header.
 TEST(SafetensorsMalformed, DeepNestingAndNulBytesInTheHeader) {
   expect_header_rejected("{\"x\":" + std::string(100, '[') + std::string(100, ']') + "}", 0,
                          {"nests deeper than 32 levels"});
   expect_header_rejected(R"({"__metadata__":{"x":"1"}})" + std::string(1, '\0') +
                              R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
-                         4, {"NUL byte at offset 26"});
-  // A real header's depth (object, entry, shape) and a deeper but sane one are fine.
-  EXPECT_NO_THROW(SafetensorsFile::from_bytes(
-      image(R"({"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4)));
+                         4, {"NUL byte at offset 26 with more after it"});
+  expect_header_rejected(R"({"__metadata__":{"x":"1"}})" + std::string(3, '\0') + " ", 0, {"NUL byte at offset 26"});
+  // A real header's depth (object, entry, shape) is fine, and so is a header padded with NULs to
+  // its end (some writers pad so where the format says spaces).
+  const std::string real = R"({"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  EXPECT_NO_THROW(SafetensorsFile::from_bytes(image(real, 4)));
+  EXPECT_EQ(SafetensorsFile::from_bytes(image(real + std::string(6, '\0'), 4)).names(), std::vector<std::string>{"a"});
 }
 
 // Zero bytes whatever the order of the extents ([2^63 − 1, 0] overflowed before it reached the 0).

@@ -452,7 +452,7 @@ static void add_bench_command(CLI::App& app) {
   cmd->add_option("--varlen-seqs", a->varlen_seqs, "sequences in the --varlen batch (default 64)");
   cmd->add_option("--varlen-min", a->varlen_min, "shortest --varlen sequence (default 16)");
   cmd->add_option("--varlen-seed", a->varlen_seed, "seed of the --varlen lengths and data (default 1)")
-      ->check(whole_number_at_least(0));
+      ->check(unsigned_whole_number());
   cmd->add_option("--footprint-mib", a->footprint_mib,
                   "with --decode: MiB of K/V streamed per measurement, rotating over copies of the cache (default "
                   "1024; at most 4096 copies)");

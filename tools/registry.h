@@ -48,6 +48,19 @@ inline CLI::Validator whole_number_at_least(int64_t least) {
       "");
 }
 
+/// A whole decimal number in [0, 2^64) (seeds), refused in one short line otherwise.
+inline CLI::Validator unsigned_whole_number() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        uint64_t v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (ec != std::errc() || end != s.data() + s.size())
+          return "expected a whole number in [0, 2^64), got '" + s + "'";
+        return {};
+      },
+      "");
+}
+
 /// A path to write: refused when empty ("--image ''" was taken as no picture at all).
 inline CLI::Validator path_to_write() {
   return CLI::Validator(

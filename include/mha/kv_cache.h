@@ -118,7 +118,8 @@ struct KvCacheConfig {
 
 class KvCache {
  public:
-  /// An empty cache (batch 0, no storage): every use but assignment is an mha::Error.
+  /// An empty cache (batch 0, no storage): config(), batch() (0), bytes() (0), clone() and reset()
+  /// work; appending, attending and every per-sequence query are an mha::Error.
   KvCache() noexcept { config_.batch = 0; }
   /// Allocates (batch, kv_heads, capacity, d) for K and for V; throws mha::Error on bad sizes.
   explicit KvCache(const KvCacheConfig& config);

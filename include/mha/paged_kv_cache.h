@@ -45,7 +45,8 @@ class PagedKvCache {
   explicit PagedKvCache(const PagedKvCacheConfig& config);
   PagedKvCache(const PagedKvCache&) = delete;
   PagedKvCache& operator=(const PagedKvCache&) = delete;
-  /// Moves leave the source empty (no blocks, no sequences): every use of it is an mha::Error.
+  /// Moves leave the source an empty pool (no blocks, no sequences): a sequence added to it takes
+  /// no tokens, and attending it is an mha::Error.
   PagedKvCache(PagedKvCache&& other) noexcept;
   PagedKvCache& operator=(PagedKvCache&& other) noexcept;
 

@@ -54,7 +54,8 @@ class SafetensorsFile {
   const TensorInfo& info(const std::string& name) const;  ///< throws if absent
   std::span<const std::byte> raw(const std::string& name) const;
 
-  /// Converts F32, F16, BF16, F64 (and integer/bool types) to float32.
+  /// Converts F32, F16, BF16, F64 (and integer/bool types) to float32; a finite F64 value past
+  /// float32's range is an error naming the tensor and element, not ±inf.
   Tensor read_f32(const std::string& name) const;
   /// BOOL or U8 → bytes 0/1 (any nonzero becomes 1).
   BoolTensor read_bool(const std::string& name) const;

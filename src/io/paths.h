@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -36,11 +37,18 @@ inline std::string temp_path_beside(const std::string& path) {
 /// descriptor, its name in `tmp`. Never an existing name: O_EXCL | O_NOFOLLOW, so a file or a
 /// symbolic link planted at the predictable name is neither truncated nor written through (the
 /// next name is tried); fails naming `fn` and `path` when none can be made.
+/// Its permissions are those of the file it will replace, if there is one, else 0666 less the
+/// umask (a 0600 weights file came back 0644).
 inline int create_temp_beside(const char* fn, const std::string& path, std::string& tmp) {
   for (int attempt = 0; attempt < 64; ++attempt) {
     tmp = temp_path_beside(path);
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd >= 0) return fd;
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd >= 0) {
+      struct stat existing {};
+      if (::stat(path.c_str(), &existing) == 0 && S_ISREG(existing.st_mode))
+        (void)::fchmod(fd, existing.st_mode & 07777);
+      return fd;
+    }
     if (errno != EEXIST) fail(fn, ": ", path, ": cannot create ", tmp, ": ", std::strerror(errno));
   }
   fail(fn, ": ", path, ": cannot create a temporary file beside it: 64 names taken (", tmp, " the last)");

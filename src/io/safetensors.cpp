@@ -228,16 +228,23 @@ void SafetensorsFile::Impl::parse(const std::byte* base, uint64_t size) {
   if (n > kMaxHeaderBytes) fail(where, "header length ", n, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
 
   const char* text = reinterpret_cast<const char*>(base + 8);
-  // nlohmann stops reading at a NUL byte as at the end of its input, so what follows one (a
+  // nlohmann stops reading at a NUL byte as at the end of its input, so what followed one (a
   // tensor's entry, invalid UTF-8) went unread and unchecked; JSON holds none (strings escape it).
-  if (const void* nul = std::memchr(text, 0, n))
-    fail(where, "header (", n, " bytes) holds a NUL byte at offset ", static_cast<const char*>(nul) - text,
-         ": not JSON");
+  // Some writers pad the header with NULs where the format says spaces: a run of NULs to the end
+  // of the header is taken as padding, a NUL with anything after it is refused.
+  uint64_t json_bytes = n;
+  if (const void* nul = std::memchr(text, 0, n)) {
+    json_bytes = static_cast<uint64_t>(static_cast<const char*>(nul) - text);
+    for (uint64_t i = json_bytes; i < n; ++i)
+      if (text[i] != 0)
+        fail(where, "header (", n, " bytes) holds a NUL byte at offset ", json_bytes,
+             " with more after it: not JSON (pad a header with spaces)");
+  }
   DuplicateKeyFinder dups;
   json header;
   try {
     // nlohmann rejects invalid UTF-8 inside strings and any non-JSON byte outside them.
-    header = json::parse(text, text + n, std::ref(dups));
+    header = json::parse(text, text + json_bytes, std::ref(dups));
   } catch (const json::exception& e) {
     fail(where, "header (", n, " bytes) is not valid JSON: ", printable(e.what()));
   } catch (const DuplicateKeyFinder::TooDeep&) {
@@ -602,9 +609,6 @@ void SafetensorsWriter::write(const std::string& path, const Progress& progress)
   // Write beside the target and rename: readers see either the old file or the complete new one.
   std::string tmp;
   const int fd = detail::create_temp_beside("SafetensorsWriter::write", path, tmp);
-  // A file it replaces keeps its permissions (a 0600 weights file became 0644).
-  struct stat existing {};
-  if (::stat(path.c_str(), &existing) == 0 && S_ISREG(existing.st_mode)) (void)::fchmod(fd, existing.st_mode & 07777);
   const auto give_up = [&](const char* what) {
     const std::string err = errno_str();
     ::close(fd);
