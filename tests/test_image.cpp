@@ -32,6 +32,22 @@ TEST(Image, PngRoundTripsExactly) {
   EXPECT_EQ(entries, 1u);
 }
 
+// A picture that replaces a file takes its permissions, a read-only one included (cairo writes the
+// temporary by name, so it stays owner-writable until then); a new one gets 0666 less the umask.
+TEST(Image, ReplacedPicturesKeepTheirPermissions) {
+  namespace fs = std::filesystem;
+  const Image img(3, 2);
+  const std::string path = mha::testing::temp_dir() + "/p.png";
+  for (const fs::perms mode : {fs::perms::owner_read | fs::perms::owner_write, fs::perms::owner_read}) {
+    write_png(path, img);
+    fs::permissions(path, mode);
+    write_png(path, img);
+    EXPECT_EQ(fs::status(path).permissions(), mode);
+    EXPECT_EQ(read_png(path).rgb, img.rgb);
+    fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write);
+  }
+}
+
 // A NUL in the path wrote (and read) the file named by the part before it; a name near the 255-byte
 // limit failed, its temporary being the name plus ".tmp".
 TEST(Image, NulPathsAreRefusedLongNamesWritten) {

@@ -168,9 +168,11 @@ Image to_image(cairo_surface_t* s) {
 template <class Write>
 void write_atomically(const std::string& path, const char* fn, Write write) {
   io::detail::check_path(fn, path);
-  // The name is created here, new and not a link (create_temp_beside), before cairo opens it.
+  // The name is created here, new and not a link (create_temp_beside), before cairo opens it
+  // again by name: owner-writable until then (a read-only picture it replaces would have made it
+  // unwritable), the replaced file's permissions after.
   std::string tmp;
-  ::close(io::detail::create_temp_beside(fn, path, tmp));
+  ::close(io::detail::create_temp_beside(fn, path, tmp, /*final_mode=*/false));
   std::error_code ec;
   try {
     write(tmp);
@@ -178,6 +180,7 @@ void write_atomically(const std::string& path, const char* fn, Write write) {
     std::filesystem::remove(tmp, ec);
     throw;
   }
+  io::detail::take_mode_of(path, tmp);
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
     std::filesystem::remove(tmp, ec);
