@@ -282,11 +282,27 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: Optional[float] 
     return tuple(result)
 
 
+def _kind(value: Any) -> str:
+    """numpy's kind letter of an array, numpy scalar or torch tensor's dtype ("i", "u", "f", "b",
+    "c", "U", "O", …); "i" for what has no dtype (Python numbers: isinstance tells those apart)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return "i"
+    if isinstance(dtype, np.dtype):
+        return dtype.kind
+    text = str(dtype)  # torch: "torch.float32", "torch.int64", "torch.bool", "torch.complex64"
+    if "bool" in text:
+        return "b"
+    if "complex" in text:
+        return "c"
+    return "u" if "uint" in text else "f" if "float" in text or "half" in text else "i"
+
+
 def _integer(fn: str, name: str, value: Any) -> int:
     """``value`` as a Python int if it is an integer (operator.index: int, numpy integers and 0-d
     integer arrays, torch integer scalars); a TypeError naming the argument for a bool and for
     anything int() would truncate or parse (2.5, "3")."""
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (bool, np.bool_)) or _kind(value) not in "iu":
         raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
     try:
         return operator.index(value)
@@ -307,14 +323,15 @@ def _i64(fn: str, name: str, value: Any) -> int:
 def _number(fn: str, name: str, value: Any) -> float:
     """``value`` as a Python float for a C++ float argument: a TypeError naming the argument for
     anything but a real number (a string such as "0.1" included, which float() would take)."""
-    # Anything with a float value (int, float, numpy scalars and 0-d arrays, torch scalars), but no
-    # bool and no string (float("0.1") would parse it).
-    if isinstance(value, (bool, np.bool_, str, bytes)) or not hasattr(value, "__float__"):
+    # Anything with a real value (int, float, Decimal, Fraction, numpy scalars and 0-d arrays,
+    # torch scalars), but no bool, no string (float("0.1") would parse it), no complex (numpy's
+    # float() drops the imaginary part) and no array of several numbers.
+    if getattr(value, "ndim", 0) != 0:
+        raise TypeError(f"{fn}: {name} must be a single number, got {type(value).__name__} of shape "
+                        f"{tuple(getattr(value, 'shape', ()))}")
+    if isinstance(value, (bool, np.bool_, str, bytes)) or _kind(value) not in "iuf" or not hasattr(value, "__float__"):
         raise TypeError(f"{fn}: {name} must be a number, got {type(value).__name__}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):  # e.g. an array of several numbers
-        raise TypeError(f"{fn}: {name} must be a single number, got {type(value).__name__}") from None
+    return float(value)
 
 
 def _name(fn: str, name: str, value: Any) -> str:

@@ -257,6 +257,16 @@ def test_integer_arguments_out_of_range_name_themselves(rng):
         mha.MultiheadAttention(16, 2, dropout=torch.tensor(0.1))
     with pytest.raises(TypeError, match="KvCache: capacity must be an int, got float"):
         mha.KvCache(1, 2, 4, np.float64(8.0))
+    # Strings, bools and complex numbers inside numpy or torch scalars are no numbers either.
+    for bad in (np.array("0.5"), np.array(True), np.complex128(0.1 + 5j)):
+        with pytest.raises(TypeError, match="attend_cache: scale must be a number"):
+            mha.attend_cache(q, cache, scale=bad)
+    if torch is not None:
+        for bad in (torch.tensor(True), torch.tensor(1 + 2j)):
+            with pytest.raises(TypeError, match="attend_cache: scale must be a number"):
+                mha.attend_cache(q, cache, scale=bad)
+        with pytest.raises(TypeError, match="KvCache: batch must be an int, got Tensor"):
+            mha.KvCache(torch.tensor(True), 2, 4, 8)
     with pytest.raises(TypeError, match="MultiheadAttention: scale must be a single number"):
         mha.MultiheadAttention(16, 2, scale=np.array([0.1, 0.2]))
 
