@@ -428,7 +428,19 @@ TEST(WeightsIo, LoadWeightsRefusesAModuleOfAnotherConfiguration) {
   load_weights(o, rewrite(sparse, nb.tensors));
   std::map<std::string, std::string> other_scale = sparse;
   other_scale["scale"] = "0.25";
-  EXPECT_ERROR_MENTIONS(load_weights(o, rewrite(other_scale, nb.tensors)), "scale = 0.25 where the module's has 0.5");
+  EXPECT_ERROR_MENTIONS(load_weights(o, rewrite(other_scale, nb.tensors)),
+                        "scale = 0.25 where the module's has 1/sqrt(head_dim)");
+  // 1/√24 correctly rounded is an ulp from 1.0f / sqrtf(24): the same default scale. A softcap of
+  // −0 is no softcap (a module saved with it reloads into itself). rope alone states no theta.
+  MhaConfig d24;
+  d24.embed_dim = 48, d24.num_heads = 2, d24.softcap = -0.0f;
+  d24.rope = Rope::half_split(500000.0);
+  const auto s24 = saved(d24, WeightNames::PyTorch);
+  MultiheadAttention m24 = random_module(d24, 11);
+  load_weights(m24, rewrite(s24.metadata, s24.tensors));
+  const std::map<std::string, std::string> foreign24{
+      {"embed_dim", "48"}, {"num_heads", "2"}, {"scale", "0.20412414523193154"}, {"rope", "half_split"}};
+  load_weights(m24, rewrite(foreign24, s24.tensors));
 }
 
 TEST(WeightsIo, DetectsTheNamingSchemeOrSaysWhyNot) {

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
+#include <optional>
 #include <sstream>
 #include <string_view>
 #include <system_error>
@@ -357,9 +359,14 @@ MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
 /// reported in (the head count before the head dim it implies).
 std::vector<std::pair<std::string, std::string>> effective_fields(const MhaConfig& c) {
   const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  const auto number = [](float x) { return shortest(x == 0.0f ? 0.0f : x); };  // −0 is 0 (validate takes both)
   const int64_t d = c.head_dim();
   std::string slopes = "none";
-  for (size_t i = 0; i < c.alibi_slopes.size(); ++i) slopes = (i ? slopes + "," : "") + shortest(c.alibi_slopes[i]);
+  for (size_t i = 0; i < c.alibi_slopes.size(); ++i) slopes = (i ? slopes + "," : "") + number(c.alibi_slopes[i]);
+  // 1/√d as the module resolves it (1.0f / sqrtf(d)) and correctly rounded differ by an ulp for
+  // some d (24, 96, 112): either, stated or not, is the default scale.
+  const float rounded = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  const bool default_scale = !c.scale || *c.scale == mha::detail::resolve_scale(std::nullopt, d) || *c.scale == rounded;
   return {{"embed_dim", std::to_string(c.embed_dim)},
           {"num_heads", std::to_string(c.num_heads)},
           {"num_kv_heads", std::to_string(c.kv_heads())},
@@ -369,8 +376,8 @@ std::vector<std::pair<std::string, std::string>> effective_fields(const MhaConfi
           {"bias", b(c.bias)},
           {"add_bias_kv", b(c.add_bias_kv)},
           {"add_zero_attn", b(c.add_zero_attn)},
-          {"scale", shortest(mha::detail::resolve_scale(c.scale, d))},
-          {"softcap", shortest(c.softcap)},
+          {"scale", default_scale ? std::string("1/sqrt(head_dim)") : number(*c.scale)},
+          {"softcap", number(c.softcap)},
           {"attention_sinks", b(c.attention_sinks)},
           {"alibi_slopes", slopes},
           {"rope", !c.rope.enabled                              ? "none"
@@ -394,7 +401,7 @@ void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
     const bool whole = meta.contains("format") && meta.at("format") == "mha-weights/1";
     for (size_t i = 0; i < theirs.size(); ++i) {
       const auto& [key, value] = theirs[i];
-      const bool stated = whole || meta.contains(key) || (key.starts_with("rope") && meta.contains("rope"));
+      const bool stated = whole || meta.contains(key);
       if (stated && mine[i].second != value)
         fail("load_weights: ", file.path(), ": the file's configuration has ", key, " = ", value,
              " where the module's has ", mine[i].second, " (load_module builds the module the file describes)");
