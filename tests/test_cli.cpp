@@ -178,7 +178,7 @@ TEST(Cli, EmptyOutputPathsAreRefused) {
 // (the check it had printed its range as a double with a 300-digit bound).
 TEST(Cli, ThreadsMustBeAWholeNumberAtLeastZero) {
   for (const char* sub : {"forward", "analyze", "prune"})
-    for (const char* bad : {"abc", "-1", "1.5", "\"\""}) {
+    for (const char* bad : {"abc", "-1", "1.5", "\"\"", "010"}) {
       SCOPED_TRACE(std::string(sub) + " --threads " + bad);
       const auto r = run_command(kCli + " " + sub + " --weights " + kCase + " --threads " + bad);
       expect_one_line_failure(r, "--threads: expected a whole number ≥ 0");

@@ -27,8 +27,16 @@ inline std::vector<CommandEntry>& command_registry() {
 /// `bench --parallel`, which must print before MPI_Finalize lets any rank exit): main exits 1 quietly.
 struct AlreadyReported {};
 
+/// Whether `s` starts with a 0 followed by more (after an optional '-'): CLI11 converts with base
+/// 0, so "010" would be 8 and "09" an error of its own; such numbers are refused.
+inline bool leading_zero(std::string_view s) {
+  if (!s.empty() && s[0] == '-') s.remove_prefix(1);
+  return s.size() > 1 && s[0] == '0';
+}
+
 /// `s` as a whole decimal number (an optional '-' and digits, nothing else), if it is one.
 inline std::optional<int64_t> whole_number(std::string_view s) {
+  if (leading_zero(s)) return std::nullopt;
   int64_t v = 0;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
@@ -42,7 +50,9 @@ inline CLI::Validator whole_number_at_least(int64_t least) {
   return CLI::Validator(
       [least](std::string& s) -> std::string {
         const std::optional<int64_t> v = whole_number(s);
-        if (!v || *v < least) return "expected a whole number ≥ " + std::to_string(least) + ", got '" + s + "'";
+        if (!v || *v < least)
+          return "expected a whole number ≥ " + std::to_string(least) +
+                 (leading_zero(s) ? " without leading zeros" : "") + ", got '" + s + "'";
         return {};
       },
       "");
@@ -54,8 +64,8 @@ inline CLI::Validator unsigned_whole_number() {
       [](std::string& s) -> std::string {
         uint64_t v = 0;
         const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-        if (ec != std::errc() || end != s.data() + s.size())
-          return "expected a whole number in [0, 2^64), got '" + s + "'";
+        if (ec != std::errc() || end != s.data() + s.size() || leading_zero(s))
+          return "expected a whole number in [0, 2^64) without leading zeros, got '" + s + "'";
         return {};
       },
       "");
