@@ -22,10 +22,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr double kNegInfDouble = -std::numeric_limits<double>::infinity();
 /// Where the float32 kernels' exp (exp_nonpositive) gives 0: below −87, where e^x nears float32's
-/// smallest normal number. The forwards take it of s − m (m the row's largest key score) before
-/// dividing by the sum, the backwards of s − lse; the double-precision references cut at the same
-/// place as their fused twins, so that a subnormal probability times inf or NaN in its V row (inf
-/// on one path, NaN on another) cannot make the paths disagree.
+/// smallest normal number. The fused forward takes it of s − m (m the running max of the key's
+/// block) before dividing by the sum, the backwards of s − lse; the double-precision references
+/// cut there too (the forward against the row's best key), so that a subnormal probability times
+/// inf or NaN in its V row does not make inf on one path and NaN on another (docs/semantics.md,
+/// 'NaN': the running max leaves edge cases).
 constexpr double kMinLogProbability = -87.0;
 
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
