@@ -353,6 +353,8 @@ MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
 
 }  // namespace
 
+namespace {
+
 /// What a configuration computes, field by field, every default resolved (the head dim, K/V
 /// heads, widths, the softmax scale, RoPE's rotated dims): two spellings of one module (scale=0.5
 /// where 1/√d is 0.5, head_dim equal to E/h) give the same values. In the order a mismatch is best
@@ -386,6 +388,8 @@ std::vector<std::pair<std::string, std::string>> effective_fields(const MhaConfi
           {"rope_theta", c.rope.enabled ? shortest(c.rope.theta) : "-"},
           {"rope_dims", c.rope.enabled ? std::to_string(c.rope.dims > 0 ? c.rope.dims : d) : "-"}};
 }
+
+}  // namespace
 
 void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
   // A file that states its configuration must have been saved from a module that computes what
