@@ -37,6 +37,23 @@ namespace {
 constexpr const char* kTrain = "forward_train";
 constexpr const char* kBack = "backward";
 
+/// Whether the `width` floats at `row` are all finite.
+bool finite_row(const float* row, int64_t width) {
+  return std::all_of(row, row + width, [](float v) { return std::isfinite(v); });
+}
+
+/// Zeroes row r of input x (`rows` × `width`) in the copy a weight gradient reads instead of x:
+/// the copy (`copy`, `out` its data, null until then) is made at the first such row, so that an
+/// input with none is read in place.
+void zero_row_in_copy(const float* x, int64_t rows, int64_t width, int64_t r, Tensor& copy, float*& out) {
+  if (!out) {
+    copy = Tensor::uninitialized({rows, width});
+    out = copy.data();
+    std::copy(x, x + rows * width, out);
+  }
+  std::fill(out + r * width, out + (r + 1) * width, 0.0f);
+}
+
 /// The key or value input (`width` floats a row, placed as `rows` says) as the weight gradient
 /// dW_K = dKᵀ · key (dW_V alike) may read it. A padded key — boolean key padding, or a −inf key
 /// bias — enters no product (SEMANTICS 5), so its dK / dV rows are exactly 0; but 0 · NaN is NaN,
@@ -54,22 +71,11 @@ const float* padded_rows_finite(const float* x, int64_t width, const detail::Row
     return no_queries || (by_flag && ctx.key_padding.data()[b * S + t] != 0) ||
            (by_bias && ctx.key_bias.data()[b * S + t] == -std::numeric_limits<float>::infinity());
   };
-  const auto row_of = [&](int64_t b, int64_t t) { return b * rows.per_batch + t * rows.per_step; };
-  const auto finite_row = [&](const float* r) {
-    for (int64_t c = 0; c < width; ++c)
-      if (!std::isfinite(r[c])) return false;
-    return true;
-  };
   float* out = nullptr;
   for (int64_t b = 0; b < rows.batch; ++b)
     for (int64_t t = 0; t < rows.steps; ++t) {
-      if (!padded(b, t) || finite_row(x + row_of(b, t) * width)) continue;
-      if (!out) {
-        copy = Tensor::uninitialized({rows.rows(), width});
-        out = copy.data();
-        std::copy(x, x + rows.rows() * width, out);
-      }
-      std::fill(out + row_of(b, t) * width, out + (row_of(b, t) + 1) * width, 0.0f);
+      const int64_t r = b * rows.per_batch + t * rows.per_step;
+      if (padded(b, t) && !finite_row(x + r * width, width)) zero_row_in_copy(x, rows.rows(), width, r, copy, out);
     }
   return out ? out : x;
 }
@@ -86,16 +92,9 @@ const float* unseen_rows_finite(const float* x, int64_t rows, int64_t width, con
                                 int64_t dy_cols, Tensor& copy) {
   float* out = nullptr;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * width;
-    if (std::all_of(xr, xr + width, [](float v) { return std::isfinite(v); })) continue;
     const float* dr = dy + r * ldy;
-    if (!std::all_of(dr, dr + dy_cols, [](float v) { return v == 0.0f; })) continue;
-    if (!out) {
-      copy = Tensor::uninitialized({rows, width});
-      out = copy.data();
-      std::copy(x, x + rows * width, out);
-    }
-    std::fill(out + r * width, out + (r + 1) * width, 0.0f);
+    if (!finite_row(x + r * width, width) && std::all_of(dr, dr + dy_cols, [](float v) { return v == 0.0f; }))
+      zero_row_in_copy(x, rows, width, r, copy, out);
   }
   return out ? out : x;
 }
