@@ -182,6 +182,7 @@ class KvCache {
   float v_at(int64_t b, int64_t g, int64_t p, int64_t x) const;
 
  private:
+  void check_has_storage(const char* who) const;  ///< not empty (default-constructed or moved from)
   void check_batch_index(int64_t b, const char* who) const;
   /// b, g and x in range for K (dim = head_dim) or V (dim = v_dim), p held by sequence b.
   void check_element_index(int64_t b, int64_t g, int64_t p, int64_t x, int64_t dim, const char* who) const;

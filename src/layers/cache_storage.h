@@ -46,9 +46,6 @@ inline void size_cache_storage(const std::string& what, int64_t n0, int64_t n1, 
   size(v, v_dim, n2);
 }
 
-/// A query row's first position q_start (its T_q rows at q_start … q_start + T_q − 1) within
-/// [0, Causal::kMaxPosition − T_q], as sdpa bounds its causal offset: the decode kernel forms
-/// q_start + T_q and position − window, which near INT64_MAX overflowed and hid every key.
 /// No negative extent in `view` (a negative T slipped past the shape checks, which compare with
 /// the view's own T: a cache's length went negative and its next append wrote before its storage).
 template <class T>
@@ -63,6 +60,9 @@ inline void check_window(const char* fn, int64_t window) {
     fail(fn, ": window must be in [0, 2^40] (0 = unlimited), got ", window);
 }
 
+/// A query row's first position q_start (its T_q rows at q_start … q_start + T_q − 1) within
+/// [0, Causal::kMaxPosition − T_q], as sdpa bounds its causal offset: the decode kernel forms
+/// q_start + T_q and position − window, which near INT64_MAX overflowed and hid every key.
 inline void check_q_start(const char* fn, int64_t b, int64_t start, int64_t tq) {
   const int64_t most = Causal::kMaxPosition - tq;
   if (start < 0 || start > most)

@@ -76,8 +76,12 @@ KvCache KvCache::clone() const {
 
 size_t KvCache::bytes() const { return detail::plane_bytes(k_) + detail::plane_bytes(v_); }
 
-void KvCache::check_batch_index(int64_t b, const char* who) const {
+void KvCache::check_has_storage(const char* who) const {
   if (lengths_.empty()) fail("KvCache::", who, ": the cache is empty (default-constructed or moved from): no storage");
+}
+
+void KvCache::check_batch_index(int64_t b, const char* who) const {
+  check_has_storage(who);
   if (b < 0 || b >= config_.batch)
     fail("KvCache::", who, ": sequence ", b, " is out of range [0, ", config_.batch, ")");
 }
@@ -194,7 +198,7 @@ void KvCache::store_sequence(View4<const float> k, View4<const float> v, int64_t
 
 void KvCache::append(View4<const float> k, View4<const float> v, std::span<const int64_t> counts) {
   const KvCacheConfig& c = config_;
-  if (lengths_.empty()) fail("KvCache::append: the cache is empty (default-constructed or moved from): no storage");
+  check_has_storage("append");
   detail::check_extents("KvCache::append", "key", k);
   detail::check_extents("KvCache::append", "value", v);
   const Shape want_k{c.batch, c.kv_heads, k.shape[2], c.head_dim}, want_v{c.batch, c.kv_heads, k.shape[2], c.v_dim()};
