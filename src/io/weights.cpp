@@ -65,6 +65,11 @@ std::string shortest(T v) {
   return std::string(buf, ec == std::errc() ? end : buf);
 }
 
+/// The metadata's name of a RoPE pairing (config_from_metadata reads it back).
+const char* pairing_name(RopePairing pairing) {
+  return pairing == RopePairing::Interleaved ? "interleaved" : "half_split";
+}
+
 // ---- tensor names ------------------------------------------------------------------------------
 
 struct Names {
@@ -250,7 +255,7 @@ std::map<std::string, std::string> metadata_from_config(const MhaConfig& config)
     m["alibi_slopes"] = s;
   }
   if (config.rope.enabled) {
-    m["rope"] = config.rope.pairing == RopePairing::Interleaved ? "interleaved" : "half_split";
+    m["rope"] = pairing_name(config.rope.pairing);
     m["rope_theta"] = shortest(config.rope.theta);
     if (config.rope.dims > 0) m["rope_dims"] = std::to_string(config.rope.dims);
   }
@@ -351,10 +356,6 @@ MhaParameters read_parameters(const MhaConfig& c, const SafetensorsFile& file) {
   return p;
 }
 
-}  // namespace
-
-namespace {
-
 /// What a configuration computes, field by field, every default resolved (the head dim, K/V
 /// heads, widths, the softmax scale, RoPE's rotated dims): two spellings of one module (scale=0.5
 /// where 1/√d is 0.5, head_dim equal to E/h) give the same values. In the order a mismatch is best
@@ -382,9 +383,7 @@ std::vector<std::pair<std::string, std::string>> effective_fields(const MhaConfi
           {"softcap", number(c.softcap)},
           {"attention_sinks", b(c.attention_sinks)},
           {"alibi_slopes", slopes},
-          {"rope", !c.rope.enabled                              ? "none"
-                   : c.rope.pairing == RopePairing::Interleaved ? "interleaved"
-                                                                : "half_split"},
+          {"rope", c.rope.enabled ? pairing_name(c.rope.pairing) : "none"},
           {"rope_theta", c.rope.enabled ? shortest(c.rope.theta) : "-"},
           {"rope_dims", c.rope.enabled ? std::to_string(c.rope.dims > 0 ? c.rope.dims : d) : "-"}};
 }
