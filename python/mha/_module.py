@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -100,9 +100,15 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     return args
 
 
-def _indices(fn: str, **named: Any) -> List[int]:
-    """Each index as :func:`_i64` checks it (its name in the error), in the order given."""
+def _i64s(fn: str, **named: Any) -> List[int]:
+    """Each named integer argument (sizes, indices) as :func:`_i64` checks it, in the order given."""
     return [_i64(fn, n, x) for n, x in named.items()]
+
+
+def _i64_list(fn: str, name: str, values: Optional[Iterable[Any]]) -> List[int]:
+    """A list of integers (positions, lengths, ids) each as :func:`_i64` checks it; None gives [].
+    Tested with ``is None``: ``values or []`` dropped np.array([0]) and refused longer arrays."""
+    return [] if values is None else [_i64(fn, name, x) for x in values]
 
 
 class KvCache:
@@ -124,8 +130,7 @@ class KvCache:
                  dtype: str = "f32", ring: bool = False, sinks: int = 0, int8_keys: str = "per-token",
                  key_group: int = 32, key_layout: str = "rows"):
         fn = "KvCache"
-        sizes = [_i64(fn, n, x) for n, x in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                                             ("value_dim", value_dim), ("capacity", capacity))]
+        sizes = _i64s(fn, batch=batch, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim, capacity=capacity)
         self._c = _core.KvCache(*sizes, _name(fn, "dtype", dtype), bool(ring), _i64(fn, "sinks", sinks),
                                 _name(fn, "int8_keys", int8_keys), _i64(fn, "key_group", key_group),
                                 _name(fn, "key_layout", key_layout))
@@ -170,16 +175,16 @@ class KvCache:
         va = _f32_contiguous("v", v, fn)
         if ka.ndim != 4 or va.ndim != 4:
             raise ValueError(f"{fn}: k and v must be 4-D (B, kv_heads, T, d), got shapes {ka.shape} and {va.shape}")
-        self._c.append(ka, va, [_i64(fn, "counts", n) for n in (counts if counts is not None else [])])
+        self._c.append(ka, va, _i64_list(fn, "counts", counts))
 
     def k_at(self, b: int, g: int, p: int, x: int) -> float:
         """Element x of the key of sequence b, K/V head g, position p, as stored (int8 and bf16:
         read back as float)."""
-        return self._c.k_at(*_indices("KvCache.k_at", b=b, g=g, p=p, x=x))
+        return self._c.k_at(*_i64s("KvCache.k_at", b=b, g=g, p=p, x=x))
 
     def v_at(self, b: int, g: int, p: int, x: int) -> float:
         """Element x of the value of sequence b, K/V head g, position p, as stored."""
-        return self._c.v_at(*_indices("KvCache.v_at", b=b, g=g, p=p, x=x))
+        return self._c.v_at(*_i64s("KvCache.v_at", b=b, g=g, p=p, x=x))
 
     def reset(self, b: Optional[int] = None) -> None:
         """Every sequence (or sequence ``b``) back to length 0."""
@@ -212,8 +217,8 @@ class PagedKvCache:
     def __init__(self, kv_heads: int, head_dim: int, block_size: int = 16, *, num_blocks: int,
                  value_dim: int = 0, dtype: str = "f32", key_layout: str = "rows"):
         fn = "PagedKvCache"
-        sizes = [_i64(fn, n, x) for n, x in (("kv_heads", kv_heads), ("head_dim", head_dim), ("block_size", block_size),
-                                             ("num_blocks", num_blocks), ("value_dim", value_dim))]
+        sizes = _i64s(fn, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
+                      value_dim=value_dim)
         self._c = _core.PagedKvCache(*sizes, _name(fn, "dtype", dtype), _name(fn, "key_layout", key_layout))
 
     def add_sequence(self) -> int:
@@ -249,11 +254,11 @@ class PagedKvCache:
 
     def k_at(self, seq: int, g: int, p: int, x: int) -> float:
         """Element x of the key of sequence ``seq``, K/V head g, position p, as stored."""
-        return self._c.k_at(*_indices("PagedKvCache.k_at", seq=seq, g=g, p=p, x=x))
+        return self._c.k_at(*_i64s("PagedKvCache.k_at", seq=seq, g=g, p=p, x=x))
 
     def v_at(self, seq: int, g: int, p: int, x: int) -> float:
         """Element x of the value of sequence ``seq``, K/V head g, position p, as stored."""
-        return self._c.v_at(*_indices("PagedKvCache.v_at", seq=seq, g=g, p=p, x=x))
+        return self._c.v_at(*_i64s("PagedKvCache.v_at", seq=seq, g=g, p=p, x=x))
 
     def alive(self, seq: int) -> bool:
         return self._c.alive(_i64("PagedKvCache.alive", "seq", seq))
@@ -303,7 +308,7 @@ def attend_cache(q: Any, cache: KvCache, *, q_start: Optional[Sequence[int]] = N
     row that sees no key gives zeros and lse = −inf."""
     fn = "attend_cache"
     a = _cache_query(fn, q, cache, KvCache)
-    return _core.attend_cache(a, cache._c, [_i64(fn, "q_start", p) for p in ([] if q_start is None else q_start)],
+    return _core.attend_cache(a, cache._c, _i64_list(fn, "q_start", q_start),
                               None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window),
                               _splits(fn, splits), _threads(fn, threads))
 
@@ -317,8 +322,8 @@ def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_st
     Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``."""
     fn = "attend_paged_cache"
     a = _cache_query(fn, q, cache, PagedKvCache)
-    return _core.attend_paged_cache(a, cache._c, [_i64(fn, "seqs", s) for s in seqs],
-                                    [_i64(fn, "q_start", p) for p in ([] if q_start is None else q_start)],
+    return _core.attend_paged_cache(a, cache._c, _i64_list(fn, "seqs", seqs),
+                                    _i64_list(fn, "q_start", q_start),
                                     None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window),
                                     _splits(fn, splits), _threads(fn, threads))
 
@@ -530,11 +535,11 @@ class MultiheadAttention:
         Returns the output only (no weights)."""
         fn = "MultiheadAttention.forward_incremental"
         q, k, v = _f32("query", query, fn), _f32("key", key, fn), _f32("value", value, fn)
-        lens = [_i64(fn, "new_lengths", n) for n in ([] if new_lengths is None else new_lengths)]
+        lens = _i64_list(fn, "new_lengths", new_lengths)
         if isinstance(cache, PagedKvCache):
             if seqs is None:
                 raise ValueError(f"{fn}: a PagedKvCache needs seqs=[…], one sequence id per batch row")
-            ids = [_i64(fn, "seqs", s) for s in seqs]
+            ids = _i64_list(fn, "seqs", seqs)
             return self._m.forward_incremental_paged(q, k, v, cache._c, ids, lens, _i64(fn, "window", window),
                                                      _threads(fn, threads))
         if not isinstance(cache, KvCache):
