@@ -80,6 +80,13 @@ void paged_equals_contiguous(CacheDtype dtype, int64_t block_size, int64_t steps
       EXPECT_EQ(paged.k_at(ids[static_cast<size_t>(b)], 1, p, 3), flat.k_at(b, 1, p, 3));
 }
 
+/// A pool of `blocks` blocks of 2 positions, one K/V head of d = 4: the error tests' cache.
+PagedKvCacheConfig tiny_pool(int64_t blocks) {
+  PagedKvCacheConfig pc;
+  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = blocks;
+  return pc;
+}
+
 TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
   for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
@@ -204,8 +211,7 @@ TEST(PagedKvCache, ForkSharesBlocksAndCopiesOnWrite) {
 // A moved-from pool kept its sizes over no storage (attend_paged_blocks then read freed memory); a
 // negative T set a negative length, and the next append indexed its block table with it.
 TEST(PagedKvCache, MovedFromPoolsAndNegativeExtentsAreErrors) {
-  PagedKvCacheConfig pc;
-  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 3;
+  const PagedKvCacheConfig pc = tiny_pool(3);
   PagedKvCache source(pc);
   const int64_t s = source.add_sequence();
   const Tensor kv = random_tensor({1, 1, 3, 4}, 2);
@@ -232,8 +238,7 @@ TEST(PagedKvCache, MovedFromPoolsAndNegativeExtentsAreErrors) {
 }
 
 TEST(PagedKvCache, GrowsWithoutReservingAndRefusesAFullPool) {
-  PagedKvCacheConfig pc;
-  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 3;
+  const PagedKvCacheConfig pc = tiny_pool(3);
   PagedKvCache cache(pc);
   const int64_t a = cache.add_sequence(), b = cache.add_sequence();
   EXPECT_EQ(cache.free_blocks(), 3);  // nothing reserved per sequence
@@ -251,8 +256,7 @@ TEST(PagedKvCache, GrowsWithoutReservingAndRefusesAFullPool) {
 }
 
 TEST(PagedKvCache, BlockTableOutsideThePoolIsAnError) {
-  PagedKvCacheConfig pc;
-  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 3;
+  const PagedKvCacheConfig pc = tiny_pool(3);
   PagedKvCache cache(pc);
   const Tensor q = random_tensor({1, 2, 1, 4}, 1);
   Tensor out({1, 2, 1, 4});
@@ -294,8 +298,7 @@ TEST(PagedKvCache, BlockTableOutsideThePoolIsAnError) {
 // The same id twice is fine there (it only reads), and a first position beyond 2⁴⁰ fails as in
 // attend_cache.
 TEST(PagedKvCache, AttendNamesItsBadSequenceIds) {
-  PagedKvCacheConfig pc;
-  pc.kv_heads = 1, pc.head_dim = 4, pc.block_size = 2, pc.num_blocks = 4;
+  const PagedKvCacheConfig pc = tiny_pool(4);
   PagedKvCache cache(pc);
   const int64_t s = cache.add_sequence();
   const Tensor kv = random_tensor({1, 1, 3, 4}, 2);
