@@ -320,6 +320,18 @@ def _i64(fn: str, name: str, value: Any) -> int:
     return v
 
 
+def _optional_count(fn: str, name: str, value: Any, default: str) -> int:
+    """An optional width or head count (kdim, vdim, num_kv_heads) for the core, which reads 0 as "the
+    default": None gives 0, anything else must be at least 1 (an explicit 0 would otherwise turn
+    silently into the default; torch builds (E, 0) projections for kdim=0, which mha refuses)."""
+    if value is None:
+        return 0
+    v = _i64(fn, name, value)
+    if v < 1:
+        raise ValueError(f"{fn}: {name} must be at least 1 (or None for {default}), got {v}")
+    return v
+
+
 def _number(fn: str, name: str, value: Any) -> float:
     """``value`` as a Python float for a C++ float argument: a TypeError naming the argument for
     anything but a real number (a string such as "0.1" included, which float() would take)."""

@@ -25,7 +25,7 @@ import torch as _torch
 from torch.autograd.function import once_differentiable as _once_differentiable
 
 from . import _core
-from ._functional import _args, _i64, _in_place
+from ._functional import _args, _i64, _in_place, _optional_count
 from ._module import Rope, _forward_args
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
@@ -67,7 +67,9 @@ def _mask_np(m: Optional[_torch.Tensor], name: str, fn: str, uint8: bool = False
         # refused rather than silently left at None.
         raise ValueError(f"{fn}: {name} requires grad, but mha gives no gradient for masks; pass "
                          f"{name}.detach() (or compute a learned bias with torch's own attention)")
-    return m.detach().cpu().numpy()
+    m = m.detach().cpu()
+    # numpy has no bfloat16: widened (exactly) to float32, as torch takes a bf16 mask.
+    return (m.float() if m.dtype == _torch.bfloat16 else m).numpy()
 
 
 @contextlib.contextmanager
@@ -95,11 +97,12 @@ class _ModuleFunction(_torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, core, args, names, query, key, value, *params):  # type: ignore[override]
+        # `core` is this call's own module, holding copies of `params` (MultiheadAttention.forward):
+        # the backward uses it as it is, whatever later forwards (other threads, other tensors through
+        # torch.func.functional_call) bind.
         out, saved = core.forward_train(*_np3(query, key, value), args)
         ctx.core, ctx.saved, ctx.names = core, saved, names
-        # The parameters this output was computed with: backward puts them back into the core (a
-        # later forward, e.g. torch.func.functional_call with other tensors, may have replaced
-        # them), and torch checks they were not modified in place in between.
+        # Saved so that torch checks they were not modified in place before the backward.
         ctx.save_for_backward(*params)
         return _torch.from_numpy(out)
 
@@ -110,8 +113,7 @@ class _ModuleFunction(_torch.autograd.Function):
             raise RuntimeError("mha.torch.MultiheadAttention: this graph's backward already ran and released mha's "
                                "saved activations; backward through it a second time (retain_graph=True) is not "
                                "supported: run the forward again")
-        for n, p in zip(ctx.names, ctx.saved_tensors):
-            ctx.core.set(n, p.detach().numpy())
+        ctx.saved_tensors  # noqa: B018 (raises if a parameter was modified in place since the forward)
         g = ctx.core.backward(ctx.saved, _np(d_output))
         # Released now, as torch releases its own saved tensors: kept until the graph died, they held
         # a second set of activations through the next step's forward in a training loop.
@@ -128,8 +130,9 @@ class MultiheadAttention(_torch.nn.Module):
     ``out_proj.weight``, ``out_proj.bias``), initialised as PyTorch does from torch's generator.
     Keyword-only extras: ``num_kv_heads`` (grouped-query attention) and ``rope`` (:class:`mha.Rope`).
 
-    Each forward copies the current parameters into mha (O(parameters)); the backward uses the
-    parameters of the last forward, so run backward before changing them (as an optimiser loop does).
+    Each forward copies the current parameters into a module of its own (O(parameters)), which its
+    backward uses: threads may share one module, and torch refuses the backward of a graph whose
+    parameters were modified in place after its forward (as for its own module).
     ``batch_first``, ``dropout`` and ``add_zero_attn`` may be changed between calls, as torch's
     forward reads them on every call. ``dropout`` must be in [0, 1): torch also takes 1.0 (every
     probability dropped, the output out_proj's bias), which mha refuses with ValueError.
@@ -144,18 +147,19 @@ class MultiheadAttention(_torch.nn.Module):
             raise TypeError(f"mha.torch.MultiheadAttention: CPU only, got device={device}")
         if dtype is not None and dtype != _torch.float32:
             raise TypeError(f"mha.torch.MultiheadAttention: float32 only, got dtype={dtype}")
+        fn = "mha.torch.MultiheadAttention"
+        widths = [_optional_count(fn, name, val, default) for name, val, default in
+                  (("num_kv_heads", num_kv_heads, "num_heads"), ("kdim", kdim, "embed_dim"), ("vdim", vdim, "embed_dim"))]
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
-        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        # Whether Q/K/V share one packed in_proj_weight (torch's _qkv_same_embed_dim).
+        self._packed_in_proj = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
         self.dropout = dropout
         self.batch_first = batch_first
         self.add_zero_attn = add_zero_attn
         self.rope = rope
-        fn = "mha.torch.MultiheadAttention"
-        widths = [0 if val is None else _i64(fn, name, val)
-                  for name, val in (("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim))]
         # The core's constructor arguments: __setstate__ rebuilds it from them (a deep copy, a pickle).
         self._core_args = (_i64(fn, "embed_dim", embed_dim), _i64(fn, "num_heads", num_heads), *widths, bool(bias),
                            bool(add_bias_kv), bool(add_zero_attn), float(dropout), bool(batch_first),
@@ -168,7 +172,7 @@ class MultiheadAttention(_torch.nn.Module):
         self.head_dim = cfg["head_dim"]
         shapes = {n: self._core.get(n).shape for n in self._core.param_names()}
         P = lambda n: _torch.nn.Parameter(_torch.empty(shapes[n])) if n in shapes else None  # noqa: E731
-        if self._qkv_same_embed_dim:
+        if self._packed_in_proj:
             self.in_proj_weight = P("in_proj_weight")
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
@@ -191,6 +195,15 @@ class MultiheadAttention(_torch.nn.Module):
             self.bias_k = self.bias_v = None
         self._reset_parameters()
 
+    @property
+    def _qkv_same_embed_dim(self) -> bool:
+        """False, always. torch's nn.TransformerEncoder(Layer) inference fast path (eval mode, no
+        grad, batch_first) tests this flag of its self_attn and, when True, reads in_proj_weight and
+        out_proj and runs its own fused kernel, never calling this module's forward: mha would not
+        compute, and RoPE or grouped-query heads would be dropped or fail inside torch. False sends
+        those layers through forward, as for torch's own module with kdim or vdim set."""
+        return False
+
     # The core holds no state of its own between calls (each forward copies the parameters into it),
     # so a copy or a pickle carries its constructor arguments and builds a fresh one.
     def __getstate__(self):
@@ -199,6 +212,8 @@ class MultiheadAttention(_torch.nn.Module):
         return state
 
     def __setstate__(self, state):
+        if "_packed_in_proj" not in state:  # pickled before the flag was renamed
+            state["_packed_in_proj"] = state.pop("_qkv_same_embed_dim", True)
         super().__setstate__(state)
         self._core = _core.Module(*self._core_args)
 
@@ -220,7 +235,7 @@ class MultiheadAttention(_torch.nn.Module):
 
     def _reset_parameters(self) -> None:
         """PyTorch's initialisation: Xavier-uniform input projections, zero biases, Xavier-normal bias_k/v."""
-        if self._qkv_same_embed_dim:
+        if self._packed_in_proj:
             _torch.nn.init.xavier_uniform_(self.in_proj_weight)
         else:
             _torch.nn.init.xavier_uniform_(self.q_proj_weight)
@@ -242,6 +257,9 @@ class MultiheadAttention(_torch.nn.Module):
                   add_bias_kv=old.bias_k is not None, add_zero_attn=old.add_zero_attn, kdim=old.kdim, vdim=old.vdim,
                   batch_first=old.batch_first)
         new.load_state_dict(old.state_dict())
+        # Frozen parameters stay frozen (fine-tuning freezes some; an optimiser must not train them).
+        for name, p in old.named_parameters():
+            new.get_parameter(name).requires_grad_(p.requires_grad)
         new.train(old.training)
         return new
 
@@ -275,7 +293,9 @@ class MultiheadAttention(_torch.nn.Module):
         items = self._param_items()
         for n, p in items:
             _check(n, p, fn)
-            self._core.set(n, p.detach().numpy())
+        # This call's own module with the current parameters: the shared core is never written, so
+        # threads may call forward (and backward) on one module at once, as on torch's.
+        core = self._core.with_params({n: _np(p) for n, p in items})
         training = self.training and self.dropout > 0.0
         seed = _dropout_seed(self.dropout) if training else 0
         kpm = _mask_np(key_padding_mask, "key_padding_mask", fn)
@@ -287,13 +307,13 @@ class MultiheadAttention(_torch.nn.Module):
             if need_weights or not needs_grad:
                 need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
                 args = _forward_args(fn, kpm, am, is_causal, need, training, seed, 0)
-                out, w, _ = self._core.forward(*_np3(query, key, value), args)
+                out, w, _ = core.forward(*_np3(query, key, value), args)
                 weights = None if w is None else _torch.from_numpy(w)
                 if not needs_grad:
                     return _torch.from_numpy(out), weights
             args = _forward_args(fn, kpm, am, is_causal, "none", training, seed, 0)
             names = [n for n, _ in items]
-            out = _ModuleFunction.apply(self._core, args, names, query, key, value, *[p for _, p in items])
+            out = _ModuleFunction.apply(core, args, names, query, key, value, *[p for _, p in items])
         return out, weights
 
 

@@ -708,6 +708,18 @@ PYBIND11_MODULE(_core, m) {
              if (sinks && p.sinks.numel() != c.num_heads) p.sinks = mha::Tensor({c.num_heads});
              return mha::MultiheadAttention(c, std::move(p));
            })
+      // The same configuration with these parameters (every one the configuration has, by name): a
+      // new module, `self` untouched. mha.torch's forward binds its torch parameters so, per call,
+      // instead of set() on a shared module, which a forward running on another thread reads.
+      .def("with_params",
+           [](const mha::MultiheadAttention& self, const py::dict& values) {
+             mha::MhaParameters p;
+             for (const auto& [name, value] : values) {
+               const std::string n = py::cast<std::string>(name);
+               *param_slot(p, n) = tensor_from(py::cast<F32In>(value));
+             }
+             return mha::MultiheadAttention(self.config(), std::move(p));  // checks every shape
+           })
       .def("parameter_count", &mha::MultiheadAttention::parameter_count)
       .def("param_names",
            [](mha::MultiheadAttention& self) {

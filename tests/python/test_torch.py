@@ -433,3 +433,116 @@ def test_dropout_false_is_zero_as_in_torch():
     out, _ = m(x, x, x)
     m.dropout = 0.0
     torch.testing.assert_close(m(x, x, x)[0], out, atol=0, rtol=0)
+
+
+def test_threads_share_one_module():
+    """Each forward used to copy the parameters into the module's one core with set(), which frees
+    the storage another thread's forward was reading: wrong outputs (up to 1e29) from two threads on
+    one module. Every call now binds its own copy; results are those of the same calls made alone."""
+    import threading
+
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(64, 4, batch_first=True).eval()
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(2, 200, 64, generator=g) for _ in range(4)]
+    with torch.no_grad():
+        alone = [m(x, x, x, need_weights=False)[0] for x in xs]
+    got = [[None] * len(xs) for _ in range(2)]
+    errors = []
+
+    def work(t):
+        try:
+            for _ in range(10):
+                for i, x in enumerate(xs):
+                    with torch.no_grad():
+                        got[t][i] = m(x, x, x, need_weights=False)[0]
+                    assert torch.equal(got[t][i], alone[i])
+        except Exception as e:  # noqa: BLE001 (reported below, with the thread's number)
+            errors.append((t, e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    # Training from two threads: each backward uses the parameters its own forward bound.
+    grads = []
+
+    def train(x):
+        xr = x.clone().requires_grad_(True)
+        m(xr, xr, xr, need_weights=False)[0].square().sum().backward(inputs=[xr])
+        grads.append((x, xr.grad))
+
+    threads = [threading.Thread(target=train, args=(x,)) for x in xs[:4]]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for x, gx in grads:
+        xr = x.clone().requires_grad_(True)
+        m(xr, xr, xr, need_weights=False)[0].square().sum().backward(inputs=[xr])
+        assert torch.equal(gx, xr.grad)
+
+
+@pytest.mark.parametrize("extra", [{}, {"rope": mha.Rope()}, {"num_kv_heads": 2}], ids=["plain", "rope", "gqa"])
+def test_transformer_encoder_layer_inference_runs_mha(extra):
+    """torch's encoder layer has an inference fast path (eval, no grad, batch_first) that reads
+    self_attn.in_proj_weight and runs torch's own kernel when self_attn._qkv_same_embed_dim is True:
+    mha's forward was never called, RoPE was dropped and grouped-query heads failed inside torch."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    layer.self_attn = mt.MultiheadAttention(16, 4, batch_first=True, **extra)
+    layer.eval()
+    calls = []
+    layer.self_attn.register_forward_hook(lambda *a: calls.append(1))
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        fast = layer(x)
+    assert calls, "the layer's inference did not call mha's forward"
+    torch.testing.assert_close(fast, layer(x), atol=0, rtol=0)  # the same as with grad enabled
+    stack = torch.nn.TransformerEncoder(layer, num_layers=2)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1, 3:] = True
+    with torch.no_grad():
+        out = stack(x, src_key_padding_mask=kpm)
+    torch.testing.assert_close(out, stack(x, src_key_padding_mask=kpm), atol=0, rtol=0)
+
+
+def test_from_torch_keeps_frozen_parameters_frozen():
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(16, 4, kdim=8, add_bias_kv=True)
+    for name in ("q_proj_weight", "bias_k", "out_proj.weight"):
+        ref.get_parameter(name).requires_grad_(False)
+    new = mt.MultiheadAttention.from_torch(ref)
+    assert {n: p.requires_grad for n, p in new.named_parameters()} == {
+        n: p.requires_grad for n, p in ref.named_parameters()}
+    q, kv = torch.randn(3, 1, 16), torch.randn(4, 1, 8)
+    new(q, kv, torch.randn(4, 1, 16), need_weights=False)[0].sum().backward()
+    assert new.q_proj_weight.grad is None and new.bias_k.grad is None and new.out_proj.weight.grad is None
+    assert new.k_proj_weight.grad is not None
+
+
+@pytest.mark.parametrize("arg", ["kdim", "vdim", "num_kv_heads"])
+def test_zero_widths_are_refused_not_read_as_the_default(arg):
+    """The core reads 0 as "the default" (embed_dim, num_heads): kdim=0 built a module with
+    kdim=0 reported and (E, E) key weights taking E features; torch builds (E, 0) weights."""
+    for cls in (mt.MultiheadAttention, mha.MultiheadAttention):
+        with pytest.raises(ValueError, match=f"{arg} must be at least 1"):
+            cls(8, 2, **{arg: 0})
+        with pytest.raises(ValueError, match=f"{arg} must be at least 1"):
+            cls(8, 2, **{arg: -3})
+
+
+def test_bfloat16_masks_as_torch_takes_them():
+    torch.manual_seed(0)
+    ref, new = pair(embed_dim=16, num_heads=4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    am = torch.randn(5, 5).to(torch.bfloat16)
+    kpm = torch.zeros(2, 5).to(torch.bfloat16)
+    kpm[1, 4] = float("-inf")
+    out = new(x, x, x, attn_mask=am, key_padding_mask=kpm)[0]
+    torch.testing.assert_close(out, new(x, x, x, attn_mask=am.float(), key_padding_mask=kpm.float())[0], atol=0, rtol=0)
+    # (torch 1.13 itself gives NaN for a float key padding mask beside an attention mask: the mask alone)
+    torch.testing.assert_close(new(x, x, x, attn_mask=am)[0], ref(x, x, x, attn_mask=am.float())[0],
+                               atol=2e-5, rtol=1e-4)
