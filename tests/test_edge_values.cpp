@@ -437,6 +437,42 @@ TEST(Infinity, SubnormalProbabilityTimesInfiniteValueIsTheSameOnBothBackends) {
   }
 }
 
+/// ±inf in a row of d out: every dp_j = dO·v_j of the row is ±inf or NaN, so the reference's
+/// Σ_j p_j dp_j, and with it every dS of the row, is NaN (as in torch's autograd). The fused
+/// backward forms that sum as dO·O, a +inf of one sign, and gave dS (so dK and d sinks) ±inf for
+/// the keys whose V entry had the other sign until 2026-12-07; it now gives the same NaNs.
+TEST(Infinity, InfiniteOutputGradientGivesTheSameNaNsOnBothBackwards) {
+  Tensor q({1, 1, 2, 2}, {0.3f, -0.2f, 0.5f, 0.1f}),
+      k({1, 1, 4, 2}, {0.2f, 0.4f, -0.3f, 0.1f, 0.6f, -0.5f, 0.1f, 0.2f});
+  Tensor v({1, 1, 4, 2}, {1.0f, 0.3f, -1.0f, 0.2f, 2.0f, -0.4f, -0.5f, 0.7f});
+  for (const float bad : {kInf, -kInf}) {
+    Tensor dout({1, 1, 2, 2}, {bad, 0.5f, 0.2f, -0.1f});
+    const std::vector<float> sink{0.25f};
+    for (const bool with_sink : {false, true}) {
+      SdpaOptions o;
+      if (with_sink) o.sinks.logits = sink;
+      const SdpaResult f = sdpa(q, k, v, o, Want::Lse);
+      for (const int threads : {1, 2}) {
+        o.threads = threads;
+        for (Backend be : {Backend::Reference, Backend::Fused}) {
+          SCOPED_TRACE(::testing::Message() << (be == Backend::Fused ? "fused" : "reference") << " d out " << bad
+                                            << (with_sink ? " with a sink" : "") << ", threads " << threads);
+          o.backend = be;
+          const SdpaGradTensors g = sdpa_backward(q, k, v, f.out, dout, f.lse, o);
+          for (const float x : g.dk.values()) EXPECT_TRUE(std::isnan(x)) << x;
+          for (int64_t c = 0; c < 2; ++c) {
+            EXPECT_TRUE(std::isnan(g.dq.at({0, 0, 0, c})));
+            EXPECT_FALSE(std::isnan(g.dq.at({0, 0, 1, c})));  // the other row's gradient stays finite
+          }
+          if (with_sink) {
+            EXPECT_TRUE(std::isnan(g.dsinks.data()[0]));
+          }
+        }
+      }
+    }
+  }
+}
+
 /// A key the row sees is read even where its probability is 0: an underflow (key 1's score is
 /// 400 below key 0's) or a dropped key. 0 · NaN in its V row is NaN, on the reference paths as on
 /// the fused ones and in PyTorch; before 2026-12-07 the reference skipped such V rows and gave a

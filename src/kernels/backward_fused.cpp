@@ -224,6 +224,9 @@ inline void copy_dense_rows(const SdpaBackwardParams& p, int64_t ldk, int64_t ld
 }
 
 /// D_i = dO_i · O_i: the softmax backward's row term (Σ_j p_j dp_j equals it, dropout included).
+/// NaN where dO_i holds ±inf: then every dp_j is ±inf or NaN and the reference's Σ_j p_j dp_j is
+/// NaN or ±inf, so that every dS_ij = p_j(dp_j − D_i) of the row is NaN there; dO_i · O_i is
+/// ±inf of one sign instead, which left dS (and dK, d sinks) ±inf for the keys of the other sign.
 inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
   const SdpaParams& f = p.fwd;
   const int64_t B = f.batch(), H = f.heads(), Tq = f.t_q(), Dv = f.d_v();
@@ -233,9 +236,12 @@ inline void row_dots(const SdpaBackwardParams& p, float* out, int threads) {
     for (int64_t i = 0; i < Tq; ++i) {
       const float* o = p.out.row(b, h, i);
       const float* g = p.dout.row(b, h, i);
-      double acc = 0.0;
-      for (int64_t c = 0; c < Dv; ++c) acc += static_cast<double>(o[c]) * g[c];
-      out[bh * Tq + i] = static_cast<float>(acc);
+      double acc = 0.0, non_finite = 0.0;  // non_finite: 0, or NaN once g holds ±inf or NaN (0 · inf)
+      for (int64_t c = 0; c < Dv; ++c) {
+        acc += static_cast<double>(o[c]) * g[c];
+        non_finite += 0.0 * g[c];
+      }
+      out[bh * Tq + i] = static_cast<float>(acc + non_finite);
     }
   }
 }
