@@ -183,7 +183,7 @@ static void add_analyze_command(CLI::App& app) {
                 "apply a causal mask (top-left), as if the metadata said is_causal (a causal mask the metadata "
                 "names keeps its alignment)");
   cmd->add_flag("--importance", a->importance, "also score each head by ablation (relative change of the output)");
-  cmd->add_option("--threads", a->threads, "threads to use (0 = all cores)")->check(whole_number_at_least(0));
+  cmd->add_option("--threads", a->threads, "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")->check(whole_number_at_least(0));
   cmd->callback([a] { run_analyze(*a); });
 }
 

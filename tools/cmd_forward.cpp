@@ -82,7 +82,7 @@ static void add_forward_command(CLI::App& app) {
   cmd->add_option("--output", args->output, "where to write the results (written atomically)")
       ->required()
       ->check(path_to_write());
-  cmd->add_option("--threads", args->threads, "threads to use (0 = all cores)")->check(whole_number_at_least(0));
+  cmd->add_option("--threads", args->threads, "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")->check(whole_number_at_least(0));
   cmd->callback([args] { run_forward(*args); });
 }
 

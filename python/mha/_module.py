@@ -458,7 +458,11 @@ class MultiheadAttention:
         """Loads weights (either naming) from a safetensors file into this module. Shapes are checked,
         and every configuration field the file's metadata states (mha's own files state them all)
         must be this module's, but batch_first and dropout: ValueError naming the field otherwise."""
-        _core.load_weights(self._m, os.fspath(path))
+        # Into a copy, then swapped in (as load_state_dict): a forward running on another thread
+        # (without the GIL) keeps reading the parameters it started with, never freed ones.
+        staged = copy.copy(self._m)
+        _core.load_weights(staged, os.fspath(path))
+        self._m = staged
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None, need_weights: bool = True,

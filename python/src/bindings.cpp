@@ -8,12 +8,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -234,23 +237,49 @@ py::tuple py_sdpa_varlen(const py::array& q, const py::array& k, const py::array
 
 // ---- the module ---------------------------------------------------------------------------------
 
+// ---- Python threads sharing one KV cache ------------------------------------------------------
+// The GIL is released while a cache computes, so without a lock two Python threads appending to one
+// cache would race past its capacity check (a heap overrun), and a read could meet a half-done
+// write. Every method of the bound caches, and every call that reads or fills one, holds the cache's
+// lock: shared to read it, exclusive to change it. The GIL is always released first (and taken
+// back after the lock is dropped), so a thread waiting for the lock never holds the GIL its holder
+// needs. The locks are a fixed set chosen by address: two caches may share one (then their writers
+// wait for each other, results unchanged); no call takes two.
+std::shared_mutex& lock_of(const void* cache) {
+  static std::array<std::shared_mutex, 61> locks;
+  return locks[reinterpret_cast<std::uintptr_t>(cache) % locks.size()];
+}
+
+/// f() under `cache`'s shared lock, without the GIL (f must not touch Python objects).
+template <class Cache, class F>
+auto reading(const Cache& cache, F&& f) {
+  py::gil_scoped_release release;
+  std::shared_lock lock(lock_of(&cache));
+  return f();
+}
+
+/// f() under `cache`'s exclusive lock, without the GIL (f must not touch Python objects).
+template <class Cache, class F>
+auto writing(const Cache& cache, F&& f) {
+  py::gil_scoped_release release;
+  std::unique_lock lock(lock_of(&cache));
+  return f();
+}
+
 using F32In = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using BoolIn = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 
 /// Attention of q (B, h, T_q, d) over a KV cache by `attend(q, options, out, lse)`, without the GIL:
 /// (out (B, h, T_q, d_v), lse (B, h, T_q)).
-template <class Attend>
-py::tuple attend_over_cache(const F32In& q, const char* what, int64_t d_v, const mha::CacheAttentionOptions& options,
-                            Attend attend) {
+template <class Cache, class Attend>
+py::tuple attend_over_cache(const F32In& q, const Cache& cache, const char* what, int64_t d_v,
+                            const mha::CacheAttentionOptions& options, Attend attend) {
   const mha::View4<const float> qv = view_of<const float>(q, what);
   const int64_t B = qv.shape[0], H = qv.shape[1], T = qv.shape[2];
   py::array_t<float> out({B, H, T, d_v}), lse({B, H, T});
   const mha::View4<float> out_view = view_of<float>(out, "out");
   const mha::View4<float> lse_view = mha::contiguous_view(lse.mutable_data(), B, H, T, int64_t{1});
-  {
-    py::gil_scoped_release release;
-    attend(qv, options, out_view, lse_view);
-  }
+  reading(cache, [&] { attend(qv, options, out_view, lse_view); });
   return py::make_tuple(out, lse);
 }
 
@@ -329,9 +358,10 @@ mha::KeyLayout key_layout_of(const char* what, const std::string& layout) {
   return mha::KeyLayout::Rows;
 }
 
-/// Runs one of the module's incremental forwards on copies of q/k/v with the GIL released.
-template <class Call>
-py::object incremental_call(const py::array_t<float, py::array::c_style | py::array::forcecast>& q,
+/// Runs one of the module's incremental forwards on copies of q/k/v with the GIL released, holding
+/// the lock of the cache it appends to.
+template <class Cache, class Call>
+py::object incremental_call(Cache& cache, const py::array_t<float, py::array::c_style | py::array::forcecast>& q,
                             const py::array_t<float, py::array::c_style | py::array::forcecast>& k,
                             const py::array_t<float, py::array::c_style | py::array::forcecast>& v,
                             std::vector<int64_t> new_lengths, int64_t window, int threads, const Call& call) {
@@ -340,11 +370,7 @@ py::object incremental_call(const py::array_t<float, py::array::c_style | py::ar
   opt.new_lengths = std::move(new_lengths);
   opt.window = window;
   opt.threads = threads;
-  mha::MhaOutput r;
-  {
-    py::gil_scoped_release release;
-    r = call(qt, kt, vt, opt);
-  }
+  mha::MhaOutput r = writing(cache, [&] { return call(qt, kt, vt, opt); });
   return array_take(std::move(r.output));
 }
 
@@ -569,26 +595,29 @@ PYBIND11_MODULE(_core, m) {
         c.key_layout = key_layout_of("KvCache", key_layout);
         return mha::KvCache(c);
       }))
-      .def("length", &mha::KvCache::length)
-      .def("stored", &mha::KvCache::stored)
-      .def("remaining", &mha::KvCache::remaining)
-      .def_property_readonly("batch", &mha::KvCache::batch)
+      .def("length", [](const mha::KvCache& self, int64_t b) { return reading(self, [&] { return self.length(b); }); })
+      .def("stored", [](const mha::KvCache& self, int64_t b) { return reading(self, [&] { return self.stored(b); }); })
+      .def("remaining",
+           [](const mha::KvCache& self, int64_t b) { return reading(self, [&] { return self.remaining(b); }); })
+      .def_property_readonly("batch", &mha::KvCache::batch)  // the configuration: never changes
       .def_property_readonly("capacity", &mha::KvCache::capacity)
       .def_property_readonly("ring", &mha::KvCache::ring)
       .def_property_readonly("nbytes", &mha::KvCache::bytes)
-      .def("reset", py::overload_cast<>(&mha::KvCache::reset))
-      .def("reset_sequence", py::overload_cast<int64_t>(&mha::KvCache::reset))
-      .def("clone", &mha::KvCache::clone)
+      .def("reset", [](mha::KvCache& self) { writing(self, [&] { self.reset(); }); })
+      .def("reset_sequence", [](mha::KvCache& self, int64_t b) { writing(self, [&] { self.reset(b); }); })
+      .def("clone", [](const mha::KvCache& self) { return reading(self, [&] { return self.clone(); }); })
       // k (B, kv, T, d), v (B, kv, T, d_v) float32; counts: rows of each sequence (empty = all T).
       .def("append",
            [](mha::KvCache& self, const F32In& k, const F32In& v, const std::vector<int64_t>& counts) {
              const auto kv = view_of<const float>(k, "KvCache.append: k"),
                         vv = view_of<const float>(v, "KvCache.append: v");
-             py::gil_scoped_release release;
-             self.append(kv, vv, counts);
+             writing(self, [&] { self.append(kv, vv, counts); });
            })
-      .def("k_at", &mha::KvCache::k_at)
-      .def("v_at", &mha::KvCache::v_at);
+      .def("k_at", [](const mha::KvCache& self, int64_t b, int64_t g, int64_t p,
+                      int64_t x) { return reading(self, [&] { return self.k_at(b, g, p, x); }); })
+      .def("v_at", [](const mha::KvCache& self, int64_t b, int64_t g, int64_t p, int64_t x) {
+        return reading(self, [&] { return self.v_at(b, g, p, x); });
+      });
 
   py::class_<mha::PagedKvCache>(m, "PagedKvCache")
       .def(py::init([](int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t value_dim,
@@ -603,27 +632,34 @@ PYBIND11_MODULE(_core, m) {
         c.key_layout = key_layout_of("PagedKvCache", key_layout);
         return std::make_unique<mha::PagedKvCache>(c);
       }))
-      .def("add_sequence", &mha::PagedKvCache::add_sequence)
-      .def("fork", &mha::PagedKvCache::fork)
-      .def("free", &mha::PagedKvCache::free)
-      .def("length", &mha::PagedKvCache::length)
-      .def("alive", &mha::PagedKvCache::alive)
+      .def("add_sequence", [](mha::PagedKvCache& self) { return writing(self, [&] { return self.add_sequence(); }); })
+      .def("fork", [](mha::PagedKvCache& self, int64_t seq) { return writing(self, [&] { return self.fork(seq); }); })
+      .def("free", [](mha::PagedKvCache& self, int64_t seq) { writing(self, [&] { self.free(seq); }); })
+      .def("length",
+           [](const mha::PagedKvCache& self, int64_t seq) { return reading(self, [&] { return self.length(seq); }); })
+      .def("alive",
+           [](const mha::PagedKvCache& self, int64_t seq) { return reading(self, [&] { return self.alive(seq); }); })
       .def("block_table",
            [](const mha::PagedKvCache& self, int64_t seq) {
-             const std::span<const int32_t> t = self.block_table(seq);
-             return std::vector<int32_t>(t.begin(), t.end());
+             return reading(self, [&] {
+               const std::span<const int32_t> t = self.block_table(seq);
+               return std::vector<int32_t>(t.begin(), t.end());
+             });
            })
-      .def("free_blocks", &mha::PagedKvCache::free_blocks)
-      .def("refcount", &mha::PagedKvCache::refcount)
-      .def("k_at", &mha::PagedKvCache::k_at)
-      .def("v_at", &mha::PagedKvCache::v_at)
+      .def("free_blocks",
+           [](const mha::PagedKvCache& self) { return reading(self, [&] { return self.free_blocks(); }); })
+      .def("refcount", [](const mha::PagedKvCache& self,
+                          int64_t block) { return reading(self, [&] { return self.refcount(block); }); })
+      .def("k_at", [](const mha::PagedKvCache& self, int64_t seq, int64_t g, int64_t p,
+                      int64_t x) { return reading(self, [&] { return self.k_at(seq, g, p, x); }); })
+      .def("v_at", [](const mha::PagedKvCache& self, int64_t seq, int64_t g, int64_t p,
+                      int64_t x) { return reading(self, [&] { return self.v_at(seq, g, p, x); }); })
       // k (1, kv, T, d), v (1, kv, T, d_v) float32, at positions length … length + T − 1 of seq.
       .def("append",
            [](mha::PagedKvCache& self, int64_t seq, const F32In& k, const F32In& v) {
              const auto kv = view_of<const float>(k, "PagedKvCache.append: k"),
                         vv = view_of<const float>(v, "PagedKvCache.append: v");
-             py::gil_scoped_release release;
-             self.append(seq, kv, vv);
+             writing(self, [&] { self.append(seq, kv, vv); });
            })
       .def_property_readonly("block_size", [](const mha::PagedKvCache& self) { return self.config().block_size; })
       .def_property_readonly("num_blocks", [](const mha::PagedKvCache& self) { return self.config().num_blocks; });
@@ -632,14 +668,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("attend_cache", [](const F32In& q, const mha::KvCache& cache, const std::vector<int64_t>& q_start,
                            std::optional<float> scale, int64_t window, int splits, int threads) {
     return attend_over_cache(
-        q, "attend_cache: q", cache.config().v_dim(), {scale, window, splits, threads},
+        q, cache, "attend_cache: q", cache.config().v_dim(), {scale, window, splits, threads},
         [&](auto qv, const auto& o, auto out, auto lse) { mha::attend_cache(qv, cache, q_start, o, out, lse); });
   });
   m.def("attend_paged_cache",
         [](const F32In& q, const mha::PagedKvCache& cache, const std::vector<int64_t>& seqs,
            const std::vector<int64_t>& q_start, std::optional<float> scale, int64_t window, int splits, int threads) {
-          return attend_over_cache(q, "attend_paged_cache: q", cache.config().v_dim(), {scale, window, splits, threads},
-                                   [&](auto qv, const auto& o, auto out, auto lse) {
+          return attend_over_cache(q, cache, "attend_paged_cache: q", cache.config().v_dim(),
+                                   {scale, window, splits, threads}, [&](auto qv, const auto& o, auto out, auto lse) {
                                      mha::attend_paged_cache(qv, cache, seqs, q_start, o, out, lse);
                                    });
         });
@@ -759,7 +795,7 @@ PYBIND11_MODULE(_core, m) {
            [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v, mha::KvCache& cache,
               std::vector<int64_t> new_lengths, int64_t window, int threads) {
              return incremental_call(
-                 q, k, v, std::move(new_lengths), window, threads,
+                 cache, q, k, v, std::move(new_lengths), window, threads,
                  [&](const mha::Tensor& qt, const mha::Tensor& kt, const mha::Tensor& vt,
                      const mha::IncrementalOptions& o) { return self.forward_incremental(qt, kt, vt, cache, o); });
            })
@@ -767,7 +803,7 @@ PYBIND11_MODULE(_core, m) {
            [](const mha::MultiheadAttention& self, const F32In& q, const F32In& k, const F32In& v,
               mha::PagedKvCache& cache, const std::vector<int64_t>& seqs, std::vector<int64_t> new_lengths,
               int64_t window, int threads) {
-             return incremental_call(q, k, v, std::move(new_lengths), window, threads,
+             return incremental_call(cache, q, k, v, std::move(new_lengths), window, threads,
                                      [&](const mha::Tensor& qt, const mha::Tensor& kt, const mha::Tensor& vt,
                                          const mha::IncrementalOptions& o) {
                                        return self.forward_incremental(qt, kt, vt, cache, seqs, o);

@@ -343,3 +343,45 @@ def test_counts_past_a_c_int_are_capped_like_the_library_caps_them(rng):
         mha.set_num_threads(0)
     with pytest.raises(ValueError, match="set_num_threads: threads must be >= 0"):
         mha.set_num_threads(-1)
+
+
+def test_threads_appending_to_one_cache_fill_it_exactly():
+    """append releases the GIL; without the cache's lock two threads raced past its capacity check
+    (length 257 of 256, then heap corruption). Each token lands once, the last append that does not
+    fit is refused, and a paged pool's sequences grow by what was appended."""
+    import threading
+
+    C, KV, D = 256, 2, 64
+    one = np.ones((1, KV, 1, D), np.float32)
+    for _ in range(400):
+        cache = mha.KvCache(1, KV, D, C)
+        done = [0, 0]
+
+        def fill(i):
+            while True:
+                try:
+                    cache.append(one, one)
+                except ValueError:
+                    return
+                done[i] += 1
+
+        threads = [threading.Thread(target=fill, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert cache.length(0) == C and sum(done) == C
+    paged = mha.PagedKvCache(KV, D, 4, num_blocks=64)
+    seqs = [paged.add_sequence() for _ in range(2)]
+
+    def grow(s):
+        for _ in range(50):
+            paged.append(s, one, one)
+            mha.attend_paged_cache(np.ones((1, KV, 1, D), np.float32), paged, [s])
+
+    threads = [threading.Thread(target=grow, args=(s,)) for s in seqs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [paged.length(s) for s in seqs] == [50, 50]

@@ -248,6 +248,32 @@ def test_threads_setting():
     assert mha.num_threads() >= 1 and n >= 1
 
 
+def test_default_threads_follow_omp_num_threads_and_the_affinity_mask():
+    """The default was the machine's CPU count whatever the environment said: a process pinned to
+    one CPU, or told OMP_NUM_THREADS=1 by a launcher, started a thread per CPU (oversubscribed)."""
+    import os
+    import subprocess
+    import sys
+
+    def default_in_child(env_threads, pin):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        if env_threads is not None:
+            env["OMP_NUM_THREADS"] = env_threads
+        code = ("import os, mha\n"
+                f"if {pin}: os.sched_setaffinity(0, {{sorted(os.sched_getaffinity(0))[0]}})\n"
+                "print(mha.num_threads())")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return int(r.stdout)
+
+    assert default_in_child("3", False) == 3
+    assert default_in_child("5,2", False) == 5  # nested levels: the outer one
+    assert default_in_child("1", False) == 1
+    assert default_in_child(None, True) == 1  # pinned to one CPU
+    assert default_in_child(None, False) == len(os.sched_getaffinity(0))
+    assert default_in_child("abc", True) == 1  # not a number: ignored, as OpenMP ignores it
+    assert default_in_child("0", False) == len(os.sched_getaffinity(0))
+
+
 def test_tensor_cache_keeps_and_releases_large_blocks():
     before = mha.tensor_cache_limit()
     try:
@@ -358,3 +384,35 @@ def test_torch_bfloat16_tensors_load_exactly():
     m.load_state_dict(sd)
     for k, v in m.state_dict().items():
         assert np.array_equal(v, sd[k].float().numpy()), k
+
+
+def test_load_weights_while_another_thread_runs_forward(tmp_path):
+    """load_weights wrote the new parameters into the module in place, freeing those a forward on
+    another thread (without the GIL) was reading: segfaults, or wrong outputs once the freed blocks
+    were reused. It now loads into a copy and swaps it in, as load_state_dict does."""
+    import threading
+
+    m = mha.MultiheadAttention(256, 4, batch_first=True)
+    m.eval()
+    path = tmp_path / "w.safetensors"
+    m.save(path)
+    x = np.random.default_rng(0).standard_normal((2, 64, 256)).astype(np.float32)
+    want = m.forward(x, x, x, need_weights=False)[0]
+    stop = threading.Event()
+    wrong = []
+
+    def reload():
+        while not stop.is_set():
+            m.load_weights(path)
+
+    t = threading.Thread(target=reload)
+    t.start()
+    try:
+        for _ in range(40):
+            out = m.forward(x, x, x, need_weights=False)[0]
+            if not np.array_equal(out, want):
+                wrong.append(float(np.abs(out - want).max()))
+    finally:
+        stop.set()
+        t.join()
+    assert not wrong
