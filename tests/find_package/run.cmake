@@ -20,6 +20,14 @@ message(STATUS "${out}")
 if(NOT rc EQUAL 0 OR NOT out MATCHES "consumer ok")
   message(FATAL_ERROR "consumer run failed: ${rc}")
 endif()
+# A consumer of mha::mha alone on a machine without MPI: the package must still load (mha::dist is
+# the one component that needs MPI).
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/find_package/consumer -B ${WORK_DIR}/build-no-mpi
+  -G Ninja -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DWITH_DIST=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
+  RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "consumer configure without MPI failed: ${rc}")
+endif()
 if(WITH_DIST)
   execute_process(COMMAND ${WORK_DIR}/build/consumer_dist RESULT_VARIABLE rc OUTPUT_VARIABLE out)
   message(STATUS "${out}")
