@@ -9,9 +9,9 @@
 //                      chunks r and 2P−1−r of 2P, so every rank does the same causal work.
 //   ring_attention_backward   dQ stays local; dK/dV accumulators travel the ring with their K/V block,
 //                      using the global log-sum-exp the forward returned.
-//   ulysses_attention  sequence shards → head shards with one MPI_Alltoallv, the fused kernel on h/P
-//                      heads of the whole sequence, and one all-to-all back. P must divide the K/V
-//                      head count.
+//   ulysses_attention  sequence shards → head shards (MPI_Alltoallv of Q, K and V, and an
+//                      Allgatherv of the key padding), sdpa on h/P heads of the whole sequence, and
+//                      all-to-alls of the output and lse back. P must divide the K/V head count.
 //   TensorParallelAttention   the module with h/P query heads and kv/P K/V heads per rank (rows of
 //                      W_Q, W_K, W_V, columns of W_O) and one MPI_Allreduce that sums the output.
 //
@@ -19,7 +19,8 @@
 // arguments are checked collectively: when one rank's arguments are bad, or the ranks disagree, every
 // rank throws mha::Error with the same message (naming the rank and the argument) — never a hang.
 // Results equal the single-process sdpa() within the fused kernel's tolerance (the merge by
-// log-sum-exp reassociates sums), and are bitwise identical run to run for a fixed P and threads.
+// log-sum-exp reassociates sums), and are bitwise identical run to run and for any thread count per
+// rank, for a fixed P (P changes where the sums are split).
 #pragma once
 
 #include <mpi.h>

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "dist/dist_internal.h"
@@ -24,17 +25,36 @@ MultiheadAttention make_shard(MPI_Comm comm, const MultiheadAttention& full, int
     err = "TensorParallelAttention: " + std::to_string(P) + " ranks must divide the K/V head count " +
           std::to_string(c.kv_heads()) + " (num_heads " + std::to_string(c.num_heads) + ")";
   check_collectively(comm, err);
-  // The slopes by their bits, summed: a rank with other slopes (or none) disagrees.
-  int64_t slope_bits = 0;
-  for (const float s : c.alibi_slopes) slope_bits += float_bits(s);
-  check_same_everywhere(
-      comm,
-      {c.embed_dim, c.num_heads, c.kv_heads(), c.head_dim(), c.key_dim(), c.value_dim(), c.bias ? 1 : 0,
-       c.add_bias_kv ? 1 : 0, c.add_zero_attn ? 1 : 0, static_cast<int64_t>(c.layout),
-       static_cast<int64_t>(c.rope.enabled ? 1 : 0), float_bits(c.scale), float_bits(c.softcap), float_bits(c.dropout),
-       static_cast<int64_t>(c.alibi_slopes.size()), slope_bits, c.attention_sinks ? 1 : 0},
-      "TensorParallelAttention: module configuration (E, h, kv, d, kdim, vdim, bias, bias_kv, "
-      "zero_attn, layout, rope, scale, softcap, dropout, ALiBi slopes, sinks)");
+  // Every field that changes the numbers, to the bit: RoPE's θ, rotated width and pairing as well
+  // as whether it is on, and each ALiBi slope in its head's place (a sum of their bits let ranks
+  // with the slopes of two heads swapped pass, and each rank's heads took other slopes).
+  int64_t theta_bits = 0;
+  static_assert(sizeof theta_bits == sizeof c.rope.theta);
+  std::memcpy(&theta_bits, &c.rope.theta, sizeof theta_bits);
+  std::vector<int64_t> signature = {c.embed_dim,
+                                    c.num_heads,
+                                    c.kv_heads(),
+                                    c.head_dim(),
+                                    c.key_dim(),
+                                    c.value_dim(),
+                                    c.bias ? 1 : 0,
+                                    c.add_bias_kv ? 1 : 0,
+                                    c.add_zero_attn ? 1 : 0,
+                                    static_cast<int64_t>(c.layout),
+                                    c.rope.enabled ? 1 : 0,
+                                    c.rope.enabled ? theta_bits : 0,
+                                    c.rope.enabled ? c.rope.rotary_dims(c.head_dim()) : 0,
+                                    c.rope.enabled ? static_cast<int64_t>(c.rope.pairing) : 0,
+                                    float_bits(c.scale),
+                                    float_bits(c.softcap),
+                                    float_bits(c.dropout),
+                                    c.attention_sinks ? 1 : 0,
+                                    static_cast<int64_t>(c.alibi_slopes.size())};
+  for (const float s : c.alibi_slopes) signature.push_back(float_bits(s));
+  check_same_everywhere(comm, signature,
+                        "TensorParallelAttention: module configuration (E, h, kv, d, kdim, vdim, bias, bias_kv, "
+                        "zero_attn, layout, rope and its theta, dims and pairing, scale, softcap, dropout, sinks, "
+                        "ALiBi slopes)");
   const int64_t per = c.num_heads / P;
   *first_head = me * per;
   std::vector<int64_t> drop;

@@ -245,12 +245,22 @@ void run_ring(MPI_Comm comm, const Dims& d, const Tensor& k, const Tensor& v, co
   int64_t max_rows = 0;
   for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, layout));
   BlockBuf bufs[2];
-  if (!skip_comm)
+  if (!skip_comm) {
     for (int i = 0; i < std::min(P - 1, 2); ++i) bufs[i].allocate(d, max_rows, pad.defined());
+  } else if (P > 1) {
+    // No exchange: steps 1 … P − 1 read this rank's own block again, but in the shapes of the
+    // blocks they stand for (their source ranks' row counts, up to max_rows): from a copy in a
+    // buffer that large, zero past the copy, so that no step reads outside it.
+    bufs[0].allocate(d, max_rows, pad.defined());
+    std::copy(k.data(), k.data() + k.numel(), bufs[0].k.data());
+    std::copy(v.data(), v.data() + v.numel(), bufs[0].v.data());
+    if (pad.defined()) std::copy(pad.data(), pad.data() + pad.numel(), bufs[0].pad.data());
+  }
   BlockRef cur{k.data(), v.data(), pad.data(), pad.defined()};
   for (int s = 0; s < P; ++s) {
     const int src = (me - s + P) % P;
     const int64_t rows = local_length(seq_k, P, src, layout);
+    if (skip_comm && s == 1) cur = bufs[0].ref();
     Requests reqs;
     const bool exchange = s + 1 < P && !skip_comm;
     if (exchange) {

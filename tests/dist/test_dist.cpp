@@ -9,6 +9,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mha/dist.h"
 #include "mha/error.h"
@@ -341,6 +343,69 @@ TEST(Heads, RefusesWhatItCannotShard) {
     const std::string e2 = mha::testing::error_of([&] { tp.forward(y, y, y); });
     EXPECT_NE(e2.find("differ across ranks"), std::string::npos) << e2;
   }
+}
+
+/// The configuration check compared only whether RoPE was on and the sum of the ALiBi slopes' bits:
+/// ranks with another θ, pairing or rotated width, or two heads' slopes swapped, passed, and the
+/// summed output was neither rank's module's. Each now fails on every rank.
+TEST(Heads, RefusesRanksWhoseRopeOrSlopesDiffer) {
+  if (ranks() == 1 || 12 % ranks() != 0) GTEST_SKIP() << "needs two or more ranks dividing 12 heads";
+  const bool last = rank() == ranks() - 1;
+  const auto refused = [](const MhaConfig& cfg) {
+    const std::string err =
+        mha::testing::error_of([&] { dist::TensorParallelAttention(MPI_COMM_WORLD, MultiheadAttention(cfg, 3)); });
+    EXPECT_NE(err.find("differ across ranks"), std::string::npos) << err;
+  };
+  MhaConfig base;
+  base.embed_dim = 48;
+  base.num_heads = 12;
+  base.rope = Rope::half_split(10000.0);
+  MhaConfig c = base;
+  if (last) c.rope.theta = 500.0;
+  refused(c);
+  c = base;
+  if (last) c.rope = Rope::interleaved(10000.0);
+  refused(c);
+  c = base;
+  if (last) c.rope.dims = 2;
+  refused(c);
+  c = base;
+  c.rope = Rope{};
+  c.alibi_slopes = alibi_slopes(12);
+  if (last) std::swap(c.alibi_slopes[10], c.alibi_slopes[11]);
+  refused(c);
+  // The same configurations on every rank still shard.
+  c = base;
+  c.alibi_slopes = alibi_slopes(12);
+  EXPECT_NO_THROW(dist::TensorParallelAttention(MPI_COMM_WORLD, MultiheadAttention(c, 3)));
+}
+
+/// skip_communication ran each step on this rank's own buffers but in the source rank's row count:
+/// with uneven shards (T not a multiple of P, or zigzag chunks) it read past them. It now reads a
+/// copy as large as the largest block; the call completes, its output shaped as the real one's.
+TEST(Ring, SkipCommunicationStaysWithinItsBlocksOnUnevenShards) {
+  for (const SeqLayout layout : {SeqLayout::Contiguous, SeqLayout::Zigzag})
+    for (const int64_t T : {3, 7, 13}) {
+      Case c;
+      c.tq = c.tk = T;
+      c.layout = layout;
+      c.padding = true;
+      const Inputs in = make_inputs(c, 11);
+      const int P = ranks(), me = rank();
+      dist::RingOptions o;
+      o.layout = layout;
+      o.threads = 1;
+      o.skip_communication = true;
+      const BoolTensor pad = dist::take_sequence(in.pad, P, me, layout);
+      const Tensor q = dist::take_sequence(in.q, P, me, layout), k = dist::take_sequence(in.k, P, me, layout),
+                   v = dist::take_sequence(in.v, P, me, layout);
+      const dist::RingResult r = dist::ring_attention(MPI_COMM_WORLD, q, k, v, pad, T, T, o);
+      EXPECT_EQ(r.out.size(2), q.size(2));
+      const Tensor d_out = mha::testing::random_tensor(r.out.shape(), 5);
+      const dist::RingGrads g =
+          dist::ring_attention_backward(MPI_COMM_WORLD, q, k, v, r.out, d_out, r.lse, pad, T, T, o);
+      EXPECT_EQ(g.dk.shape(), k.shape());
+    }
 }
 
 // ---- bad use: an error on every rank, never a hang ------------------------------------------------
