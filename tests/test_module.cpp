@@ -3,6 +3,7 @@
 #include <cmath>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "layers/scratch_pool.h"
@@ -77,6 +78,24 @@ struct TensorCacheLimit {
 };
 
 constexpr int64_t kFourMiB = int64_t{1} << 20;  // floats
+
+TEST(Tensor, AtTakesOneIndexPerAxisAndSizeAnAxisThatExists) {
+  Tensor t({2, 3});
+  t.at({1, 2}) = 5.0f;
+  EXPECT_EQ(t.data()[5], 5.0f);
+  EXPECT_EQ(t.size(-1), 3);
+  EXPECT_EQ(t.size(-2), 2);
+  // One index for a rank-2 tensor read element 1 (the rest flattened); three read past the shape.
+  const std::string few = mha::testing::error_of([&] { t.at({1}) = 1.0f; });
+  EXPECT_NE(few.find("Tensor::at: 1 indices for a rank-2 tensor (2, 3)"), std::string::npos) << few;
+  const std::string many = mha::testing::error_of([&] { (void)std::as_const(t).at({0, 0, 1}); });
+  EXPECT_NE(many.find("3 indices"), std::string::npos) << many;
+  // size() threw std::out_of_range, not the mha::Error every bad argument gets.
+  for (const int64_t axis : {2, -3}) {
+    const std::string e = mha::testing::error_of([&] { (void)t.size(axis); });
+    EXPECT_NE(e.find("Tensor::size: axis " + std::to_string(axis)), std::string::npos) << e;
+  }
+}
 
 TEST(TensorCache, FreedLargeBlocksServeRequestsOfTheirSizeUpToTheLimit) {
   const TensorCacheLimit scope(size_t{11} << 20);

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <span>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "mha/kv_cache.h"
@@ -137,6 +139,15 @@ void expect_close(const Case& c, const Result& got, const Result& want, double e
   EXPECT_TRUE(all_close(got.lse, want.lse, c.lse_tol(), 0)) << "lse";
 }
 
+// The options' slopes and sink logits borrow the caller's floats: a vector that dies at the end of
+// the statement must not compile into them (it did, and dangled); the caller's own vector does.
+static_assert(!std::is_assignable_v<BorrowedFloats&, std::vector<float>&&>);
+static_assert(!std::is_assignable_v<BorrowedFloats&, const std::vector<float>&&>);
+static_assert(std::is_assignable_v<BorrowedFloats&, std::vector<float>&>);
+static_assert(std::is_assignable_v<BorrowedFloats&, const std::vector<float>&>);
+static_assert(std::is_assignable_v<BorrowedFloats&, std::span<const float>>);
+static_assert(std::is_convertible_v<BorrowedFloats, std::span<const float>>);
+
 TEST(AlibiSlopes, StandardSchedule) {
   const std::vector<float> s8 = alibi_slopes(8);
   ASSERT_EQ(s8.size(), 8u);
@@ -149,7 +160,7 @@ TEST(AlibiSlopes, StandardSchedule) {
   EXPECT_EQ(alibi_slopes(1), std::vector<float>{std::exp2(-8.0f)});
   EXPECT_TRUE(alibi_slopes(0).empty());
   EXPECT_EQ(alibi_slopes(5).size(), 5u);
-  EXPECT_NE(error_of([] { alibi_slopes(-1); }).find("heads"), std::string::npos);
+  EXPECT_NE(error_of([] { (void)alibi_slopes(-1); }).find("heads"), std::string::npos);
 }
 
 TEST(ScoreEditsReference, MatchesNaiveComputation) {

@@ -131,7 +131,7 @@ class KvCache {
   KvCache(KvCache&& other) noexcept;
   KvCache& operator=(KvCache&& other) noexcept;
   /// A deep copy (e.g. to branch a shared prompt into several continuations).
-  KvCache clone() const;
+  [[nodiscard]] KvCache clone() const;
 
   const KvCacheConfig& config() const { return config_; }
   int64_t batch() const { return config_.batch; }

@@ -105,26 +105,38 @@ struct Dropout {
 // Order for each score: t = scale·q·k; s = c·tanh(t/c) (softcap); s += additive masks + ALiBi;
 // hidden keys −inf; softmax with the sinks in the denominator.
 
+/// Floats the caller owns and keeps alive while the options are used: std::span<const float>,
+/// except that a temporary vector does not compile. `options.alibi.slopes = alibi_slopes(h);`
+/// compiled and left the span pointing into a vector freed at the semicolon (the kernels read
+/// whatever came there next); keep the vector in a variable and assign that.
+struct BorrowedFloats : std::span<const float> {
+  using std::span<const float>::span;
+  BorrowedFloats() = default;
+  BorrowedFloats(std::span<const float> s) : std::span<const float>(s) {}  // NOLINT: implicit, as a span
+  BorrowedFloats(std::vector<float>&&) = delete;
+  BorrowedFloats(const std::vector<float>&&) = delete;
+};
+
 /// ALiBi (Press et al., BLOOM, MPT): adds −m_h · (q_pos − k_pos) to the scores of query head h,
 /// computed from positions in the kernels (no T_q × T_k tensor). Positions align like the causal
 /// mask in use (q_pos = i + offset, k_pos = j; bottom-right, offset T_k − T_q, without one), so the
 /// term is the relative distance and KV-cache decoding agrees with the full forward. Keys after
 /// the query (non-causal use) get +m_h · distance. Slopes are constants: no gradient.
 struct Alibi {
-  std::span<const float> slopes;  ///< one finite slope per query head; empty = off
+  BorrowedFloats slopes;  ///< one finite slope per query head; empty = off (the caller keeps them)
   bool enabled() const { return !slopes.empty(); }
 };
 
 /// The standard ALiBi slope schedule for `heads` heads (Press et al.; BLOOM's recipe for a head
 /// count that is not a power of two): for n = 2^k, m_i = 2^(−8(i+1)/n); otherwise the n' = 2^⌊log₂ h⌋
 /// schedule followed by every other slope of the 2n' schedule. Throws for heads < 0.
-std::vector<float> alibi_slopes(int64_t heads);
+[[nodiscard]] std::vector<float> alibi_slopes(int64_t heads);
 
 /// Learned attention sinks (gpt-oss): per query head h a logit z_h that joins every row's softmax
 /// denominator without a value: p_j = e^{s_j} / (e^{z_h} + Σ_k e^{s_k}). The returned lse
 /// includes it; a row with no visible key gives out = 0 and lse = z_h (not −inf).
 struct AttentionSinks {
-  std::span<const float> logits;  ///< one finite logit per query head; empty = off
+  BorrowedFloats logits;  ///< one finite logit per query head; empty = off (the caller keeps them)
   bool enabled() const { return !logits.empty(); }
 };
 

@@ -32,12 +32,12 @@ struct PruneOptions {
 };
 
 /// A new module without `heads` (original head indices, any order). The kept heads keep their order.
-MultiheadAttention prune_heads(const MultiheadAttention& module, const std::vector<int64_t>& heads,
-                               const PruneOptions& options = {});
+[[nodiscard]] MultiheadAttention prune_heads(const MultiheadAttention& module, const std::vector<int64_t>& heads,
+                                             const PruneOptions& options = {});
 
 /// The same module with `heads`' columns of W_O set to zero: what prune_heads must equal. Same
 /// validation of `heads` as prune_heads (an empty list and every head are allowed here).
-MultiheadAttention ablate_heads(const MultiheadAttention& module, const std::vector<int64_t>& heads);
+[[nodiscard]] MultiheadAttention ablate_heads(const MultiheadAttention& module, const std::vector<int64_t>& heads);
 
 /// Importance of each head by ablation: ‖y − y₋ᵢ‖₂ / ‖y‖₂, where y is the module's output on
 /// these inputs and y₋ᵢ the output with head i's contribution zeroed (ablate_heads). When ‖y‖₂ = 0

@@ -193,7 +193,7 @@ class BasicTensor {
   }
   /// `shape` with its elements not written: for outputs that are overwritten in full before anything
   /// reads them, which then cost no pass that fills them. Reading an element first is undefined.
-  static BasicTensor uninitialized(Shape shape) {
+  [[nodiscard]] static BasicTensor uninitialized(Shape shape) {
     BasicTensor t;
     t.shape_ = std::move(shape);
     t.allocate(nullptr);
@@ -202,7 +202,12 @@ class BasicTensor {
 
   const Shape& shape() const { return shape_; }
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
-  int64_t size(int64_t axis) const { return shape_.at(static_cast<size_t>(axis < 0 ? axis + dim() : axis)); }
+  /// The extent of `axis` (negative counts from the end, as in PyTorch); mha::Error outside [−dim, dim).
+  int64_t size(int64_t axis) const {
+    if (axis < -dim() || axis >= dim())
+      fail("Tensor::size: axis ", axis, " of a rank-", dim(), " tensor ", shape_str(shape_));
+    return shape_[static_cast<size_t>(axis < 0 ? axis + dim() : axis)];
+  }
   int64_t numel() const { return static_cast<int64_t>(data_.size()); }
   bool defined() const { return !shape_.empty() || !data_.empty(); }
 
@@ -213,13 +218,15 @@ class BasicTensor {
   TensorStorage<T>& storage() { return data_; }
   const TensorStorage<T>& storage() const { return data_; }
 
-  /// Element access by full index (bounds are the caller's responsibility).
+  /// Element access by full index: one index per axis (else mha::Error: a missing index silently
+  /// flattened the rest, an extra one read past the shape); each index's range is the caller's
+  /// responsibility, as for std::vector's [].
   T& at(std::initializer_list<int64_t> index) { return data_[offset(index)]; }
   const T& at(std::initializer_list<int64_t> index) const { return data_[offset(index)]; }
 
   /// A copy of the values under a new shape with the same element count. The storage is copied,
   /// not shared: writes to the result do not show in this tensor (O(numel) time and memory).
-  BasicTensor reshaped(Shape shape) const {
+  [[nodiscard]] BasicTensor reshaped(Shape shape) const {
     if (shape_numel(shape) != numel())
       fail("Tensor::reshaped: cannot reshape ", shape_str(shape_), " to ", shape_str(shape));
     return BasicTensor(std::move(shape), data_);
@@ -254,6 +261,8 @@ class BasicTensor {
     }
   }
   size_t offset(std::initializer_list<int64_t> index) const {
+    if (static_cast<int64_t>(index.size()) != dim())
+      fail("Tensor::at: ", index.size(), " indices for a rank-", dim(), " tensor ", shape_str(shape_));
     size_t off = 0, axis = 0;
     for (int64_t i : index) off = off * static_cast<size_t>(shape_[axis++]) + static_cast<size_t>(i);
     return off;
