@@ -412,6 +412,22 @@ TEST(FusedForward, ThreadStatsCountEachThreadsBusyTime) {
   EXPECT_EQ(ref.busy_ms, std::vector<double>(2, 0.0));
 }
 
+// A team no larger than the work: one item asked for 1024 threads started (or woke) 1024 of them
+// for one to work (~20 ms a call). Only threads that ran can have busy time; the result is the
+// same bits as on one thread.
+TEST(FusedForward, TeamIsNoLargerThanTheWork) {
+  Case c;
+  c.B = 1, c.H = 1, c.KV = 1, c.Tq = 5, c.Tk = 40, c.D = 16, c.Dv = 16;
+  c.make_inputs(6);
+  SdpaThreadStats stats;
+  c.opt.thread_stats = &stats;
+  const Result many = run(c, Backend::Fused, 64);
+  ASSERT_EQ(stats.busy_ms.size(), 64u);
+  for (size_t t = 1; t < stats.busy_ms.size(); ++t) EXPECT_EQ(stats.busy_ms[t], 0.0) << "thread " << t;
+  c.opt.thread_stats = nullptr;
+  EXPECT_TRUE(bitwise_equal(many.out, run(c, Backend::Fused, 1).out));
+}
+
 /// Rows [i0, i0 + n) of a request as a request of their own (n ≤ one query block, so the kernel
 /// packs K/V per item instead of once per call), with the causal rule shifted to match.
 Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {

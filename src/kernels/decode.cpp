@@ -116,7 +116,10 @@ inline int64_t scratch_floats(const DecodeParams& p, const Plan& pl) {
 }
 /// The whole workspace: every item's partial result, then one scratch per thread.
 inline WorkspacePlan workspace_plan(const DecodeParams& p, const Plan& pl) {
-  return {pl.items * partial_floats(pl, p.d_v), scratch_floats(p, pl), std::max(1, p.threads)};
+  // No more threads than items: a thread with none would only be woken (a team of 1024 for one
+  // item cost ~20 ms a call); results never depend on the count.
+  const int threads = static_cast<int>(std::clamp<int64_t>(pl.items, 1, std::max(1, p.threads)));
+  return {pl.items * partial_floats(pl, p.d_v), scratch_floats(p, pl), threads};
 }
 
 /// One work item's coordinates.

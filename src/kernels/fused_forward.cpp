@@ -296,7 +296,15 @@ inline PrepackPlan prepack_plan(const SdpaParams& p) {
 /// per thread.
 inline WorkspacePlan workspace_plan(const SdpaParams& p) {
   const int64_t list = varlen_items(p) * static_cast<int64_t>(sizeof(VarlenItem) / sizeof(float));
-  return {std::max(list, prepack_plan(p).total(p)), scratch_plan(p).total, std::max(1, p.threads)};
+  const PrepackPlan prepack = prepack_plan(p);
+  // No more threads than pieces of work (items, or K/V blocks to pack): a thread with none would
+  // only be woken (a team of 1024 for one item cost ~20 ms a call); results never depend on it.
+  const int64_t q_blocks = (p.t_q() + kBq - 1) / kBq;
+  const int64_t items =
+      p.varlen.defined() ? varlen_items(p) : p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * q_blocks;
+  const int64_t packs = prepack.used ? p.batch() * p.kv_heads() * prepack.blocks : 0;
+  const int threads = static_cast<int>(std::clamp<int64_t>(std::max(items, packs), 1, std::max(1, p.threads)));
+  return {std::max(list, prepack.total(p)), scratch_plan(p).total, threads};
 }
 
 /// Adds the calling thread's time in a parallel region to busy_ms[thread] when busy_ms is set
