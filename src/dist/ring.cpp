@@ -86,6 +86,17 @@ Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, c
   check_same_everywhere(
       comm, same,
       std::string(fn) + ": (B, h, kv, d, d_v, seq_q, seq_k, layout, causal, offset, window, padding, scale, mode)");
+  // The largest block any step sends (K, V, the backward's accumulators, the padding) must fit
+  // MPI's int count. Every rank computes this from the same global shapes, so every rank throws
+  // here, before any exchange, rather than one rank alone in the middle of the ring (a hang).
+  int64_t max_rows = 0;
+  for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, layout));
+  const int64_t largest =
+      std::max(checked_mul(checked_mul(d.B, d.kv, fn), checked_mul(max_rows, std::max(d.d, d.dv), fn), fn),
+               checked_mul(d.B, max_rows, fn));
+  if (largest > std::numeric_limits<int>::max())
+    fail(fn, ": a K/V block of ", largest, " elements (B ", d.B, " × kv ", d.kv, " × ", max_rows, " rows × d ",
+         std::max(d.d, d.dv), ") does not fit MPI's int count; use more ranks or smaller blocks");
   return d;
 }
 
@@ -427,8 +438,10 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
                std::copy_n(part_v.data(), n_v, acc_v.data());
              }
              acc_send.r.resize(2);
-             MPI_Isend(acc_k.data(), static_cast<int>(n_k), MPI_FLOAT, next, kTagDk, comm, &acc_send.r[0]);
-             MPI_Isend(acc_v.data(), static_cast<int>(n_v), MPI_FLOAT, next, kTagDv, comm, &acc_send.r[1]);
+             MPI_Isend(acc_k.data(), mpi_count(n_k, "ring_attention_backward"), MPI_FLOAT, next, kTagDk, comm,
+                       &acc_send.r[0]);
+             MPI_Isend(acc_v.data(), mpi_count(n_v, "ring_attention_backward"), MPI_FLOAT, next, kTagDv, comm,
+                       &acc_send.r[1]);
              if (stats) stats->bytes_sent += 4 * (n_k + n_v);
            });
   g.dk = Tensor(k.shape());
