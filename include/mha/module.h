@@ -26,6 +26,8 @@ namespace mha {
 
 class PagedKvCache;  // mha/paged_kv_cache.h
 
+/// Where the batch axis is: SeqFirst (T, B, E), PyTorch's default and mha's; BatchFirst (B, T, E).
+/// A batch-first tensor given to a SeqFirst module is not an error when its shape fits: set it.
 enum class Layout : uint8_t { SeqFirst, BatchFirst };
 
 struct MhaConfig {
@@ -105,7 +107,9 @@ struct KeyPaddingMask {
   bool present() const { return is_padding.defined() || additive.defined(); }
 };
 
-enum class Mode : uint8_t { Eval, Training };
+enum class Mode : uint8_t { Eval, Training };  ///< Eval by default: dropout off
+/// Attention weights returned: none (the default: the fused path forms no T_q × T_k matrix), per
+/// head (B, h, T_q, T_k), or averaged over heads (B, T_q, T_k).
 enum class NeedWeights : uint8_t { None, PerHead, Averaged };
 
 struct MhaForwardOptions {
@@ -114,6 +118,9 @@ struct MhaForwardOptions {
   Causal causal;  ///< e.g. Causal::top_left() for PyTorch's is_causal
   NeedWeights need_weights = NeedWeights::None;
   Mode mode = Mode::Eval;  ///< dropout applies in Training mode only
+  /// Dropout's masks are a function of (seed, batch, head, query, key): the same seed drops the
+  /// same positions. Give each training step (and each layer) its own seed, as torch's generator
+  /// gives each call fresh masks; the Python module counts it up per call for you.
   uint64_t dropout_seed = 0;
   Backend backend = Backend::Auto;
   int threads = 0;
@@ -163,7 +170,8 @@ struct ModuleScratch {
 class MultiheadAttention {
  public:
   /// Validates the config and initialises the parameters as PyTorch does (Xavier-uniform input
-  /// projections, zero biases), from a deterministic generator seeded with init_seed.
+  /// projections, zero biases), from a deterministic generator seeded with init_seed: modules
+  /// built with the same seed start with the same weights, so give each layer its own.
   explicit MultiheadAttention(const MhaConfig& config, uint64_t init_seed = 0);
   /// A module with the given parameters (checked against the config with check_params); nothing
   /// is initialised or allocated beyond them.
