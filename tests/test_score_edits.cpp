@@ -6,8 +6,11 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
+#include <ranges>
 #include <span>
 #include <tuple>
 #include <type_traits>
@@ -147,6 +150,10 @@ static_assert(std::is_assignable_v<BorrowedFloats&, std::vector<float>&>);
 static_assert(std::is_assignable_v<BorrowedFloats&, const std::vector<float>&>);
 static_assert(std::is_assignable_v<BorrowedFloats&, std::span<const float>>);
 static_assert(std::is_convertible_v<BorrowedFloats, std::span<const float>>);
+static_assert(!std::is_assignable_v<BorrowedFloats&, std::array<float, 2>&&>);
+static_assert(!std::is_assignable_v<BorrowedFloats&, std::initializer_list<float>>);
+static_assert(std::is_assignable_v<BorrowedFloats&, std::array<float, 2>&>);
+static_assert(std::ranges::borrowed_range<BorrowedFloats>);
 
 TEST(AlibiSlopes, StandardSchedule) {
   const std::vector<float> s8 = alibi_slopes(8);

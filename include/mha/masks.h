@@ -2,7 +2,11 @@
 // sdpa() takes in SdpaOptions and the kernels read. (docs/semantics.md says what each promises.)
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <ranges>
 #include <span>
 #include <vector>
 
@@ -106,15 +110,22 @@ struct Dropout {
 // hidden keys −inf; softmax with the sinks in the denominator.
 
 /// Floats the caller owns and keeps alive while the options are used: std::span<const float>,
-/// except that a temporary vector does not compile. `options.alibi.slopes = alibi_slopes(h);`
-/// compiled and left the span pointing into a vector freed at the semicolon (the kernels read
-/// whatever came there next); keep the vector in a variable and assign that.
+/// except that a temporary vector, array or brace list does not compile into it.
+/// `options.alibi.slopes = alibi_slopes(h);` compiled and left the span pointing into a vector
+/// freed at the semicolon (the kernels read whatever came there next); keep the vector in a
+/// variable and assign that. (A span made explicitly, std::span<const float>(temporary), is the
+/// caller's to keep alive, as any span.)
 struct BorrowedFloats : std::span<const float> {
   using std::span<const float>::span;
   BorrowedFloats() = default;
   BorrowedFloats(std::span<const float> s) : std::span<const float>(s) {}  // NOLINT: implicit, as a span
   BorrowedFloats(std::vector<float>&&) = delete;
   BorrowedFloats(const std::vector<float>&&) = delete;
+  template <std::size_t N>
+  BorrowedFloats(std::array<float, N>&&) = delete;
+  template <std::size_t N>
+  BorrowedFloats(const std::array<float, N>&&) = delete;
+  BorrowedFloats(std::initializer_list<float>) = delete;
 };
 
 /// ALiBi (Press et al., BLOOM, MPT): adds −m_h · (q_pos − k_pos) to the scores of query head h,
@@ -141,3 +152,7 @@ struct AttentionSinks {
 };
 
 }  // namespace mha
+
+// A view, like std::span: algorithms may return iterators into it from a temporary BorrowedFloats.
+template <>
+inline constexpr bool std::ranges::enable_borrowed_range<mha::BorrowedFloats> = true;

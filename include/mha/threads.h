@@ -12,9 +12,10 @@ constexpr int kMaxThreads = 1024;
 
 /// Library-wide default thread count (0 = from the environment, below).
 void set_num_threads(int threads);
-/// The default in force: the value set above; else OMP_NUM_THREADS's first value where it is a
-/// positive whole number (read once, as OpenMP reads it); else the CPUs this process may run on
-/// (its affinity mask: taskset, a cgroup cpuset, an MPI binding); at least 1.
+/// The default in force: the value set above; else OpenMP's default for a team started by the
+/// calling thread (omp_get_max_threads(): OMP_NUM_THREADS where set, else the CPUs of the
+/// process's affinity mask when OpenMP loaded — taskset, a cgroup cpuset, an MPI binding — or
+/// what omp_set_num_threads last set, as torch.set_num_threads does); at least 1.
 int num_threads();
 /// A per-call request resolved: `requested` when > 0, else num_threads(); at most kMaxThreads.
 /// Throws mha::Error for a negative request.

@@ -374,7 +374,8 @@ def _splits(fn: str, splits: Any) -> int:
 
 
 def set_num_threads(threads: int) -> None:
-    """The default thread count of every later call that passes threads=0 (0: the machine's cores)."""
+    """The default thread count of every later call that passes threads=0 (0: OpenMP's default,
+    which is OMP_NUM_THREADS where set, else the CPUs the process may run on)."""
     _core.set_num_threads(_threads("set_num_threads", threads))
 
 

@@ -118,6 +118,7 @@ class _ModuleFunction(_torch.autograd.Function):
         # Released now, as torch releases its own saved tensors: kept until the graph died, they held
         # a second set of activations through the next step's forward in a training loop.
         ctx.saved = None
+        ctx.core = None  # this call's copy of the parameters, likewise
         t = lambda a: None if a is None else _torch.from_numpy(a)  # noqa: E731
         return (None, None, None, t(g["query"]), t(g["key"]), t(g["value"]), *[t(g.get(n)) for n in ctx.names])
 

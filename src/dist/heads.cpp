@@ -50,11 +50,14 @@ MultiheadAttention make_shard(MPI_Comm comm, const MultiheadAttention& full, int
                                     float_bits(c.dropout),
                                     c.attention_sinks ? 1 : 0,
                                     static_cast<int64_t>(c.alibi_slopes.size())};
-  for (const float s : c.alibi_slopes) signature.push_back(float_bits(s));
   check_same_everywhere(comm, signature,
                         "TensorParallelAttention: module configuration (E, h, kv, d, kdim, vdim, bias, bias_kv, "
                         "zero_attn, layout, rope and its theta, dims and pairing, scale, softcap, dropout, sinks, "
-                        "ALiBi slopes)");
+                        "number of ALiBi slopes)");
+  // The slopes apart, now that their count agrees (so both ranks' values are shown).
+  std::vector<int64_t> slopes;
+  for (const float s : c.alibi_slopes) slopes.push_back(float_bits(s));
+  check_same_everywhere(comm, slopes, "TensorParallelAttention: ALiBi slopes (bits, by head)");
   const int64_t per = c.num_heads / P;
   *first_head = me * per;
   std::vector<int64_t> drop;
