@@ -205,8 +205,8 @@ class MultiheadAttention(_torch.nn.Module):
         those layers through forward, as for torch's own module with kdim or vdim set."""
         return False
 
-    # The core holds no state of its own between calls (each forward copies the parameters into it),
-    # so a copy or a pickle carries its constructor arguments and builds a fresh one.
+    # The core holds no parameters of use between calls (each forward binds the current ones into a
+    # module of its own), so a copy or a pickle carries its constructor arguments and builds a fresh one.
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_core"] = None

@@ -74,6 +74,13 @@ std::string check_local(const char* fn, const Tensor& q, const Tensor& k, const 
   return {};
 }
 
+/// The most rows any rank holds of a sequence of seq_k (the largest block the ring passes round).
+int64_t largest_share(int64_t seq_k, int P, SeqLayout layout) {
+  int64_t rows = 0;
+  for (int r = 0; r < P; ++r) rows = std::max(rows, local_length(seq_k, P, r, layout));
+  return rows;
+}
+
 Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, const Tensor& v, const BoolTensor& pad,
               int64_t seq_q, int64_t seq_k, SeqLayout layout, const Causal& causal, const std::optional<float>& scale,
               int threads, int64_t extra) {
@@ -89,8 +96,7 @@ Dims validate(const char* fn, MPI_Comm comm, const Tensor& q, const Tensor& k, c
   // The largest block any step sends (K, V, the backward's accumulators, the padding) must fit
   // MPI's int count. Every rank computes this from the same global shapes, so every rank throws
   // here, before any exchange, rather than one rank alone in the middle of the ring (a hang).
-  int64_t max_rows = 0;
-  for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, layout));
+  const int64_t max_rows = largest_share(seq_k, P, layout);
   const int64_t largest =
       std::max(checked_mul(checked_mul(d.B, d.kv, fn), checked_mul(max_rows, std::max(d.d, d.dv), fn), fn),
                checked_mul(d.B, max_rows, fn));
@@ -253,8 +259,7 @@ template <class Visit>
 void run_ring(MPI_Comm comm, const Dims& d, const Tensor& k, const Tensor& v, const BoolTensor& pad, int64_t seq_k,
               SeqLayout layout, bool skip_comm, RingStats* stats, Visit&& visit) {
   const int P = comm_size(comm), me = comm_rank(comm);
-  int64_t max_rows = 0;
-  for (int r = 0; r < P; ++r) max_rows = std::max(max_rows, local_length(seq_k, P, r, layout));
+  const int64_t max_rows = largest_share(seq_k, P, layout);
   BlockBuf bufs[2];
   if (!skip_comm) {
     for (int i = 0; i < std::min(P - 1, 2); ++i) bufs[i].allocate(d, max_rows, pad.defined());

@@ -292,18 +292,28 @@ inline PrepackPlan prepack_plan(const SdpaParams& p) {
   return P;
 }
 
+/// Work items of a call that is not a packed batch: one per (batch, kv-head — or batch entry alone,
+/// where averaged weights are written —, block of kBq queries).
+inline int64_t dense_items(const SdpaParams& p) {
+  return p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * ((p.t_q() + kBq - 1) / kBq);
+}
+
+/// K/V blocks packed once before the items (PrepackPlan::used), one per (batch, kv-head, key block).
+inline int64_t prepacked_blocks(const SdpaParams& p, const PrepackPlan& prepack) {
+  return prepack.used ? p.batch() * p.kv_heads() * prepack.blocks : 0;
+}
+
 /// The whole workspace: a packed batch's item list or the prepacked K/V, then one ScratchPlan
 /// per thread.
 inline WorkspacePlan workspace_plan(const SdpaParams& p) {
-  const int64_t list = varlen_items(p) * static_cast<int64_t>(sizeof(VarlenItem) / sizeof(float));
+  const int64_t packed_items = varlen_items(p);
+  const int64_t list = packed_items * static_cast<int64_t>(sizeof(VarlenItem) / sizeof(float));
   const PrepackPlan prepack = prepack_plan(p);
   // No more threads than pieces of work (items, or K/V blocks to pack): a thread with none would
   // only be woken (a team of 1024 for one item cost ~20 ms a call); results never depend on it.
-  const int64_t q_blocks = (p.t_q() + kBq - 1) / kBq;
-  const int64_t items =
-      p.varlen.defined() ? varlen_items(p) : p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * q_blocks;
-  const int64_t packs = prepack.used ? p.batch() * p.kv_heads() * prepack.blocks : 0;
-  const int threads = static_cast<int>(std::clamp<int64_t>(std::max(items, packs), 1, std::max(1, p.threads)));
+  const int64_t items = p.varlen.defined() ? packed_items : dense_items(p);
+  const int64_t work = std::max(items, prepacked_blocks(p, prepack));
+  const int threads = static_cast<int>(std::clamp<int64_t>(work, 1, std::max(1, p.threads)));
   return {std::max(list, prepack.total(p)), scratch_plan(p).total, threads};
 }
 
@@ -2255,7 +2265,7 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   // 128, ...); others keep vdpbf16ps.
   cx.amx = dot && p.d() % 32 == 0 && amx::enabled();
   if (p.varlen.defined()) return run_varlen(cx, workspace, dot);  // no weights with a packed batch
-  const int64_t items = p.batch() * (p.weights_avg.defined() ? 1 : p.kv_heads()) * cx.q_blocks;
+  const int64_t items = dense_items(p);
   if (items == 0) return;
   const WorkspacePlan plan = workspace_plan(p);
   const int threads = plan.threads;
@@ -2263,7 +2273,7 @@ void run(const SdpaParams& p, View4<const T> q, View4<const T> k, View4<const T>
   float* const packed = cx.prepack.used ? plan.shared_part(workspace) : nullptr;
   cx.prepacked = packed;
   const int64_t KV = p.kv_heads(), blocks = cx.prepack.blocks, Tk = cx.t_k;
-  const int64_t packs = cx.prepack.used ? p.batch() * KV * blocks : 0;
+  const int64_t packs = prepacked_blocks(p, cx.prepack);
   // One parallel region: the K/V blocks packed once (static: equal blocks), a barrier, then the
   // items, longest first within each (batch, kv-head) and taken by whichever thread is free
   // (item_at). Every output row belongs to exactly one item, whose arithmetic does not depend
