@@ -117,6 +117,45 @@ TEST(HeadMetrics, RectangularWeightsAlignBottomRightByDefault) {
   EXPECT_NEAR(head_metrics(Tensor({1, 1, 1, 1}, 1.0f))[0].prev_token, 0.0, kTol);
 }
 
+// Columns after the real keys (the bias_k / zero-attention keys a module appends) are no query's
+// own or previous position: a head that puts all its weight on an appended bias_k column has no
+// self or previous-token mass, even for queries whose i + offset reaches that column.
+TEST(HeadMetrics, AppendedKeyColumnsAreNoPosition) {
+  constexpr int64_t kTq = 4, kReal = 2;
+  Tensor w({1, 1, kTq, kReal + 1});
+  for (int64_t i = 0; i < kTq; ++i) w.at({0, 0, i, kReal}) = 1.0f;  // every query on bias_k
+  MetricsOptions o;
+  o.query_offset = 0;  // a top-left causal mask, T_q > T_k
+  o.key_positions = kReal;
+  auto m = head_metrics(w, o)[0];
+  EXPECT_EQ(m.self, 0.0);
+  EXPECT_EQ(m.prev_token, 0.0);
+  EXPECT_EQ(m.rows, kTq);
+  EXPECT_NEAR(m.focus, 1.0, kTol);  // the appended column's mass still counts in focus and entropy
+  EXPECT_NE(m.cls, HeadClass::PrevToken);
+  // Counted as a position, the column was query 2's own key and query 3's previous one.
+  o.key_positions.reset();
+  m = head_metrics(w, o)[0];
+  EXPECT_NEAR(m.self, 1.0 / 3.0, kTol);
+  // The default offset is bottom-right over the positions: key_positions − T_q.
+  Tensor last({1, 1, 2, kReal + 2 + 1});  // 4 real keys and one appended: queries at positions 2, 3
+  last.at({0, 0, 0, 1}) = 1.0f, last.at({0, 0, 1, 2}) = 1.0f;
+  MetricsOptions four;
+  four.key_positions = 4;
+  EXPECT_NEAR(head_metrics(last, four)[0].prev_token, 1.0, kTol);
+  EXPECT_EQ(head_metrics(last)[0].prev_token, 0.0);  // counted as 5 positions: queries at 3, 4
+  // Outside [0, T_k]: an error naming it.
+  for (const int64_t bad : {int64_t{-1}, kReal + 2}) {
+    o.key_positions = bad;
+    try {
+      head_metrics(w, o);
+      ADD_FAILURE() << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("key_positions"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(HeadMetrics, ClassThresholdsAreStrictAndInTheLessonsOrder) {
   const HeadThresholds t;
   HeadMetrics m;

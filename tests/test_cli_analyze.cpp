@@ -3,7 +3,9 @@
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "mha/analysis.h"
 #include "mha/image.h"
@@ -133,6 +135,97 @@ TEST(CliAnalyze, OwnKeyFollowsTheCausalAlignment) {
         EXPECT_EQ(r.out, first);
     }
   }
+  // A file that is not causal but says causal_align=bottom_right: --causal aligns its mask so.
+  const Files f = write_known_heads(mha::testing::temp_dir(), kT - kTq, kTq, "bottom_right", false);
+  const auto r = run_command(kCli + " analyze --json --causal --weights " + f.weights + " --inputs " + f.inputs);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["query_offset"], kT - kTq);
+  EXPECT_GT(j["heads"][1]["prev_token"].get<double>(), 0.99);
+}
+
+// --tokens alone labels the queries at the key positions the metrics use: the first T_q under a
+// top-left causal mask (they were labelled as the last T_q, contradicting the picture's mask), the
+// last T_q at bottom-right. The JSON lists the labels as drawn.
+TEST(CliAnalyze, QueryLabelsFollowTheCausalAlignment) {
+  constexpr int64_t kTq = 3;
+  for (const std::string align : {"", "bottom_right"}) {
+    SCOPED_TRACE(align.empty() ? "top-left" : align);
+    const std::string dir = mha::testing::temp_dir();
+    const Files f = write_known_heads(dir, align.empty() ? 0 : kT - kTq, kTq, align);
+    const auto r = run_command(kCli + " analyze --json --weights " + f.weights + " --inputs " + f.inputs + " --svg " +
+                               dir + "/q.svg --tokens \"a b c d e f g h\"");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    const std::vector<std::string> want =
+        align.empty() ? std::vector<std::string>{"a", "b", "c"} : std::vector<std::string>{"f", "g", "h"};
+    EXPECT_EQ(j["image"]["query_labels"].get<std::vector<std::string>>(), want);
+    EXPECT_EQ(j["image"]["key_labels"].size(), static_cast<size_t>(kT));
+  }
+}
+
+// Under a top-left causal mask with more queries than keys (T_q = 4, T_k = 2), query i ≥ T_k
+// reaches past the real keys: the appended bias_k column must not count as its own or previous
+// token (a head attending only to bias_k was classed prev_token).
+TEST(CliAnalyze, AppendedBiasKeyIsNoPosition) {
+  constexpr int64_t kE4 = 4, kTq = 4, kTk = 2;
+  mha::MhaConfig c;
+  c.embed_dim = kE4, c.num_heads = 1, c.add_bias_kv = true, c.layout = mha::Layout::BatchFirst;
+  mha::MultiheadAttention m(c, 1);
+  mha::MhaParameters& p = m.params();
+  std::fill(p.in_proj_weight.values().begin(), p.in_proj_weight.values().end(), 0.0f);
+  std::fill(p.bias_k.values().begin(), p.bias_k.values().end(), 0.0f);
+  p.in_proj_bias.at({0}) = 30.0f;  // q = 30·e_0 for every query; real keys are 0
+  p.bias_k.at({0, 0, 0}) = 1.0f;   // bias_k = e_0: score 15 against 0
+  const std::string dir = mha::testing::temp_dir();
+  const std::string weights = dir + "/bk.safetensors", inputs = dir + "/bk_inputs.safetensors";
+  mha::io::SafetensorsWriter w;
+  mha::io::add_weights(w, m, mha::io::WeightNames::PyTorch);
+  w.set_metadata("is_causal", "true");
+  w.write(weights);
+  mha::io::SafetensorsWriter in;
+  in.add("query", mha::Tensor({1, kTq, kE4}, 1.0f));
+  in.add("key", mha::Tensor({1, kTk, kE4}, 1.0f));
+  in.add("value", mha::Tensor({1, kTk, kE4}, 1.0f));
+  in.write(inputs);
+  const auto r = run_command(kCli + " analyze --json --weights " + weights + " --inputs " + inputs);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["t_k"], kTk);
+  EXPECT_EQ(j["query_offset"], 0);
+  EXPECT_LT(j["heads"][0]["self"].get<double>(), 1e-4);
+  EXPECT_LT(j["heads"][0]["prev_token"].get<double>(), 1e-4);
+  EXPECT_GT(j["heads"][0]["focus"].get<double>(), 0.99);
+  EXPECT_NE(j["heads"][0]["class"], "prev_token");
+}
+
+// A packed batch gives no attention weights: refused in one line that says what to give instead
+// (the help said "inputs as for mha forward", which takes them).
+TEST(CliAnalyze, PackedInputsAreRefusedWithWhatToGiveInstead) {
+  const std::string dir = mha::testing::temp_dir();
+  const Files f = write_known_heads(dir);
+  mha::io::SafetensorsWriter in;
+  const mha::Tensor x = mha::testing::random_tensor({kT, kE}, 3);
+  for (const char* name : {"query", "key", "value"}) in.add(name, x);
+  const std::vector<int32_t> cu = {0, 3, static_cast<int32_t>(kT)};
+  in.add_raw("cu_seqlens_q", mha::io::DType::I32, {3}, std::as_bytes(std::span<const int32_t>(cu)));
+  in.write(dir + "/packed.safetensors");
+  expect_one_line_failure(
+      run_command(kCli + " analyze --weights " + f.weights + " --inputs " + dir + "/packed.safetensors"),
+      "analyze: a packed batch (cu_seqlens) returns no attention weights");
+}
+
+// POSIX paths are bytes: a weights path that is not UTF-8 is reported with U+FFFD in the JSON
+// instead of failing the whole report (the JSON library refuses to write invalid UTF-8).
+TEST(CliAnalyze, JsonTakesAPathThatIsNotUtf8) {
+  const std::string dir = mha::testing::temp_dir();
+  const Files f = write_known_heads(dir);
+  const std::string odd = dir + "/\xff_w.safetensors";
+  std::filesystem::copy_file(f.weights, odd);
+  const auto r = run_command(kCli + " analyze --json --weights '" + odd + "' --inputs " + f.inputs);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_NE(j["weights"].get<std::string>().find("\xef\xbf\xbd_w.safetensors"), std::string::npos);
 }
 
 // The picture's options without a picture (an out-of-range --batch, labels of the wrong count:

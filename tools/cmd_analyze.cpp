@@ -45,12 +45,21 @@ void run_analyze(const AnalyzeArgs& a) {
   const MultiheadAttention module = io::load_module(weights_file);
   const MhaConfig& c = module.config();
   const LoadedInputs in = load_inputs(weights_file, a.inputs);
+  if (in.options.packed)
+    fail(
+        "analyze: a packed batch (cu_seqlens) returns no attention weights to measure: give padded (B, T, E) "
+        "inputs with a key_padding_mask");
   MhaForwardOptions opt = in.options;
   opt.threads = a.threads;
   opt.need_weights = NeedWeights::PerHead;
-  // --causal adds PyTorch's is_causal where the metadata has none; a causal mask the metadata
-  // names keeps its alignment.
-  if (a.causal && !opt.causal.enabled()) opt.causal = Causal::top_left();
+  // --causal adds PyTorch's is_causal where the metadata has none, aligned as the metadata's
+  // causal_align says (load_inputs has checked its spelling); a causal mask the metadata names
+  // keeps its alignment.
+  if (a.causal && !opt.causal.enabled()) {
+    const auto& meta = weights_file.metadata();
+    const auto align = meta.find("causal_align");
+    opt.causal = align != meta.end() && align->second == "bottom_right" ? Causal::bottom_right() : Causal::top_left();
+  }
   const MhaOutput out = module.forward(in.query, in.key, in.value, opt);
   // Unbatched input gives (h, T_q, S): treat it as a batch of one.
   const Tensor w =
@@ -60,11 +69,12 @@ void run_analyze(const AnalyzeArgs& a) {
   const int64_t B = w.size(0), H = w.size(1), Tq = w.size(2), S = w.size(3);
   const int64_t extra = (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0), Tk = S - extra;
 
-  // Positions: query i's own key is i + offset over the real keys (the appended bias_k / zero
-  // columns come after them, not counted): the causal mask's offset where there is one (top-left:
-  // 0, so that previous-token and self are measured at keys the query can see), else bottom-right,
-  // T_k − T_q.
+  // Positions: query i's own key is i + offset over the T_k real keys (the appended bias_k / zero
+  // columns come after them and have no position: never a query's own or previous token): the
+  // causal mask's offset where there is one (top-left: 0, so that previous-token and self are
+  // measured at keys the query can see), else bottom-right, T_k − T_q.
   MetricsOptions mopt;
+  mopt.key_positions = Tk;
   mopt.query_offset = opt.causal.enabled() ? opt.causal.offset_for(Tq, Tk) : Tk - Tq;
   const std::vector<HeadMetrics> metrics = head_metrics(w, mopt);
   std::vector<double> importance;
@@ -87,9 +97,13 @@ void run_analyze(const AnalyzeArgs& a) {
       if (static_cast<int64_t>(keys.size()) != Tk)
         fail("analyze: --tokens has ", keys.size(), " words, but the keys have T_k = ", Tk, " positions");
       if (queries.empty()) {
-        // Self-attention style: the queries are the last T_q tokens (bottom-right alignment).
-        if (Tq > Tk) fail("analyze: T_q = ", Tq, " > T_k = ", Tk, ": give the query labels with --query-tokens");
-        queries.assign(keys.end() - Tq, keys.end());
+        // Self-attention style: query i is the token at key position i + offset, the alignment the
+        // metrics use (bottom-right: the last T_q tokens; a top-left causal mask: the first T_q).
+        const int64_t first = *mopt.query_offset;
+        if (first < 0 || first + Tq > Tk)
+          fail("analyze: the queries are at key positions [", first, ", ", first + Tq,
+               "), not all within the T_k = ", Tk, " --tokens: give their labels with --query-tokens");
+        queries.assign(keys.begin() + first, keys.begin() + first + Tq);
       }
       if (c.add_bias_kv) keys.push_back("<bias_k>");
       if (c.add_zero_attn) keys.push_back("<zero>");
@@ -129,8 +143,13 @@ void run_analyze(const AnalyzeArgs& a) {
       // Where each head's matrix landed in the PNG, for anyone annotating or checking the picture.
       const HeatmapPlacement L = heatmap_placement(panel, hopt);
       j["image"] = {{"batch", a.batch}, {"cell_pixels", L.cell}, {"panel_x", L.panel_x}, {"panel_y", L.panel_y}};
+      // The labels as drawn: the rows' (queries) and the columns' (keys, then <bias_k> / <zero>).
+      if (!hopt.query_labels.empty()) j["image"]["query_labels"] = hopt.query_labels;
+      if (!hopt.key_labels.empty()) j["image"]["key_labels"] = hopt.key_labels;
     }
-    std::printf("%s\n", j.dump(2).c_str());
+    // A path need not be UTF-8 (POSIX names are bytes): such bytes are written as U+FFFD rather than
+    // failing the whole report.
+    std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     std::printf("%lld heads (d=%lld, kv_heads=%lld) on B=%lld, T_q=%lld, T_k=%lld%s; fully masked rows excluded\n",
                 static_cast<long long>(H), static_cast<long long>(c.head_dim()), static_cast<long long>(c.kv_heads()),
@@ -166,7 +185,9 @@ static void add_analyze_command(CLI::App& app) {
       "analyze",
       "Run the module with per-head attention weights and say what each head does: mean entropy, mass on the "
       "first key (sink), on the previous and on the own position, mean row maximum (focus), and a class "
-      "(attention_sink > prev_token > self_attend > focused > broad). Inputs as for `mha forward`.");
+      "(attention_sink > prev_token > self_attend > focused > broad). Inputs as for `mha forward` (but not a packed "
+      "batch: weights are returned per padded batch). Appended bias_k / zero-attention keys count in the entropy "
+      "and focus, never as a query's own or previous position.");
   cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")
       ->required();
   cmd->add_option("--inputs", a->inputs, "safetensors file with query, key, value and optional masks")->required();
@@ -175,15 +196,16 @@ static void add_analyze_command(CLI::App& app) {
       ->check(path_to_write());
   cmd->add_option("--svg", a->svg, "write the same grid as SVG")->check(path_to_write());
   cmd->add_option("--tokens", a->tokens,
-                  "space-separated labels of the T_k key positions (and of the queries in "
-                  "self-attention)");
+                  "space-separated labels of the T_k key positions (and of the queries, at the positions the "
+                  "metrics use: the last T_q, or the first T_q under a top-left causal mask)");
   cmd->add_option("--query-tokens", a->query_tokens, "space-separated labels of the T_q queries (cross-attention)");
   cmd->add_option("--batch", a->batch, "which batch element to draw (default 0; with --image or --svg)");
   cmd->add_flag("--causal", a->causal,
-                "apply a causal mask (top-left), as if the metadata said is_causal (a causal mask the metadata "
-                "names keeps its alignment)");
+                "apply a causal mask, as if the metadata said is_causal: aligned as its causal_align says "
+                "(top-left by default); a causal mask the metadata names is kept as it is");
   cmd->add_flag("--importance", a->importance, "also score each head by ablation (relative change of the output)");
-  cmd->add_option("--threads", a->threads, "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")->check(whole_number_at_least(0));
+  cmd->add_option("--threads", a->threads, "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")
+      ->check(whole_number_at_least(0));
   cmd->callback([a] { run_analyze(*a); });
 }
 

@@ -8,12 +8,14 @@
 //   prev_token  mean of w[i, p(i) − 1]                  (mass on the previous position)
 //   self        mean of w[i, p(i)]                      (mass on the query's own position)
 //   focus       mean of max_j w[i, j]
-// where p(i) = i + offset is the key index at the query's own position. The default offset is
-// bottom-right alignment, T_k − T_q (0 for self-attention; the last query is the last key, as in
-// KV-cache decoding); MetricsOptions::query_offset sets it explicitly, e.g. to the number of real
-// keys minus T_q when bias_k / zero-attention columns were appended after the real keys. A row
-// whose p(i) − 1 (or p(i)) lies outside [0, T_k) does not enter the prev_token (self) mean; a head
-// where no row qualifies reports 0 there (e.g. T = 1 has no previous token).
+// where p(i) = i + offset is the key index at the query's own position. Of the T_k columns, the
+// first n = MetricsOptions::key_positions (default: all) are sequence positions; columns after
+// them have none (the bias_k and zero-attention keys MultiheadAttention appends: their mass
+// counts in the entropy and focus, never as a query's own or previous token). The default offset
+// is bottom-right alignment, n − T_q (0 for self-attention; the last query is the last key, as in
+// KV-cache decoding); MetricsOptions::query_offset sets it explicitly (a top-left causal mask's
+// offset is 0). A row whose p(i) − 1 (or p(i)) lies outside [0, n) does not enter the prev_token
+// (self) mean; a head where no row qualifies reports 0 there (e.g. T = 1 has no previous token).
 //
 // Classes, first match wins, in the lesson's order (what Clark et al. 2019 look for):
 //   attention_sink  sink > 0.4
@@ -48,8 +50,13 @@ struct HeadThresholds {
 
 struct MetricsOptions {
   HeadThresholds thresholds;
-  /// p(i) = i + query_offset is query i's own key position; unset = T_k − T_q (bottom-right).
+  /// p(i) = i + query_offset is query i's own key position; unset = key_positions − T_q
+  /// (bottom-right).
   std::optional<int64_t> query_offset;
+  /// How many leading key columns are sequence positions, in [0, T_k]; unset = T_k. Pass T_k − 1
+  /// (− 2) for weights of a module with add_bias_kv (and add_zero_attn), whose extra columns come
+  /// last.
+  std::optional<int64_t> key_positions;
 };
 
 struct HeadMetrics {

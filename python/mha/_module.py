@@ -576,16 +576,24 @@ def head_importance(module: MultiheadAttention, query: Any, key: Any, value: Any
     return np.asarray(module._m.head_importance(q, k, v, args))
 
 
-def analyze(weights: Any, *, query_offset: Optional[int] = None, png: Optional[PathLike] = None) -> List[Dict[str, Any]]:
+def analyze(weights: Any, *, query_offset: Optional[int] = None, key_positions: Optional[int] = None,
+            png: Optional[PathLike] = None) -> List[Dict[str, Any]]:
     """What each head does, from attention weights (B, h, T_q, T_k) or (h, T_q, T_k).
 
     Returns one dict per head: ``head``, ``rows`` (rows measured), ``entropy`` (nats), ``sink``
     (mass on key 0), ``prev_token``, ``self``, ``focus`` and ``class`` (``"attention_sink"``,
     ``"prev_token"``, ``"self_attend"``, ``"focused"``, ``"broad"`` or ``"empty"``). With ``png``,
     also writes a heat map of the first sequence's heads there.
+
+    Query i's own key is ``i + query_offset`` (default: bottom-right, ``key_positions - T_q``; a
+    top-left causal mask's is 0). ``key_positions`` (default T_k) says how many leading key columns
+    are sequence positions: pass T_k - 1 (- 2) for weights of a module with ``add_bias_kv`` (and
+    ``add_zero_attn``), whose extra columns come last and are never a query's own or previous token.
     """
-    w = _f32("weights", weights, "analyze")
-    result = _core.analyze(w, None if query_offset is None else _i64("analyze", "query_offset", query_offset))
+    fn = "analyze"
+    w = _f32("weights", weights, fn)
+    result = _core.analyze(w, None if query_offset is None else _i64(fn, "query_offset", query_offset),
+                           None if key_positions is None else _i64(fn, "key_positions", key_positions))
     if png is not None:
         if w.ndim == 4 and w.shape[0] == 0:
             raise ValueError(f"analyze: weights {tuple(w.shape)} hold no sequence: nothing to draw")

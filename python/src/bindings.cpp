@@ -907,9 +907,10 @@ PYBIND11_MODULE(_core, m) {
     }
     return py::make_tuple(tensors, f.metadata());
   });
-  m.def("analyze", [](const F32In& weights, std::optional<int64_t> query_offset) {
+  m.def("analyze", [](const F32In& weights, std::optional<int64_t> query_offset, std::optional<int64_t> key_positions) {
     mha::MetricsOptions o;
     o.query_offset = query_offset;
+    o.key_positions = key_positions;
     return metrics_list(mha::head_metrics(tensor_from(weights), o));
   });
   m.def("write_heatmap_png",

@@ -46,7 +46,10 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
       fail(kFn, ": weights ", shape_str(weights.shape()), " must be finite and non-negative, got ", x,
            " at flat index ", n);
   }
-  const int64_t offset = options.query_offset.value_or(Tk - Tq);
+  const int64_t positions = options.key_positions.value_or(Tk);
+  if (positions < 0 || positions > Tk)
+    fail(kFn, ": key_positions ", positions, " is out of range [0, ", Tk, "] for weights ", shape_str(weights.shape()));
+  const int64_t offset = options.query_offset.value_or(positions - Tq);
   // Query i's own key is i + offset: bounded as sdpa bounds a causal offset, so that it and the
   // key before it are formed without overflow (any offset past ±2⁴⁰ puts both outside every row).
   constexpr int64_t kMaxOffset = Causal::kMaxPosition;
@@ -76,8 +79,8 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
         sink += row[0];
         focus += top;
         const int64_t own = i + offset;
-        if (own >= 0 && own < Tk) self += row[own], ++self_rows;
-        if (own - 1 >= 0 && own - 1 < Tk) prev += row[own - 1], ++prev_rows;
+        if (own >= 0 && own < positions) self += row[own], ++self_rows;
+        if (own - 1 >= 0 && own - 1 < positions) prev += row[own - 1], ++prev_rows;
       }
     m.rows = rows;
     const auto mean = [](double total, int64_t count) { return count > 0 ? total / static_cast<double>(count) : 0.0; };
