@@ -660,6 +660,29 @@ TEST(ScoreEditsModule, SinkGradientMatchesFiniteDifferences) {
   }
 }
 
+// The context keeps the sink logits the forward used (its lse includes them): a backward through
+// another module of the same configuration, after the forward's module changed its sinks and was
+// destroyed, gives what that forward's own backward gives (it read the freed sinks before).
+TEST(ScoreEditsModule, ContextOwnsTheSinksItsForwardUsed) {
+  const Tensor x = random_tensor({2, 5, 24}, 83);
+  const Tensor d_out = random_tensor({2, 5, 24}, 84);
+  const MultiheadAttention same = edited_module();
+  const MhaGradients want = backward(same, forward_train(same, x, x, x).context, d_out);
+  MhaTrainOutput t;
+  {
+    MultiheadAttention m = edited_module();
+    t = forward_train(m, x, x, x);
+    std::fill(m.params().sinks.values().begin(), m.params().sinks.values().end(), 7.0f);
+    m.params().sinks = Tensor({6}, -3.0f);
+  }
+  const MhaGradients got = backward(same, t.context, d_out);
+  EXPECT_TRUE(bitwise_equal(got.params.sinks, want.params.sinks));
+  EXPECT_TRUE(bitwise_equal(got.query, want.query));
+  // A moved context keeps them too.
+  const MhaContext moved = std::move(t.context);
+  EXPECT_TRUE(bitwise_equal(backward(same, moved, d_out).params.sinks, want.params.sinks));
+}
+
 TEST(ScoreEditsModule, SaveAndLoadKeepTheEditsAndTheSinks) {
   using namespace io;
   const MultiheadAttention m = edited_module();

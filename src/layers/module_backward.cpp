@@ -29,6 +29,10 @@ namespace detail {
 /// when the context (the last owner) is destroyed.
 struct TrainBuffers {
   ScratchPool::Lease qkv, heads;
+  /// The sink logits the forward used (its lse includes them): backward must not read them from
+  /// the module's parameters, which may have changed or gone since, or belong to another module
+  /// of the same configuration.
+  std::vector<float> sinks;
 };
 }  // namespace detail
 
@@ -139,7 +143,13 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
   ctx.key_bias = std::move(pass.masks.key_bias);
   ctx.sdpa_options = pass.sdpa_options;
   ctx.packed = options.packed;
-  ctx.sdpa_options.alibi.slopes = ctx.config.alibi_slopes;  // the context's own copy
+  // Score edits as the context's own copies, never views of the module: the slopes in its config,
+  // the sink logits in its buffers.
+  ctx.sdpa_options.alibi.slopes = ctx.config.alibi_slopes;
+  if (ctx.sdpa_options.sinks.enabled()) {
+    ctx.buffers->sinks.assign(ctx.sdpa_options.sinks.logits.begin(), ctx.sdpa_options.sinks.logits.end());
+    ctx.sdpa_options.sinks.logits = std::span<const float>(ctx.buffers->sinks);
+  }
   return result;
 }
 
