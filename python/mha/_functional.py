@@ -199,10 +199,7 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
     if window and (causal is None or causal.align == "none"):
         raise ValueError(f"{fn}: window={window} needs a causal alignment (e.g. causal=mha.Causal.bottom_right())")
     a.window = window
-    dropout_p = _number(fn, "dropout_p", dropout_p)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
-    a.dropout_p = dropout_p
+    a.dropout_p = _probability(fn, "dropout_p", _number(fn, "dropout_p", dropout_p))
     a.seed = _seed(fn, "seed", seed)
     if threads is not None:
         a.threads = _threads(fn, threads)
@@ -344,6 +341,17 @@ def _number(fn: str, name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_, str, bytes)) or _kind(value) not in "iuf" or not hasattr(value, "__float__"):
         raise TypeError(f"{fn}: {name} must be a number, got {type(value).__name__}")
     return float(value)
+
+
+def _probability(fn: str, name: str, p: float) -> float:
+    """A dropout probability in [0, 1) that stays below 1 as the float32 the library takes: a value
+    within 3e-8 of 1 rounds to 1.0f, and the library's own check would then say "got 1"."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{fn}: {name} must be in [0, 1), got {p}")
+    if np.float32(p) >= 1.0:
+        below = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
+        raise ValueError(f"{fn}: {name} = {p!r} rounds to 1 in float32 (the library's type): at most {below!r}")
+    return float(p)
 
 
 def _name(fn: str, name: str, value: Any) -> str:

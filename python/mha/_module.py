@@ -9,7 +9,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
-from ._functional import _i64, _name, _number, _offsets, _optional_count, _per_head, _seed, _splits, _threads
+from ._functional import (_i64, _name, _number, _offsets, _optional_count, _per_head, _probability, _seed,
+                          _splits, _threads)
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -359,8 +360,8 @@ class MultiheadAttention:
             raise TypeError(f"MultiheadAttention: rope must be an mha.Rope or None, got {type(rope).__name__}")
         widths = [_optional_count(fn, name, val, default) for name, val, default in
                   (("num_kv_heads", num_kv_heads, "num_heads"), ("kdim", kdim, "embed_dim"), ("vdim", vdim, "embed_dim"))]
-        self._m = _core.Module(embed_dim, num_heads, *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn),
-                               0.0 if dropout is False else _number(fn, "dropout", dropout),  # as torch takes it
+        p = 0.0 if dropout is False else _probability(fn, "dropout", _number(fn, "dropout", dropout))  # as torch
+        self._m = _core.Module(embed_dim, num_heads, *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn), p,
                                bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
                                int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
                                _seed(fn, "seed", seed))

@@ -8,7 +8,7 @@
   signature and semantics (boolean mask True = take part), with autograd.
 
 Float32 CPU tensors only; anything else raises TypeError. Works with torch 1.13 and 2.x. Both
-give first derivatives (not double backward; the module not a second backward through one graph
+give first derivatives (a backward with ``create_graph=True`` raises RuntimeError; the module not a second backward through one graph
 either: it releases its activations after the first, as torch does), none for a float mask (a mask
 that requires grad is refused), and dropout masks drawn from torch's generator (``torch.manual_seed`` reproduces them;
 they differ from PyTorch's own). The module deep-copies and pickles (nn.TransformerEncoder stacks
@@ -22,10 +22,9 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch as _torch
-from torch.autograd.function import once_differentiable as _once_differentiable
 
 from . import _core
-from ._functional import _args, _i64, _in_place, _optional_count
+from ._functional import _args, _i64, _in_place, _optional_count, _probability
 from ._module import Rope, _forward_args
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
@@ -85,6 +84,17 @@ def _named_errors(fn: str):
         raise
 
 
+def _first_derivatives_only(fn: str) -> None:
+    """Refuses a backward asked to build a graph of its own (create_graph=True: torch runs backward
+    with grad mode on exactly then). mha's backward is not differentiable, and torch's
+    once_differentiable, which this replaces, let it through whenever the incoming gradients did not
+    require grad: the gradients came back as constants, and a gradient penalty through them was
+    refused later with a misleading message, or silently lost mha's share of the second derivative."""
+    if _torch.is_grad_enabled():
+        raise RuntimeError(f"{fn}: double backward (create_graph=True) is not supported: mha's backward gives "
+                           "first derivatives only")
+
+
 def _dropout_seed(p: float) -> int:
     """A dropout seed from torch's generator: torch.manual_seed reproduces the masks, and every call
     (every layer, every step) draws its own."""
@@ -107,8 +117,8 @@ class _ModuleFunction(_torch.autograd.Function):
         return _torch.from_numpy(out)
 
     @staticmethod
-    @_once_differentiable
     def backward(ctx, d_output):  # type: ignore[override]
+        _first_derivatives_only("mha.torch.MultiheadAttention")
         if ctx.saved is None:
             raise RuntimeError("mha.torch.MultiheadAttention: this graph's backward already ran and released mha's "
                                "saved activations; backward through it a second time (retain_graph=True) is not "
@@ -162,8 +172,9 @@ class MultiheadAttention(_torch.nn.Module):
         self.add_zero_attn = add_zero_attn
         self.rope = rope
         # The core's constructor arguments: __setstate__ rebuilds it from them (a deep copy, a pickle).
+        p = _probability(fn, "dropout", float(dropout))
         self._core_args = (_i64(fn, "embed_dim", embed_dim), _i64(fn, "num_heads", num_heads), *widths, bool(bias),
-                           bool(add_bias_kv), bool(add_zero_attn), float(dropout), bool(batch_first),
+                           bool(add_bias_kv), bool(add_zero_attn), p, bool(batch_first),
                            rope is not None, float(rope.theta if rope else 10000.0), int(rope.dims if rope else 0),
                            str(rope.pairing if rope else "half_split"), 0, 0)
         # Validates everything (raises ValueError with the library's message) and gives the shapes.
@@ -230,6 +241,7 @@ class MultiheadAttention(_torch.nn.Module):
             if kind is float and not isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
                 raise TypeError(f"{fn}: {attr} must be a float, got {type(value).__name__}")
             args[i] = kind(value)
+        args[8] = _probability(fn, "dropout", args[8])
         if tuple(args) != self._core_args:
             core = _core.Module(*args)  # validates (ValueError) before anything is replaced
             self._core, self._core_args = core, tuple(args)
@@ -330,8 +342,8 @@ class _SdpaFunction(_torch.autograd.Function):
         return out_t
 
     @staticmethod
-    @_once_differentiable
     def backward(ctx, d_out):  # type: ignore[override]
+        _first_derivatives_only("mha.torch.scaled_dot_product_attention")
         q, k, v, out = ctx.saved_tensors
         dq, dk, dv = _core.sdpa_backward(_np(q), _np(k), _np(v), _np(out), _np(d_out), ctx.lse[..., None], ctx.args)
         return None, _torch.from_numpy(dq), _torch.from_numpy(dk), _torch.from_numpy(dv)

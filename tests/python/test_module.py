@@ -207,6 +207,28 @@ def test_gradients_finite_differences(rng):
     np.testing.assert_allclose(g["query"] + g["key"] + g["value"], num, atol=5e-3)
 
 
+def test_analyze_key_positions_leave_appended_columns_out():
+    # Top-left causal, 4 queries over 2 real keys and an appended bias_k column that takes all the
+    # weight: no query's own or previous token is the bias_k column.
+    w = np.zeros((1, 1, 4, 3), np.float32)
+    w[..., 2] = 1
+    r = mha.analyze(w, query_offset=0, key_positions=2)[0]
+    assert r["self"] == 0 and r["prev_token"] == 0 and r["class"] != "prev_token"
+    assert mha.analyze(w, query_offset=0)[0]["self"] == pytest.approx(1 / 3)  # as a position
+    with pytest.raises(ValueError, match="key_positions 4 is out of range"):
+        mha.analyze(w, key_positions=4)
+
+
+def test_dropout_that_rounds_to_one_in_float32_is_named():
+    q = np.zeros((1, 1, 2, 4), np.float32)
+    for p in (0.99999999, 1 - 2**-26):
+        with pytest.raises(ValueError, match="rounds to 1 in float32"):
+            mha.sdpa(q, q, q, dropout_p=p)
+        with pytest.raises(ValueError, match="rounds to 1 in float32"):
+            mha.MultiheadAttention(8, 2, dropout=p)
+    mha.sdpa(q, q, q, dropout_p=0.9999999)  # the largest ones below stay accepted
+
+
 def test_analyze_and_prune(rng, tmp_path):
     m = mha.MultiheadAttention(16, 4, batch_first=True, seed=5).eval()
     q = x(rng, 1, 6, 16)

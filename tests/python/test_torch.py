@@ -266,10 +266,15 @@ def test_second_backward_and_double_backward_give_clear_errors_sdpa_retains():
     gq = q.grad.clone()
     out.sum().backward()
     torch.testing.assert_close(q.grad, 2 * gq, atol=0, rtol=0)
-    o, _ = m(x, x, x, need_weights=False)
-    (gx,) = torch.autograd.grad(o.pow(2).sum(), x, create_graph=True)  # a gradient penalty's first step
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        gx.sum().backward()
+    # A gradient penalty's first step asks for a graph of the gradient: refused at once, whether or
+    # not the incoming gradient requires grad (torch's once_differentiable let o.sum()'s through,
+    # and the gradient came back a constant: a penalty through it failed later, misleadingly).
+    for loss in (lambda o: o.pow(2).sum(), lambda o: o.sum()):
+        o, _ = m(x, x, x, need_weights=False)
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(loss(o), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(loss(mt.scaled_dot_product_attention(q, k, v)), q, create_graph=True)
 
 
 def test_parameters_are_read_as_torch_reads_them():
@@ -400,6 +405,13 @@ def test_batch_first_dropout_and_add_zero_attn_are_read_on_every_call():
     m.dropout = "0.1"
     with pytest.raises(TypeError, match="dropout must be a float"):
         m(x, x, x)
+    m.dropout = 0.99999999  # below 1, but 1.0 as a float32: named, not "got 1"
+    with pytest.raises(ValueError, match="rounds to 1 in float32"):
+        m(x, x, x)
+    with pytest.raises(ValueError, match="rounds to 1 in float32"):
+        mt.MultiheadAttention(8, 2, dropout=0.99999999)
+    with pytest.raises(ValueError, match="rounds to 1 in float32"):
+        mt.scaled_dot_product_attention(x, x, x, dropout_p=0.99999999)
 
 
 def test_masks_are_tensors_of_the_dtypes_torch_takes():
