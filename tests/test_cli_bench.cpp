@@ -263,6 +263,7 @@ TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
            "--alibi, --softcap do not apply with --decode"},
           {"--seq 8 --embed-dim 64 --heads 4 --decode --need-weights averaged", "--need-weights does not apply"},
           {"--seq 8 --embed-dim 64 --heads 4 --varlen --sinks", "--sinks does not apply with --varlen"},
+          {"--seq 8 --embed-dim 64 --heads 4 --varlen -B 3", "--batch does not apply with --varlen"},
           {"--seq 8 --embed-dim 64 --heads 4 --varlen-seqs 3", "--varlen-seqs does not apply without --varlen"},
           {"--seq 8 --embed-dim 64 --heads 4 --core --footprint-mib 1",
            "--footprint-mib does not apply without --decode"},

@@ -225,6 +225,29 @@ TEST(HostileIndices, CausalOffsetAndWindowOutsideTwoToTheFortyAreErrors) {
                   "is out of range");
 }
 
+// Enums cast from integers: an alignment past Offset counted as causal with a rule no kernel
+// knows, a backend past Fused as Auto. Both are errors naming the value, forward and backward.
+TEST(HostileIndices, EnumValuesOutOfRangeAreErrors) {
+  const Tensor q = testing::random_tensor({1, 1, 2, 4}, 1);
+  const View4<const float> v(q.view4());
+  SdpaOptions o;
+  o.masks.causal.align = static_cast<Causal::Align>(99);
+  EXPECT_MENTIONS(error_of([&] { (void)sdpa(q, q, q, o); }), "causal alignment 99 is not a Causal::Align");
+  Tensor out({1, 1, 2, 4}), lse({1, 1, 2, 1}), dq({1, 1, 2, 4}), dk({1, 1, 2, 4}), dv({1, 1, 2, 4});
+  const View4<const float> cout(out.view4()), clse(lse.view4());
+  EXPECT_MENTIONS(error_of([&] {
+                    sdpa_backward(v, v, v, cout, v, clse, o, {dq.view4(), dk.view4(), dv.view4(), {}});
+                  }),
+                  "is not a Causal::Align");
+  o = {};
+  o.backend = static_cast<Backend>(7);
+  EXPECT_MENTIONS(error_of([&] { (void)sdpa(q, q, q, o); }), "backend 7 is not a Backend");
+  EXPECT_MENTIONS(error_of([&] {
+                    sdpa_backward(v, v, v, cout, v, clse, o, {dq.view4(), dk.view4(), dv.view4(), {}});
+                  }),
+                  "backend 7 is not a Backend");
+}
+
 TEST(HostileConfig, RopeOverAnOddHeadDimNamesTheHeadDim) {
   MhaConfig c;
   c.embed_dim = 15, c.num_heads = 1, c.rope = Rope::half_split();

@@ -46,14 +46,16 @@ TEST(Reference, WorkedExampleHead0) {
 }
 
 TEST(Reference, ScaleDefaultsToOneOverSqrtDOfQueryNotValue) {
-  const Tensor q = random_tensor({1, 1, 2, 4}, 1), k = random_tensor({1, 1, 3, 4}, 2), v = random_tensor({1, 1, 3, 7}, 3);
+  const Tensor q = random_tensor({1, 1, 2, 4}, 1), k = random_tensor({1, 1, 3, 4}, 2),
+               v = random_tensor({1, 1, 3, 7}, 3);
   SdpaOptions explicit_scale = reference();
   explicit_scale.scale = 0.5f;  // 1/√4
   EXPECT_TRUE(mha::testing::bitwise_equal(mha::sdpa(q, k, v, reference()).out, mha::sdpa(q, k, v, explicit_scale).out));
 }
 
 TEST(Reference, CausalAlignments) {
-  const Tensor q = random_tensor({1, 1, 2, 3}, 4), k = random_tensor({1, 1, 4, 3}, 5), v = random_tensor({1, 1, 4, 2}, 6);
+  const Tensor q = random_tensor({1, 1, 2, 3}, 4), k = random_tensor({1, 1, 4, 3}, 5),
+               v = random_tensor({1, 1, 4, 2}, 6);
   SdpaOptions opt = reference();
   opt.masks.causal = Causal::top_left();  // query i sees keys 0..i
   auto r = mha::sdpa(q, k, v, opt, mha::Want::Weights);
@@ -88,7 +90,8 @@ TEST(Reference, SlidingWindowKeepsTheLastWPositions) {
 }
 
 TEST(Reference, FullyMaskedRowGivesZerosAndMinusInfLse) {
-  const Tensor q = random_tensor({1, 2, 3, 4}, 8), k = random_tensor({1, 2, 5, 4}, 9), v = random_tensor({1, 2, 5, 3}, 10);
+  const Tensor q = random_tensor({1, 2, 3, 4}, 8), k = random_tensor({1, 2, 5, 4}, 9),
+               v = random_tensor({1, 2, 5, 3}, 10);
   mha::BoolTensor allowed({1, 1, 3, 5}, 1);
   for (int j = 0; j < 5; ++j) allowed.at({0, 0, 1, j}) = 0;  // row 1 sees nothing
   SdpaOptions opt = reference();
@@ -132,7 +135,8 @@ TEST(Reference, PaddedKeysAreNeverRead) {
 
 TEST(Reference, GroupedQueryHeadsShareKv) {
   // 4 query heads over 2 K/V heads equals 4 heads with K/V repeated (i → i / 2).
-  const Tensor q = random_tensor({2, 4, 3, 5}, 14), k = random_tensor({2, 2, 6, 5}, 15), v = random_tensor({2, 2, 6, 4}, 16);
+  const Tensor q = random_tensor({2, 4, 3, 5}, 14), k = random_tensor({2, 2, 6, 5}, 15),
+               v = random_tensor({2, 2, 6, 4}, 16);
   Tensor k_rep({2, 4, 6, 5}), v_rep({2, 4, 6, 4});
   for (int b = 0; b < 2; ++b)
     for (int h = 0; h < 4; ++h)
@@ -140,11 +144,13 @@ TEST(Reference, GroupedQueryHeadsShareKv) {
         for (int c = 0; c < 5; ++c) k_rep.at({b, h, t, c}) = k.at({b, h / 2, t, c});
         for (int c = 0; c < 4; ++c) v_rep.at({b, h, t, c}) = v.at({b, h / 2, t, c});
       }
-  EXPECT_TRUE(mha::testing::bitwise_equal(mha::sdpa(q, k, v, reference()).out, mha::sdpa(q, k_rep, v_rep, reference()).out));
+  EXPECT_TRUE(
+      mha::testing::bitwise_equal(mha::sdpa(q, k, v, reference()).out, mha::sdpa(q, k_rep, v_rep, reference()).out));
 }
 
 TEST(Reference, MasksCombineAndBroadcast) {
-  const Tensor q = random_tensor({2, 2, 3, 4}, 17), k = random_tensor({2, 2, 5, 4}, 18), v = random_tensor({2, 2, 5, 4}, 19);
+  const Tensor q = random_tensor({2, 2, 3, 4}, 17), k = random_tensor({2, 2, 5, 4}, 18),
+               v = random_tensor({2, 2, 5, 4}, 19);
   Tensor bias = random_tensor({1, 2, 1, 5}, 20);  // broadcast over batch and queries
   Tensor key_bias = random_tensor({2, 1, 1, 5}, 21);
   SdpaOptions opt = reference();
@@ -173,7 +179,8 @@ TEST(Reference, MasksCombineAndBroadcast) {
 }
 
 TEST(Reference, DropoutIsSeededScaledAndIndependentOfEverythingElse) {
-  const Tensor q = random_tensor({1, 2, 16, 8}, 22), k = random_tensor({1, 2, 32, 8}, 23), v = random_tensor({1, 2, 32, 8}, 24);
+  const Tensor q = random_tensor({1, 2, 16, 8}, 22), k = random_tensor({1, 2, 32, 8}, 23),
+               v = random_tensor({1, 2, 32, 8}, 24);
   SdpaOptions opt = reference();
   opt.dropout = {0.25f, 1234};
   const auto a = mha::sdpa(q, k, v, opt, mha::Want::Weights);
@@ -207,7 +214,8 @@ TEST(Reference, EmptyAndUnitShapes) {
 }
 
 TEST(Reference, BadArgumentsNameTheShapes) {
-  const Tensor q = random_tensor({1, 3, 2, 4}, 30), k = random_tensor({1, 2, 5, 4}, 31), v = random_tensor({1, 2, 5, 4}, 32);
+  const Tensor q = random_tensor({1, 3, 2, 4}, 30), k = random_tensor({1, 2, 5, 4}, 31),
+               v = random_tensor({1, 2, 5, 4}, 32);
   try {
     mha::sdpa(q, k, v, reference());
     FAIL() << "3 query heads over 2 K/V heads must be rejected";

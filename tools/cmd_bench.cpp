@@ -217,7 +217,9 @@ void run_bench(BenchArgs a) {
     fail("bench: --bw-mib and --footprint-mib must be ≤ 1048576 (1 TiB), got ", a.bw_mib, " and ", a.footprint_mib);
   if (!a.varlen) refuse_unused(a, "without --varlen", {"--varlen-seqs", "--varlen-min", "--varlen-seed"});
   if (!a.decode) refuse_unused(a, "without --decode", {"--footprint-mib"});
-  if (a.varlen) refuse_unused(a, "with --varlen", {"--kv-seq", "--alibi", "--softcap", "--sinks", "--need-weights"});
+  // (--batch too: --varlen-seqs says how many sequences there are)
+  if (a.varlen)
+    refuse_unused(a, "with --varlen", {"--batch", "--kv-seq", "--alibi", "--softcap", "--sinks", "--need-weights"});
   if (a.varlen) return run_varlen(a);
   if (a.decode) return run_decode(a);
   if (!a.parallel.empty()) {

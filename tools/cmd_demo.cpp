@@ -288,8 +288,9 @@ void naive_vs_fused_memory(bool full_size) {
                 static_cast<double>(H * T * T * 4) / (1024.0 * 1024.0), extra, secs, why.c_str());
   }
   std::printf(
-      "  The naive column grows as T² (x4 per doubling); the fused kernel's extra memory is per-thread scratch\n"
-      "  for one block of keys and does not grow with T² (last row: %s).\n",
+      "  The naive column grows as T² (x4 per doubling); the fused kernel's extra memory grows as T (x2 per\n"
+      "  doubling): long sequences get K and V packed once per call, a workspace the size of K and V\n"
+      "  (2·h·T·d floats), beside per-thread scratch for a block of keys; never T² (last row: %s).\n",
       last_extra_mib >= 0 ? "measured" : "not measurable here");
   if (!full_size)
     std::printf(

@@ -63,12 +63,13 @@ static void add_forward_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "forward",
       "Run the module forward on inputs from a safetensors file and write `output` (and `attn_weights` when the "
-      "weights file's metadata says need_weights=true, and `lse` (B, h, T_q) when need_lse=true) to a float32 "
-      "safetensors file.\n"
-      "The configuration comes from the weights file's __metadata__ (embed_dim, num_heads, num_kv_heads, kdim, "
-      "vdim, bias, add_bias_kv, add_zero_attn, batch_first, need_weights, average_attn_weights, is_causal, "
-      "need_lse, scale, softcap, alibi_slopes (comma-separated, one per head), attention_sinks (then the "
-      "weights hold `sinks`, one logit per head)); "
+      "weights file's metadata says need_weights=true, and `lse` (B, h, T_q); (h, T_q) unbatched; (h, total_q) "
+      "packed, when need_lse=true) to a float32 safetensors file.\n"
+      "The configuration comes from the weights file's __metadata__ (embed_dim, num_heads, num_kv_heads, "
+      "head_dim, kdim, vdim, bias, add_bias_kv, add_zero_attn, batch_first, need_weights, average_attn_weights, "
+      "is_causal, need_lse, scale, softcap, alibi_slopes (comma-separated, one per head), attention_sinks (then "
+      "the weights hold `sinks`, one logit per head), rope (none, half_split or interleaved), rope_theta, "
+      "rope_dims); "
       "weights under PyTorch or Hugging Face names. Inputs: query, key, value, and optional attn_mask (BOOL or U8: "
       "true = may NOT attend, PyTorch's convention; F16, BF16, F32 or F64: added) and key_padding_mask (BOOL or U8: "
       "true = padding; a float dtype: added); integer masks are refused.\n"
@@ -82,7 +83,9 @@ static void add_forward_command(CLI::App& app) {
   cmd->add_option("--output", args->output, "where to write the results (written atomically)")
       ->required()
       ->check(path_to_write());
-  cmd->add_option("--threads", args->threads, "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")->check(whole_number_at_least(0));
+  cmd->add_option("--threads", args->threads,
+                  "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")
+      ->check(whole_number_at_least(0));
   cmd->callback([args] { run_forward(*args); });
 }
 

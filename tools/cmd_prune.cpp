@@ -124,7 +124,8 @@ static void add_prune_command(CLI::App& app) {
   cmd->add_flag("--duplicate-kv", a->duplicate_kv,
                 "grouped-query weights: when groups keep different numbers of heads, copy K/V heads to stay exact "
                 "(instead of refusing)");
-  cmd->add_option("--threads", a->threads, "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")->check(whole_number_at_least(0));
+  cmd->add_option("--threads", a->threads, "threads to use (0 = OMP_NUM_THREADS, else every CPU this process may use)")
+      ->check(whole_number_at_least(0));
   cmd->callback([a] { run_prune(*a); });
 }
 

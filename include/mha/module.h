@@ -150,8 +150,9 @@ struct MhaOutput {
   Tensor output;        ///< same layout as query: (T_q, B, E), (B, T_q, E) or (T_q, E)
   Tensor attn_weights;  ///< (B, h, T_q, S) per head or (B, T_q, S) averaged; no B when unbatched.
                         ///< S = T_k (+1 with add_bias_kv, +1 with add_zero_attn). Empty unless asked.
-  Tensor lse{};         ///< (B, h, T_q), or (h, T_q) unbatched, when need_lse: −inf for a fully
-                        ///< masked row without sinks. Empty unless asked.
+  Tensor lse{};         ///< (B, h, T_q), or (h, T_q) unbatched, or (h, total_q) for a packed batch,
+                        ///< when need_lse: −inf for a fully masked row without sinks. Empty unless
+                        ///< asked.
 };
 
 namespace detail {

@@ -21,7 +21,9 @@ enum class WeightNames : uint8_t {
 };
 
 /// The configuration stored in a file's metadata (keys as in shared/conformance/README.md:
-/// embed_dim, num_heads, num_kv_heads, kdim, vdim, bias, add_bias_kv, add_zero_attn, batch_first).
+/// embed_dim, num_heads, num_kv_heads, kdim, vdim, bias, add_bias_kv, add_zero_attn, batch_first;
+/// and mha's own: head_dim, dropout, scale, softcap, alibi_slopes, attention_sinks, rope
+/// (none, half_split or interleaved), rope_theta, rope_dims).
 MhaConfig config_from_metadata(const std::map<std::string, std::string>& metadata, const std::string& label);
 std::map<std::string, std::string> metadata_from_config(const MhaConfig& config);
 /// A boolean metadata value: true / True / 1 or false / False / 0 (Python's str(bool) writes the

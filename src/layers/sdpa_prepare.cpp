@@ -80,6 +80,10 @@ void check_args(const char* fn, View4<const T> q, View4<const T> k, View4<const 
   if (outputs.lse.defined() && outputs.lse.shape_vec() != want_lse)
     fail(fn, ": lse has shape ", shape_str(outputs.lse), ", expected ", shape_str(want_lse));
   const Causal& causal = opt.masks.causal;
+  // An enum cast from an integer may hold any value: one past Offset counted as causal (enabled()
+  // tests != None) with an alignment no kernel knows.
+  if (static_cast<unsigned>(causal.align) > static_cast<unsigned>(Causal::Align::Offset))
+    fail(fn, ": causal alignment ", static_cast<unsigned>(causal.align), " is not a Causal::Align");
   if (causal.window < 0) fail(fn, ": sliding window must be ≥ 0 (0 = unlimited), got ", causal.window);
   if (causal.window > 0 && !causal.enabled())
     fail(fn, ": a sliding window of ", causal.window, " needs a causal alignment (Causal::bottom_right() etc.)");
@@ -185,6 +189,8 @@ void attach_varlen(const char* fn, kernels::SdpaParams& p, const VarlenBatch& se
 }
 
 bool choose_fused(const char* fn, Backend requested, bool fused_ok, const std::string& reason, std::string* why) {
+  if (requested != Backend::Auto && requested != Backend::Reference && requested != Backend::Fused)
+    fail(fn, ": backend ", static_cast<unsigned>(requested), " is not a Backend (Auto, Reference or Fused)");
   if (requested == Backend::Reference) {
     if (why) *why = "reference: requested";
     return false;
