@@ -163,6 +163,16 @@ TEST(Image, HeatmapRejectsBadOptions) {
   v.vmax = 0;
   EXPECT_THROW(render_heatmap_grid(w, v), Error);
   EXPECT_NO_THROW(render_heatmap_grid(Tensor({3, 4}, 0.25f)));  // a single (T_q, T_k) panel
+  // One 1 x 4096 row in 64-pixel cells is 262,000 pixels wide: past cairo's 32767, named with its
+  // size and what to change (it was cairo's 'invalid value').
+  HeatmapOptions wide;
+  wide.cell_pixels = 64;
+  try {
+    (void)render_heatmap_grid(Tensor({1, 4096}, 0.25f), wide);
+    ADD_FAILURE() << "a picture past 32767 pixels was drawn";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("at most 32767 on a side"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Image, LinePlotDrawsSeriesAndLegend) {

@@ -138,6 +138,12 @@ std::string shortened(const std::string& s, size_t max_chars) {
 // ---- surfaces to pixels and files ----------------------------------------------------------------
 
 Surface image_surface(int64_t w, int64_t h, const char* fn) {
+  // cairo's image surfaces stop at 32767 pixels a side (its fixed-point coordinates): say so, and
+  // what to change, rather than cairo's 'invalid value'. (SVG surfaces have no such limit.)
+  constexpr int64_t kMaxSide = 32767;
+  if (w > kMaxSide || h > kMaxSide)
+    fail(fn, ": the picture would be ", w, " x ", h, " pixels, and an image is at most ", kMaxSide,
+         " on a side: draw fewer heads or smaller cells (cell_pixels), or write SVG");
   Surface s(cairo_image_surface_create(CAIRO_FORMAT_RGB24, static_cast<int>(w), static_cast<int>(h)));
   check(cairo_surface_status(s.get()), fn,
         "cannot create a " + std::to_string(w) + " x " + std::to_string(h) + " image");
@@ -321,7 +327,8 @@ GridGeometry plan_grid(const Tensor& weights, const HeatmapOptions& o, const cha
   g.Tq = weights.size(-2), g.Tk = weights.size(-1);
   if (g.H < 1 || g.Tq < 1 || g.Tk < 1) fail(fn, ": nothing to draw in weights ", shape_str(weights.shape()));
   if (g.H > 1024 || g.Tq > 4096 || g.Tk > 4096)
-    fail(fn, ": weights ", shape_str(weights.shape()), " are too large to draw (at most 1024 heads of 4096 x 4096)");
+    fail(fn, ": weights ", shape_str(weights.shape()),
+         " are too large to draw (at most 1024 heads of 4096 x 4096, and a PNG at most 32767 pixels on a side)");
   if (!o.query_labels.empty() && static_cast<int64_t>(o.query_labels.size()) != g.Tq)
     fail(fn, ": ", o.query_labels.size(), " query labels for T_q = ", g.Tq);
   if (!o.key_labels.empty() && static_cast<int64_t>(o.key_labels.size()) != g.Tk)
