@@ -387,6 +387,16 @@ TEST(CliAnalyze, UnwritablePictureFailsBeforeAnyOutput) {
       EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << r.err;
       EXPECT_EQ(r.out, "");
     }
+  // An existing directory as the picture (or prune's output) is named as such, not as a failed
+  // rename of a temporary file beside it.
+  for (const char* flag : {" --image ", " --svg "}) {
+    SCOPED_TRACE(flag);
+    expect_one_line_failure(
+        run_command(kCli + " analyze --weights " + f.weights + " --inputs " + f.inputs + flag + dir),
+        "is a directory: give a file name");
+  }
+  expect_one_line_failure(run_command(kCli + " prune --weights " + f.weights + " --heads 1 --output " + dir),
+                          "is a directory: give a file name");
 }
 
 }  // namespace

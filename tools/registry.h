@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <string>
@@ -74,7 +75,14 @@ inline CLI::Validator unsigned_whole_number() {
 /// A path to write: refused when empty ("--image ''" was taken as no picture at all).
 inline CLI::Validator path_to_write() {
   return CLI::Validator(
-      [](std::string& s) -> std::string { return s.empty() ? std::string("expected a path, got ''") : std::string(); },
+      [](std::string& s) -> std::string {
+        if (s.empty()) return "expected a path, got ''";
+        // A directory cannot be replaced by the file (written beside it, then renamed over it):
+        // said here, not as a failed rename of a temporary name the user never gave.
+        std::error_code ec;
+        if (std::filesystem::is_directory(s, ec)) return "'" + s + "' is a directory: give a file name";
+        return {};
+      },
       "");
 }
 
