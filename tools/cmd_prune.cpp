@@ -19,7 +19,7 @@ namespace {
 
 struct PruneArgs {
   std::string weights, output, inputs;
-  std::vector<std::string> heads;  ///< --heads items as given (parsed by head_indices)
+  std::string heads;  ///< --heads as given (split and parsed by head_indices)
   bool importance = false, duplicate_kv = false;
   int threads = 0;
 };
@@ -43,12 +43,16 @@ double relative_l2(const Tensor& got, const Tensor& want) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-/// --heads as indices: every non-empty item a whole decimal integer ("0," and "1,,2" skip the empty
-/// ones), and at least one of them. (Parsed here rather than by CLI11, which read an empty
-/// --heads "" as head 0 and removed it.)
-std::vector<int64_t> head_indices(const std::vector<std::string>& items) {
+/// --heads as indices: every non-empty comma-separated item a whole decimal integer ("0," and
+/// "1,,2" skip the empty ones), and at least one of them. (Split and parsed here rather than by
+/// CLI11, which read an empty --heads "" as head 0 and removed it, and took --heads , as a list
+/// that swallowed the next option: '--output is required'.)
+std::vector<int64_t> head_indices(const std::string& text) {
   std::vector<int64_t> heads;
-  for (const std::string& item : items) {
+  for (size_t begin = 0; begin <= text.size();) {
+    const size_t comma = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, comma - begin);
+    begin = comma + 1;
     if (item.empty()) continue;
     const std::optional<int64_t> h = whole_number(item);
     if (!h) fail("prune: --heads item '", item, "' is not a head index");
@@ -117,7 +121,7 @@ static void add_prune_command(CLI::App& app) {
       "average_attn_weights, need_lse), under the same naming scheme as the input.");
   cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")
       ->required();
-  cmd->add_option("--heads", a->heads, "comma-separated head indices to remove, e.g. 0,3")->required()->delimiter(',');
+  cmd->add_option("--heads", a->heads, "comma-separated head indices to remove, e.g. 0,3")->required();
   cmd->add_option("--output", a->output, "where to write the pruned weights")->required()->check(path_to_write());
   cmd->add_option("--inputs", a->inputs, "inputs (as for `mha forward`) to measure the change of the output on");
   cmd->add_flag("--importance", a->importance, "print every head's importance by ablation (needs --inputs)");
