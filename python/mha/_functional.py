@@ -133,13 +133,16 @@ def _per_head(name: str, x: Any, fn: str) -> List[float]:
     return [float(v) for v in a]
 
 
+def _score_edit_values(fn: str, alibi_slopes: Any, softcap: Any, sinks: Any) -> Tuple[List[float], float, List[float]]:
+    """(ALiBi slopes, softcap, sink logits) as the core takes them, an empty list for None (off);
+    types are checked here, lengths and values by the library (ValueError naming the argument)."""
+    slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
+    return slopes, _number(fn, "softcap", softcap), [] if sinks is None else _per_head("sinks", sinks, fn)
+
+
 def _score_edits(fn: str, args: "_core.SdpaArgs", alibi_slopes: Any, softcap: Any, sinks: Any) -> None:
-    """ALiBi slopes, softcap and sinks onto ``args`` (lengths and values are checked by the library)."""
-    if alibi_slopes is not None:
-        args.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, fn)
-    args.softcap = _number(fn, "softcap", softcap)
-    if sinks is not None:
-        args.sinks = _per_head("sinks", sinks, fn)
+    """ALiBi slopes, softcap and sinks onto ``args`` (:func:`_score_edit_values`)."""
+    args.alibi_slopes, args.softcap, args.sinks = _score_edit_values(fn, alibi_slopes, softcap, sinks)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -416,7 +419,8 @@ def _offsets(name: str, x: Any, fn: str) -> np.ndarray:
 def sdpa_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, *,
                 max_seqlen_q: int = 0, max_seqlen_k: int = 0, scale: Optional[float] = None,
                 causal: Optional[Causal] = None, window: int = 0, return_lse: bool = False,
-                threads: Optional[int] = None, dtype: str = "f32") -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+                threads: Optional[int] = None, dtype: str = "f32", alibi_slopes: Optional[Any] = None,
+                softcap: float = 0.0, sinks: Optional[Any] = None) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """Attention over a packed batch of variable-length sequences (FlashAttention's varlen).
 
     Args:
@@ -427,10 +431,14 @@ def sdpa_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.nd
         max_seqlen_q, max_seqlen_k: when > 0, checked as upper bounds of every length.
         causal: ``mha.Causal.top_left()`` / ``.bottom_right()`` / ``.offset(n)``, aligned per sequence.
         window, scale, threads, dtype: as :func:`sdpa`. Only causal masking; no dropout, no weights.
+        alibi_slopes, softcap, sinks: as :func:`sdpa`, applied to each sequence as if it ran alone:
+            ALiBi's positions follow the sequence's own causal alignment (bottom-right by its own
+            lengths without ``causal``), and each row's sink joins its denominator (and its lse).
 
     Returns:
         ``out`` (total_q, h, d_v), or ``(out, lse)`` with lse (total_q, h) when ``return_lse``.
-        float32 inputs are read in place (no copy) when their strides allow it.
+        float32 inputs are read in place (no copy) when their strides allow it. Each sequence's
+        rows are bitwise those of :func:`sdpa` on that sequence alone with the same arguments.
     """
     fn = "sdpa_varlen"
     if dtype not in ("f32", "bf16"):
@@ -446,6 +454,7 @@ def sdpa_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.nd
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, fn)
     cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, fn)
     args = _args(fn, scale, None, None, None, None, causal, window, 0.0, 0, threads)
+    _score_edits(fn, args, alibi_slopes, softcap, sinks)
     out, lse = _core.sdpa_varlen(arrays[0], arrays[1], arrays[2], cu_q, cu_k, _i64(fn, "max_seqlen_q", max_seqlen_q),
                                  _i64(fn, "max_seqlen_k", max_seqlen_k),
                                  args, bool(return_lse), dtype == "bf16")

@@ -9,8 +9,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
-from ._functional import (_i64, _name, _number, _offsets, _optional_count, _per_head, _probability, _seed,
-                          _splits, _threads)
+from ._functional import (_i64, _name, _number, _offsets, _optional_count, _per_head, _probability,
+                          _score_edit_values, _seed, _splits, _threads)
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -298,35 +298,52 @@ def _cache_query(fn: str, q: Any, cache: Any, kind: type) -> np.ndarray:
     return a
 
 
+def _cache_options(fn: str, scale: Any, window: Any, splits: Any, threads: Any, alibi_slopes: Any, softcap: Any,
+                   sinks: Any) -> Tuple[Any, ...]:
+    """attend_cache's and attend_paged_cache's options in the binding's order, each checked as
+    :func:`mha.sdpa` checks it (types here; lengths and finiteness by the library, as ValueError)."""
+    return (None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window), _splits(fn, splits),
+            _threads(fn, threads), *_score_edit_values(fn, alibi_slopes, softcap, sinks))
+
+
 def attend_cache(q: Any, cache: KvCache, *, q_start: Optional[Sequence[int]] = None, scale: Optional[float] = None,
-                 window: int = 0, splits: int = 0, threads: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+                 window: int = 0, splits: int = 0, threads: int = 0, alibi_slopes: Optional[Any] = None,
+                 softcap: float = 0.0, sinks: Optional[Any] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Causal attention of q (B, h, T_q, d) against everything ``cache`` holds (C++
     mha::attend_cache; the decode kernel): row t of batch b is at position ``q_start[b] + t``
     (default: the sequence's length, right after the cache) and sees cached positions ≤ it (and
     > it − window). Query head i reads K/V head i // (h // kv_heads). ``splits`` cuts each
     sequence's positions into that many parts merged exactly (0: chosen from the shapes); the
     result never depends on ``threads``. Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``; a
-    row that sees no key gives zeros and lse = −inf."""
+    row that sees no key gives zeros and lse = −inf (with ``sinks``: zeros and lse = the sink).
+
+    Score edits, as :func:`mha.sdpa` takes them (``CacheAttentionOptions``): ``alibi_slopes`` (one
+    per query head) adds ``−m_h·(q_pos − k_pos)`` by absolute positions, so decoding token by
+    token gives the scores of the full causal forward; ``softcap`` c > 0 caps the scaled scores,
+    ``s → c·tanh(s/c)``, before ALiBi; ``sinks`` (one logit per query head, gpt-oss) join each
+    row's softmax denominator without a value, and the lse includes them. (These sink logits are
+    not the cache's ``sinks=n``, the StreamingLLM positions a ring keeps.) A wrong length or a
+    non-finite value raises ValueError."""
     fn = "attend_cache"
     a = _cache_query(fn, q, cache, KvCache)
     return _core.attend_cache(a, cache._c, _i64_list(fn, "q_start", q_start),
-                              None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window),
-                              _splits(fn, splits), _threads(fn, threads))
+                              *_cache_options(fn, scale, window, splits, threads, alibi_slopes, softcap, sinks))
 
 
 def attend_paged_cache(q: Any, cache: PagedKvCache, seqs: Sequence[int], *, q_start: Optional[Sequence[int]] = None,
-                       scale: Optional[float] = None, window: int = 0, splits: int = 0,
-                       threads: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+                       scale: Optional[float] = None, window: int = 0, splits: int = 0, threads: int = 0,
+                       alibi_slopes: Optional[Any] = None, softcap: float = 0.0,
+                       sinks: Optional[Any] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Causal attention of q (B, h, T_q, d) against sequences ``seqs`` of a paged cache (C++
     mha::attend_paged_cache): row t of batch b is at position ``q_start[b] + t`` (default: the
     sequence's length, right after the cache) and sees cached positions ≤ it (and > it − window).
-    Returns ``(out (B, h, T_q, d_v), lse (B, h, T_q))``."""
+    ``alibi_slopes``, ``softcap`` and ``sinks`` as :func:`attend_cache`. Returns
+    ``(out (B, h, T_q, d_v), lse (B, h, T_q))``, bitwise those of :func:`attend_cache` over a
+    contiguous cache of the same values with the same split count."""
     fn = "attend_paged_cache"
     a = _cache_query(fn, q, cache, PagedKvCache)
-    return _core.attend_paged_cache(a, cache._c, _i64_list(fn, "seqs", seqs),
-                                    _i64_list(fn, "q_start", q_start),
-                                    None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window),
-                                    _splits(fn, splits), _threads(fn, threads))
+    return _core.attend_paged_cache(a, cache._c, _i64_list(fn, "seqs", seqs), _i64_list(fn, "q_start", q_start),
+                                    *_cache_options(fn, scale, window, splits, threads, alibi_slopes, softcap, sinks))
 
 
 class MultiheadAttention:

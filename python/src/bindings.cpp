@@ -283,6 +283,18 @@ py::tuple attend_over_cache(const F32In& q, const Cache& cache, const char* what
   return py::make_tuple(out, lse);
 }
 
+/// attend_cache's options; ALiBi slopes and sink logits borrow `slopes` and `sinks` (empty = off),
+/// which the caller keeps alive for the call. The library checks every value.
+mha::CacheAttentionOptions cache_options(std::optional<float> scale, int64_t window, int splits, int threads,
+                                         const std::vector<float>& slopes, float softcap,
+                                         const std::vector<float>& sinks) {
+  mha::CacheAttentionOptions o{scale, window, splits, threads};
+  o.alibi.slopes = slopes;
+  o.softcap = softcap;
+  o.sinks.logits = sinks;
+  return o;
+}
+
 /// Parameter tensors by PyTorch name.
 mha::Tensor* param_slot(mha::MhaParameters& p, const std::string& name) {
   if (name == "in_proj_weight") return &p.in_proj_weight;
@@ -665,17 +677,22 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("num_blocks", [](const mha::PagedKvCache& self) { return self.config().num_blocks; });
 
   // attend_cache / attend_paged_cache: q (B, h, T_q, d) float32 → (out (B, h, T_q, d_v), lse (B, h, T_q)).
+  // The score edits come last: ALiBi slopes and sink logits (empty = off) and the softcap.
   m.def("attend_cache", [](const F32In& q, const mha::KvCache& cache, const std::vector<int64_t>& q_start,
-                           std::optional<float> scale, int64_t window, int splits, int threads) {
+                           std::optional<float> scale, int64_t window, int splits, int threads,
+                           const std::vector<float>& slopes, float softcap, const std::vector<float>& sinks) {
     return attend_over_cache(
-        q, cache, "attend_cache: q", cache.config().v_dim(), {scale, window, splits, threads},
+        q, cache, "attend_cache: q", cache.config().v_dim(),
+        cache_options(scale, window, splits, threads, slopes, softcap, sinks),
         [&](auto qv, const auto& o, auto out, auto lse) { mha::attend_cache(qv, cache, q_start, o, out, lse); });
   });
   m.def("attend_paged_cache",
         [](const F32In& q, const mha::PagedKvCache& cache, const std::vector<int64_t>& seqs,
-           const std::vector<int64_t>& q_start, std::optional<float> scale, int64_t window, int splits, int threads) {
+           const std::vector<int64_t>& q_start, std::optional<float> scale, int64_t window, int splits, int threads,
+           const std::vector<float>& slopes, float softcap, const std::vector<float>& sinks) {
           return attend_over_cache(q, cache, "attend_paged_cache: q", cache.config().v_dim(),
-                                   {scale, window, splits, threads}, [&](auto qv, const auto& o, auto out, auto lse) {
+                                   cache_options(scale, window, splits, threads, slopes, softcap, sinks),
+                                   [&](auto qv, const auto& o, auto out, auto lse) {
                                      mha::attend_paged_cache(qv, cache, seqs, q_start, o, out, lse);
                                    });
         });
