@@ -192,10 +192,14 @@ float PagedKvCache::v_at(int64_t seq, int64_t g, int64_t p, int64_t x) const {
                           config_.v_dim(), x);
 }
 
-void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::span<const int32_t> block_tables,
-                         int64_t table_width, std::span<const int64_t> lengths, std::span<const int64_t> q_start,
-                         const CacheAttentionOptions& options, View4<float> out, View4<float> lse) {
-  const char* fn = "attend_paged_blocks";
+namespace {
+
+/// attend_paged_blocks' work, its errors named after `fn`: the function the caller called (an
+/// attend_paged_cache call said 'attend_paged_blocks: …' for its own bad window or slopes).
+void attend_paged(const char* fn, View4<const float> q, const PagedKvCache& cache,
+                  std::span<const int32_t> block_tables, int64_t table_width, std::span<const int64_t> lengths,
+                  std::span<const int64_t> q_start, const CacheAttentionOptions& options, View4<float> out,
+                  View4<float> lse) {
   const PagedKvCacheConfig& c = cache.config();
   if (c.num_blocks == 0) fail(fn, ": the cache is empty (moved from): no storage");
   detail::check_extents(fn, "query", q);
@@ -277,6 +281,14 @@ void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::s
   kernels::decode_attention(p, workspace.data());
 }
 
+}  // namespace
+
+void attend_paged_blocks(View4<const float> q, const PagedKvCache& cache, std::span<const int32_t> block_tables,
+                         int64_t table_width, std::span<const int64_t> lengths, std::span<const int64_t> q_start,
+                         const CacheAttentionOptions& options, View4<float> out, View4<float> lse) {
+  attend_paged("attend_paged_blocks", q, cache, block_tables, table_width, lengths, q_start, options, out, lse);
+}
+
 void attend_paged_cache(View4<const float> q, const PagedKvCache& cache, std::span<const int64_t> seqs,
                         std::span<const int64_t> q_start, const CacheAttentionOptions& options, View4<float> out,
                         View4<float> lse) {
@@ -297,7 +309,7 @@ void attend_paged_cache(View4<const float> q, const PagedKvCache& cache, std::sp
     std::copy(t.begin(), t.end(), tables.begin() + b * width);
     lengths[static_cast<size_t>(b)] = cache.length(seqs[static_cast<size_t>(b)]);
   }
-  attend_paged_blocks(q, cache, tables, width, lengths, q_start, options, out, lse);
+  attend_paged("attend_paged_cache", q, cache, tables, width, lengths, q_start, options, out, lse);
 }
 
 }  // namespace mha
