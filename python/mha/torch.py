@@ -24,7 +24,7 @@ import numpy as np
 import torch as _torch
 
 from . import _core
-from ._functional import _args, _i64, _in_place, _optional_count, _probability
+from ._functional import _args, _i64, _in_place, _number, _optional_count, _per_head, _probability
 from ._module import Rope, _forward_args
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
@@ -72,16 +72,38 @@ def _mask_np(m: Optional[_torch.Tensor], name: str, fn: str, uint8: bool = False
 
 
 @contextlib.contextmanager
-def _named_errors(fn: str):
+def _named_errors(fn: str, heads: Tuple[str, ...] = ("MultiheadAttention.forward", "forward_train")):
     """Names what the user called in the core's ValueErrors: the module's forward reports itself as
-    MultiheadAttention.forward or forward_train, names a torch user never calls."""
+    MultiheadAttention.forward or forward_train, its configuration as MhaConfig, names a torch user
+    never calls."""
     try:
         yield
     except ValueError as e:
         head, sep, rest = str(e).partition(": ")
-        if sep and head in ("MultiheadAttention.forward", "forward_train"):
+        if sep and head in heads:
             raise ValueError(f"{fn}: {rest}") from None
         raise
+
+
+# with_score_options' arguments (ALiBi slopes, softcap, sinks, scale) when no edit is asked for.
+_NO_SCORE_EDITS: Tuple[Any, ...] = ([], 0.0, False, None)
+
+
+def _score_edits(fn: str, scale: Any, alibi_slopes: Any, softcap: Any, attention_sinks: Any) -> Tuple[Any, ...]:
+    """The score edits in with_score_options' order. Types are checked here, and the values the
+    library would not name the argument of (a non-finite slope) or would take as "off" (softcap 0:
+    None is off here); the slope count and the scale's finiteness by the library (ValueError)."""
+    slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
+    if not np.isfinite(slopes).all():
+        raise ValueError(f"{fn}: alibi_slopes must be finite, got {slopes}")
+    c = 0.0
+    if softcap is not None:
+        c = _number(fn, "softcap", softcap)
+        if not (c > 0 and np.isfinite(c)):
+            raise ValueError(f"{fn}: softcap must be a finite c > 0 (None turns it off), got {c}")
+    if not isinstance(attention_sinks, (bool, np.bool_)):
+        raise TypeError(f"{fn}: attention_sinks must be a bool, got {type(attention_sinks).__name__}")
+    return slopes, c, bool(attention_sinks), None if scale is None else _number(fn, "scale", scale)
 
 
 def _first_derivatives_only(fn: str) -> None:
@@ -139,7 +161,17 @@ class MultiheadAttention(_torch.nn.Module):
     Same constructor (positional order included), same forward, same parameters and state_dict
     names (``in_proj_weight`` or ``q/k/v_proj_weight``, ``in_proj_bias``, ``bias_k``, ``bias_v``,
     ``out_proj.weight``, ``out_proj.bias``), initialised as PyTorch does from torch's generator.
-    Keyword-only extras: ``num_kv_heads`` (grouped-query attention) and ``rope`` (:class:`mha.Rope`).
+    Keyword-only extras: ``num_kv_heads`` (grouped-query attention) and ``rope`` (:class:`mha.Rope`),
+    and the score edits of :class:`mha.MultiheadAttention` (docs/semantics.md, 'Score edits'):
+    ``scale`` (the softmax scale; None: 1/sqrt(head_dim)), ``alibi_slopes`` (one per head, constants;
+    ``mha.alibi_slopes(num_heads)`` is the standard schedule; not with ``add_bias_kv`` or
+    ``add_zero_attn``), ``softcap`` (c > 0: scaled scores s → c·tanh(s/c); None: off) and
+    ``attention_sinks`` (True: an ``nn.Parameter`` ``sinks`` of shape (num_heads,), zeros at init,
+    one logit per head that joins every row's softmax denominator without a value, trained like the
+    others; returned weights then sum to less than 1 per row). A wrong slope count, a softcap <= 0
+    or a non-finite value raises ValueError naming the argument. They are fixed at construction
+    (read-only attributes of the same names) and kept by deep copies and pickles; ``from_torch``
+    sets none (torch's module has none).
 
     Each forward copies the current parameters into a module of its own (O(parameters)), which its
     backward uses: threads may share one module, and torch refuses the backward of a graph whose
@@ -152,7 +184,8 @@ class MultiheadAttention(_torch.nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device: Any = None, dtype: Any = None, *,
-                 num_kv_heads: Optional[int] = None, rope: Optional[Rope] = None):
+                 num_kv_heads: Optional[int] = None, rope: Optional[Rope] = None, scale: Optional[float] = None,
+                 alibi_slopes: Optional[Any] = None, softcap: Optional[float] = None, attention_sinks: bool = False):
         super().__init__()
         if device is not None and _torch.device(device).type != "cpu":
             raise TypeError(f"mha.torch.MultiheadAttention: CPU only, got device={device}")
@@ -177,8 +210,10 @@ class MultiheadAttention(_torch.nn.Module):
                            bool(add_bias_kv), bool(add_zero_attn), p, bool(batch_first),
                            rope is not None, float(rope.theta if rope else 10000.0), int(rope.dims if rope else 0),
                            str(rope.pairing if rope else "half_split"), 0, 0)
+        self._score_args = _score_edits(fn, scale, alibi_slopes, softcap, attention_sinks)
         # Validates everything (raises ValueError with the library's message) and gives the shapes.
-        self._core = _core.Module(*self._core_args)
+        with _named_errors(fn, ("MhaConfig",)):
+            self._core = self._new_core(self._core_args)
         cfg = self._core.config()
         self.num_kv_heads = cfg["num_kv_heads"]
         self.head_dim = cfg["head_dim"]
@@ -205,7 +240,19 @@ class MultiheadAttention(_torch.nn.Module):
             self.bias_v = P("bias_v")
         else:
             self.bias_k = self.bias_v = None
+        self.sinks = P("sinks")  # None without attention_sinks, as bias_k is without add_bias_kv
         self._reset_parameters()
+
+    # The score edits as the constructor took them (read-only: the core is built with them).
+    scale = property(lambda self: self._score_args[3])
+    alibi_slopes = property(lambda self: tuple(self._score_args[0]) or None)
+    softcap = property(lambda self: self._score_args[1] or None)
+    attention_sinks = property(lambda self: self._score_args[2])
+
+    def _new_core(self, args: Tuple[Any, ...]) -> "_core.Module":
+        """The core for constructor arguments ``args`` (_core_args), with this module's score edits."""
+        core = _core.Module(*args)
+        return core if self._score_args == _NO_SCORE_EDITS else core.with_score_options(*self._score_args)
 
     @property
     def _qkv_same_embed_dim(self) -> bool:
@@ -226,8 +273,9 @@ class MultiheadAttention(_torch.nn.Module):
     def __setstate__(self, state):
         if "_packed_in_proj" not in state:  # pickled before the flag was renamed
             state["_packed_in_proj"] = state.pop("_qkv_same_embed_dim", True)
+        state.setdefault("_score_args", _NO_SCORE_EDITS)  # pickled before the score edits existed
         super().__setstate__(state)
-        self._core = _core.Module(*self._core_args)
+        self._core = self._new_core(self._core_args)
 
     # Where _core_args holds the settings that torch's forward reads from attributes on every call.
     _LIVE_ARGS = {"add_zero_attn": (7, bool), "dropout": (8, float), "batch_first": (9, bool)}
@@ -243,11 +291,13 @@ class MultiheadAttention(_torch.nn.Module):
             args[i] = kind(value)
         args[8] = _probability(fn, "dropout", args[8])
         if tuple(args) != self._core_args:
-            core = _core.Module(*args)  # validates (ValueError) before anything is replaced
+            with _named_errors(fn, ("MhaConfig",)):
+                core = self._new_core(tuple(args))  # validates (ValueError) before anything is replaced
             self._core, self._core_args = core, tuple(args)
 
     def _reset_parameters(self) -> None:
-        """PyTorch's initialisation: Xavier-uniform input projections, zero biases, Xavier-normal bias_k/v."""
+        """PyTorch's initialisation: Xavier-uniform input projections, zero biases, Xavier-normal bias_k/v
+        (and zero sinks, as mha.MultiheadAttention)."""
         if self._packed_in_proj:
             _torch.nn.init.xavier_uniform_(self.in_proj_weight)
         else:
@@ -260,6 +310,8 @@ class MultiheadAttention(_torch.nn.Module):
         if self.bias_k is not None:
             _torch.nn.init.xavier_normal_(self.bias_k)
             _torch.nn.init.xavier_normal_(self.bias_v)
+        if self.sinks is not None:
+            _torch.nn.init.zeros_(self.sinks)  # as mha.MultiheadAttention: the sink starts at e^0
 
     @classmethod
     def from_torch(cls, old: "_torch.nn.MultiheadAttention") -> "MultiheadAttention":
@@ -306,9 +358,13 @@ class MultiheadAttention(_torch.nn.Module):
         items = self._param_items()
         for n, p in items:
             _check(n, p, fn)
+        params = {n: _np(p) for n, p in items}
+        if "sinks" in params and not np.isfinite(params["sinks"]).all():
+            # (the library's own message names an "sdpa" the user never called)
+            raise ValueError(f"{fn}.forward: sinks must be finite, got {params['sinks'].tolist()}")
         # This call's own module with the current parameters: the shared core is never written, so
         # threads may call forward (and backward) on one module at once, as on torch's.
-        core = self._core.with_params({n: _np(p) for n, p in items})
+        core = self._core.with_params(params)
         training = self.training and self.dropout > 0.0
         seed = _dropout_seed(self.dropout) if training else 0
         kpm = _mask_np(key_padding_mask, "key_padding_mask", fn)
