@@ -91,16 +91,17 @@ _NO_SCORE_EDITS: Tuple[Any, ...] = ([], 0.0, False, None)
 
 def _score_edits(fn: str, scale: Any, alibi_slopes: Any, softcap: Any, attention_sinks: Any) -> Tuple[Any, ...]:
     """The score edits in with_score_options' order. Types are checked here, and the values the
-    library would not name the argument of (a non-finite slope) or would take as "off" (softcap 0:
-    None is off here); the slope count and the scale's finiteness by the library (ValueError)."""
+    library would not name the argument of (a non-finite slope, a softcap that is neither 0 nor a
+    finite c > 0); the slope count and the scale's finiteness by the library (ValueError). A softcap
+    of None or 0 is off, as in the numpy module and the library."""
     slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
     if not np.isfinite(slopes).all():
         raise ValueError(f"{fn}: alibi_slopes must be finite, got {slopes}")
     c = 0.0
     if softcap is not None:
         c = _number(fn, "softcap", softcap)
-        if not (c > 0 and np.isfinite(c)):
-            raise ValueError(f"{fn}: softcap must be a finite c > 0 (None turns it off), got {c}")
+        if c != 0 and not (c > 0 and np.isfinite(c)):
+            raise ValueError(f"{fn}: softcap must be a finite c > 0 (None or 0 turns it off), got {c}")
     if not isinstance(attention_sinks, (bool, np.bool_)):
         raise TypeError(f"{fn}: attention_sinks must be a bool, got {type(attention_sinks).__name__}")
     return slopes, c, bool(attention_sinks), None if scale is None else _number(fn, "scale", scale)
@@ -165,7 +166,7 @@ class MultiheadAttention(_torch.nn.Module):
     and the score edits of :class:`mha.MultiheadAttention` (docs/semantics.md, 'Score edits'):
     ``scale`` (the softmax scale; None: 1/sqrt(head_dim)), ``alibi_slopes`` (one per head, constants;
     ``mha.alibi_slopes(num_heads)`` is the standard schedule; not with ``add_bias_kv`` or
-    ``add_zero_attn``), ``softcap`` (c > 0: scaled scores s → c·tanh(s/c); None: off) and
+    ``add_zero_attn``), ``softcap`` (c > 0: scaled scores s → c·tanh(s/c); None or 0: off) and
     ``attention_sinks`` (True: an ``nn.Parameter`` ``sinks`` of shape (num_heads,), zeros at init,
     one logit per head that joins every row's softmax denominator without a value, trained like the
     others; returned weights then sum to less than 1 per row). A wrong slope count, a softcap <= 0
@@ -407,16 +408,20 @@ class _SdpaFunction(_torch.autograd.Function):
 
 def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor,
                                  attn_mask: Optional[_torch.Tensor] = None, dropout_p: float = 0.0,
-                                 is_causal: bool = False, scale: Optional[float] = None) -> _torch.Tensor:
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> _torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention, computed by mha, with autograd.
 
-    query (N, h, L, E) or (N, L, E); key/value (N, kv, S, ·) or (N, S, ·) (kv may divide h: grouped-query).
+    query (N, h, L, E) or (N, L, E); key/value (N, kv, S, ·) or (N, S, ·) (kv may divide h: grouped-query,
+    whether or not ``enable_gqa`` says so: it is taken for torch 2.5's signature).
     A boolean ``attn_mask`` is True where attention is allowed (PyTorch's SDPA polarity, the
     opposite of nn.MultiheadAttention's); a float one is added. ``is_causal`` is top-left (query i
     sees keys ≤ i) and, as in PyTorch, may not be combined with ``attn_mask``. Dropout uses mha's
     counter-based generator, seeded from torch's generator (masks differ from PyTorch's).
     """
     fn = "scaled_dot_product_attention"
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"{fn}: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     for n, t in (("query", query), ("key", key), ("value", value)):
         _check(n, t, fn)
     if is_causal and attn_mask is not None:

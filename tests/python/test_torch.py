@@ -370,6 +370,18 @@ def test_sdpa_backward_refuses_inputs_modified_in_place():
         o.sum().backward()
 
 
+def test_sdpa_takes_torch_25s_enable_gqa():
+    """torch 2.5 added enable_gqa; code that passes it must run on mha's drop-in too (grouped heads
+    work either way), with the same numbers as repeating the K/V heads."""
+    q = torch.randn(1, 4, 3, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    want = mt.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    for flag in (True, False):
+        torch.testing.assert_close(mt.scaled_dot_product_attention(q, k, v, enable_gqa=flag), want, atol=0, rtol=0)
+    with pytest.raises(TypeError, match="enable_gqa must be a bool"):
+        mt.scaled_dot_product_attention(q, k, v, enable_gqa="yes")
+
+
 def test_sdpa_shape_errors_name_the_shapes_passed():
     q = torch.zeros(2, 4, 6)
     kv = torch.zeros(2, 3, 5, 6)

@@ -333,6 +333,12 @@ def test_edits_change_the_output_and_default_scale_is_one_over_sqrt_head_dim():
     with torch.no_grad():
         assert torch.equal(plain(q, k, v)[0], default(q, k, v)[0])
     assert not torch.equal(explicit, plain(q, k, v)[0].detach())
+    # softcap 0 is off, as in the numpy module and the library (None is off too).
+    capped0 = mt.MultiheadAttention(16, 4, batch_first=True, softcap=0.0)
+    capped0.load_state_dict(default.state_dict())
+    with torch.no_grad():
+        assert torch.equal(capped0(q, k, v)[0], default(q, k, v)[0])
+    assert capped0.softcap is None
 
 
 def test_functional_call_and_parametrizations_reach_the_sinks():
@@ -436,7 +442,6 @@ def test_threads_share_a_module_with_sinks():
     (dict(alibi_slopes=[0.5, 0.25, 0.125]), "alibi_slopes has 3 entries"),
     (dict(alibi_slopes=[0.5, float("nan"), 0.1, 0.1]), "alibi_slopes must be finite"),
     (dict(alibi_slopes=[0.5, float("inf"), 0.1, 0.1]), "alibi_slopes must be finite"),
-    (dict(softcap=0.0), "softcap must be a finite c > 0"),
     (dict(softcap=-2.0), "softcap must be a finite c > 0"),
     (dict(softcap=float("nan")), "softcap must be a finite c > 0"),
     (dict(softcap=float("inf")), "softcap must be a finite c > 0"),
