@@ -156,6 +156,42 @@ TEST(HeadMetrics, AppendedKeyColumnsAreNoPosition) {
   }
 }
 
+// Padding (true = padding): the sink is each sequence's first real key (left padding puts none of
+// the weight on key 0), and padded query rows are not measured.
+TEST(HeadMetrics, PaddingMovesTheSinkAndLeavesPaddedQueriesOut) {
+  Tensor w({2, 1, 3, 3});
+  for (int64_t i = 0; i < 3; ++i) {
+    w.at({0, 0, i, 0}) = 1.0f;  // batch 0, no padding: every row on key 0
+    w.at({1, 0, i, 1}) = 1.0f;  // batch 1, key 0 padded: every row on key 1, its first real key
+  }
+  BoolTensor keys({2, 3}), queries({2, 3});
+  keys.data()[3] = 1;     // batch 1, key 0
+  queries.data()[3] = 1;  // batch 1, query 0
+  MetricsOptions o;
+  EXPECT_NEAR(head_metrics(w, o)[0].sink, 0.5, kTol);  // key 0 in both sequences
+  o.key_padding = keys;
+  EXPECT_NEAR(head_metrics(w, o)[0].sink, 1.0, kTol);
+  EXPECT_EQ(head_metrics(w, o)[0].rows, 6);
+  o.query_padding = queries;
+  EXPECT_EQ(head_metrics(w, o)[0].rows, 5);
+  // One sequence's (h, T_q, T_k) weights take (T) masks as well as (1, T).
+  const Tensor one({1, 3, 3}, 1.0f / 3.0f);
+  MetricsOptions flat;
+  flat.key_padding = BoolTensor({3});
+  flat.key_padding.data()[0] = 1;
+  EXPECT_EQ(head_metrics(one, flat)[0].sink, static_cast<double>(1.0f / 3.0f));
+  // Wrong shapes name the mask and the shape expected.
+  MetricsOptions bad;
+  bad.query_padding = BoolTensor({2, 4});
+  try {
+    head_metrics(w, bad);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("query_padding (2, 4) must be (B, 3) = (2, 3)"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(HeadMetrics, ClassThresholdsAreStrictAndInTheLessonsOrder) {
   const HeadThresholds t;
   HeadMetrics m;

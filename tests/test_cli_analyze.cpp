@@ -199,6 +199,32 @@ TEST(CliAnalyze, AppendedBiasKeyIsNoPosition) {
   EXPECT_NE(j["heads"][0]["class"], "prev_token");
 }
 
+// A key padding mask on self-attention inputs: padded query rows are not measured (they were
+// counted: their outputs are discarded, their weights are no head's behaviour), and the JSON says
+// so. Cross-attention inputs keep every query row.
+TEST(CliAnalyze, PaddedQueryRowsOfSelfAttentionAreNotMeasured) {
+  const std::string dir = mha::testing::temp_dir();
+  for (const bool self : {true, false}) {
+    SCOPED_TRACE(self ? "self-attention" : "cross-attention");
+    const Files f = write_known_heads(dir, 0, self ? kT : kT - 1);
+    mha::io::SafetensorsFile in = mha::io::SafetensorsFile::open(f.inputs);
+    mha::io::SafetensorsWriter w;
+    for (const char* name : {"query", "key", "value"}) w.add(name, in.read_f32(name));
+    mha::BoolTensor padding({2, kT});
+    padding.data()[kT + kT - 1] = padding.data()[kT + kT - 2] = 1;  // batch 1: the last two keys
+    w.add_bool("key_padding_mask", padding);
+    const std::string inputs = dir + "/padded.safetensors";
+    w.write(inputs);
+    const auto r = run_command(kCli + " analyze --json --weights " + f.weights + " --inputs " + inputs);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["key_padding"], true);
+    EXPECT_EQ(j["padded_query_rows_excluded"], self);
+    EXPECT_EQ(j["heads"][0]["rows"], self ? 2 * kT - 2 : 2 * (kT - 1));
+    EXPECT_GT(j["heads"][0]["sink"].get<double>(), 0.99);  // key 0 is real in both sequences
+  }
+}
+
 // A packed batch gives no attention weights: refused in one line that says what to give instead
 // (the help said "inputs as for mha forward", which takes them).
 TEST(CliAnalyze, PackedInputsAreRefusedWithWhatToGiveInstead) {

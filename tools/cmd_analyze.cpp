@@ -1,6 +1,8 @@
 // `mha analyze`: what each head does on given inputs — metrics, class, and a picture.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -31,6 +33,18 @@ std::vector<std::string> split_words(const std::string& s) {
   std::vector<std::string> words;
   for (std::string w; is >> w;) words.push_back(w);
   return words;
+}
+
+/// A key_padding_mask as (B, T_k) booleans, true = padding: a boolean mask as it is, a float one
+/// true where it is −inf (the keys it removes); undefined without one.
+BoolTensor key_padding_of(const KeyPaddingMask& m, int64_t B, int64_t Tk) {
+  if (!m.present()) return {};
+  BoolTensor padding({B, Tk});
+  for (int64_t n = 0; n < B * Tk; ++n)
+    padding.data()[n] = m.is_padding.defined()
+                            ? static_cast<uint8_t>(m.is_padding.data()[n] != 0)
+                            : static_cast<uint8_t>(m.additive.data()[n] == -std::numeric_limits<float>::infinity());
+  return padding;
 }
 
 /// One batch element of per-head weights: (B, h, T_q, S) → (h, T_q, S).
@@ -76,6 +90,13 @@ void run_analyze(const AnalyzeArgs& a) {
   MetricsOptions mopt;
   mopt.key_positions = Tk;
   mopt.query_offset = opt.causal.enabled() ? opt.causal.offset_for(Tq, Tk) : Tk - Tq;
+  // Padding: the key_padding_mask's padded keys (a float one's −inf entries), as (B, T_k). The
+  // sink is then each sequence's first real key; and in self-attention (the query's values are the
+  // key's) a padded position's query row is padding too, not measured.
+  const bool self_attention = in.query.shape() == in.key.shape() &&
+                              std::equal(in.query.values().begin(), in.query.values().end(), in.key.values().begin());
+  mopt.key_padding = key_padding_of(opt.key_padding_mask, B, Tk);
+  if (self_attention && mopt.key_padding.defined()) mopt.query_padding = mopt.key_padding;
   const std::vector<HeadMetrics> metrics = head_metrics(w, mopt);
   std::vector<double> importance;
   if (a.importance) importance = head_importance(module, in.query, in.key, in.value, opt);
@@ -127,6 +148,8 @@ void run_analyze(const AnalyzeArgs& a) {
     j["num_heads"] = H, j["num_kv_heads"] = c.kv_heads(), j["head_dim"] = c.head_dim(), j["embed_dim"] = c.embed_dim;
     j["batch"] = B, j["t_q"] = Tq, j["t_k"] = Tk, j["extra_key_positions"] = extra;
     j["query_offset"] = *mopt.query_offset;
+    j["key_padding"] = mopt.key_padding.defined();
+    j["padded_query_rows_excluded"] = mopt.query_padding.defined();
     const HeadThresholds& t = mopt.thresholds;
     j["thresholds"] = {{"sink", t.sink},
                        {"prev_token", t.prev_token},
@@ -155,6 +178,9 @@ void run_analyze(const AnalyzeArgs& a) {
                 static_cast<long long>(H), static_cast<long long>(c.head_dim()), static_cast<long long>(c.kv_heads()),
                 static_cast<long long>(B), static_cast<long long>(Tq), static_cast<long long>(Tk),
                 extra ? " (+ appended bias_k / zero key positions)" : "");
+    if (mopt.key_padding.defined())
+      std::printf("key padding: the sink is each sequence's first real key%s\n",
+                  mopt.query_padding.defined() ? "; padded query rows (self-attention) are not measured" : "");
     std::printf("%4s  %-14s %5s %8s %7s %7s %7s %7s%s\n", "head", "class", "rows", "entropy", "sink", "prev", "self",
                 "focus", a.importance ? "  importance" : "");
     for (const HeadMetrics& m : metrics) {

@@ -16,6 +16,10 @@
 // KV-cache decoding); MetricsOptions::query_offset sets it explicitly (a top-left causal mask's
 // offset is 0). A row whose p(i) − 1 (or p(i)) lies outside [0, n) does not enter the prev_token
 // (self) mean; a head where no row qualifies reports 0 there (e.g. T = 1 has no previous token).
+// Padding, when given (MetricsOptions, PyTorch's polarity: true = padding): rows of padded queries
+// are excluded from every mean like fully masked rows (their outputs are discarded anyway), and
+// the sink is each sequence's first key that is not padding (with left padding, key 0 is padding
+// and carries no weight). A padded previous or own position carries no weight, and counts as such.
 //
 // Classes, first match wins, in the lesson's order (what Clark et al. 2019 look for):
 //   attention_sink  sink > 0.4
@@ -57,6 +61,12 @@ struct MetricsOptions {
   /// (− 2) for weights of a module with add_bias_kv (and add_zero_attn), whose extra columns come
   /// last.
   std::optional<int64_t> key_positions;
+  /// (B, key_positions), nonzero = padding (PyTorch's key_padding_mask polarity); undefined = none.
+  /// The sink of sequence b is its first key that is not padding.
+  BoolTensor key_padding;
+  /// (B, T_q), nonzero = padding: those rows are not measured; undefined = none. For
+  /// self-attention this is the key padding mask itself.
+  BoolTensor query_padding;
 };
 
 struct HeadMetrics {

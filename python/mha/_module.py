@@ -595,6 +595,7 @@ def head_importance(module: MultiheadAttention, query: Any, key: Any, value: Any
 
 
 def analyze(weights: Any, *, query_offset: Optional[int] = None, key_positions: Optional[int] = None,
+            key_padding_mask: Any = None, query_padding_mask: Any = None,
             png: Optional[PathLike] = None) -> List[Dict[str, Any]]:
     """What each head does, from attention weights (B, h, T_q, T_k) or (h, T_q, T_k).
 
@@ -607,11 +608,26 @@ def analyze(weights: Any, *, query_offset: Optional[int] = None, key_positions: 
     top-left causal mask's is 0). ``key_positions`` (default T_k) says how many leading key columns
     are sequence positions: pass T_k - 1 (- 2) for weights of a module with ``add_bias_kv`` (and
     ``add_zero_attn``), whose extra columns come last and are never a query's own or previous token.
+
+    Padding, boolean, True = padding (torch's key_padding_mask polarity): ``key_padding_mask``
+    (B, key_positions) makes each sequence's sink its first real key; ``query_padding_mask`` (B, T_q)
+    leaves those rows out of every mean (for self-attention, pass the key padding mask as both).
     """
     fn = "analyze"
     w = _f32("weights", weights, fn)
+
+    def padding(name: str, m: Any) -> Optional[np.ndarray]:
+        if m is None:
+            return None
+        a = np.asarray(m)
+        if a.dtype != np.bool_:
+            raise TypeError(f"{fn}: {name} must be a boolean array (True = padding), got dtype {a.dtype}")
+        return np.ascontiguousarray(a).view(np.uint8)
+
     result = _core.analyze(w, None if query_offset is None else _i64(fn, "query_offset", query_offset),
-                           None if key_positions is None else _i64(fn, "key_positions", key_positions))
+                           None if key_positions is None else _i64(fn, "key_positions", key_positions),
+                           padding("key_padding_mask", key_padding_mask),
+                           padding("query_padding_mask", query_padding_mask))
     if png is not None:
         if w.ndim == 4 and w.shape[0] == 0:
             raise ValueError(f"analyze: weights {tuple(w.shape)} hold no sequence: nothing to draw")

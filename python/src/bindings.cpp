@@ -924,10 +924,13 @@ PYBIND11_MODULE(_core, m) {
     }
     return py::make_tuple(tensors, f.metadata());
   });
-  m.def("analyze", [](const F32In& weights, std::optional<int64_t> query_offset, std::optional<int64_t> key_positions) {
+  m.def("analyze", [](const F32In& weights, std::optional<int64_t> query_offset, std::optional<int64_t> key_positions,
+                      std::optional<BoolIn> key_padding, std::optional<BoolIn> query_padding) {
     mha::MetricsOptions o;
     o.query_offset = query_offset;
     o.key_positions = key_positions;
+    if (key_padding) o.key_padding = bool_tensor_from(*key_padding);
+    if (query_padding) o.query_padding = bool_tensor_from(*query_padding);
     return metrics_list(mha::head_metrics(tensor_from(weights), o));
   });
   m.def("write_heatmap_png",

@@ -1,5 +1,7 @@
 // analysis/metrics.cpp — per-head metrics and classes from attention weights (mha/analysis.h).
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "mha/analysis.h"
 #include "mha/masks.h"
@@ -56,6 +58,34 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
   if (offset < -kMaxOffset || offset > kMaxOffset)
     fail(kFn, ": query_offset ", offset, " is out of range [", -kMaxOffset, ", ", kMaxOffset, "]");
 
+  // Padding masks: (B, positions) and (B, T_q), PyTorch's polarity; (positions) and (T_q) too for
+  // one sequence's (h, T_q, T_k) weights, as PyTorch takes an unbatched key_padding_mask.
+  const auto check_padding = [&](const BoolTensor& m, const char* name, int64_t width) {
+    if (!m.defined()) return;
+    const bool batched = m.dim() == 2 && m.size(0) == B && m.size(1) == width;
+    const bool unbatched = m.dim() == 1 && weights.dim() == 3 && m.size(0) == width;
+    if (!batched && !unbatched)
+      fail(kFn, ": ", name, " ", shape_str(m.shape()), " must be (B, ", width, ") = (", B, ", ", width, ")",
+           weights.dim() == 3 ? " or (" + std::to_string(width) + ")" : std::string(), " for weights ",
+           shape_str(weights.shape()));
+  };
+  check_padding(options.key_padding, "key_padding", positions);
+  check_padding(options.query_padding, "query_padding", Tq);
+  const auto key_padded = [&](int64_t b, int64_t j) {
+    return options.key_padding.defined() && options.key_padding.data()[b * positions + j] != 0;
+  };
+  // Each sequence's sink: its first key that is not padding (none: −1, no sink mass).
+  std::vector<int64_t> sink_key(static_cast<size_t>(B), -1);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < positions; ++j)
+      if (!key_padded(b, j)) {
+        sink_key[static_cast<size_t>(b)] = j;
+        break;
+      }
+  // Without a key padding mask the sink is key 0 even past the positions (all columns appended:
+  // key_positions = 0), as before.
+  if (!options.key_padding.defined()) std::fill(sink_key.begin(), sink_key.end(), Tk > 0 ? 0 : -1);
+
   std::vector<HeadMetrics> result(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) {
     HeadMetrics& m = result[static_cast<size_t>(h)];
@@ -74,9 +104,11 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
           top = std::max(top, x);
         }
         if (sum == 0.0) continue;  // fully masked: excluded from every mean
+        if (options.query_padding.defined() && options.query_padding.data()[b * Tq + i] != 0) continue;
         ++rows;
         entropy += ent;
-        sink += row[0];
+        const int64_t first = sink_key[static_cast<size_t>(b)];
+        if (first >= 0) sink += row[first];
         focus += top;
         const int64_t own = i + offset;
         if (own >= 0 && own < positions) self += row[own], ++self_rows;

@@ -219,6 +219,20 @@ def test_analyze_key_positions_leave_appended_columns_out():
         mha.analyze(w, key_positions=4)
 
 
+def test_analyze_padding_moves_the_sink_and_leaves_padded_queries_out():
+    w = np.zeros((2, 1, 3, 3), np.float32)
+    w[0, ..., 0] = 1
+    w[1, ..., 1] = 1  # batch 1's key 0 is padding: its rows put their weight on key 1
+    pad = np.array([[False] * 3, [True, False, False]])
+    assert mha.analyze(w)[0]["sink"] == pytest.approx(0.5)
+    r = mha.analyze(w, key_padding_mask=pad, query_padding_mask=pad)[0]
+    assert r["sink"] == pytest.approx(1.0) and r["rows"] == 5
+    with pytest.raises(TypeError, match="key_padding_mask must be a boolean array"):
+        mha.analyze(w, key_padding_mask=pad.astype(np.float32))
+    with pytest.raises(ValueError, match="query_padding"):
+        mha.analyze(w, query_padding_mask=pad[:, :2])
+
+
 def test_dropout_that_rounds_to_one_in_float32_is_named():
     q = np.zeros((1, 1, 2, 4), np.float32)
     for p in (0.99999999, 1 - 2**-26):
