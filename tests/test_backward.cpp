@@ -313,6 +313,78 @@ TEST(SdpaBackwardFused, MatchesReferenceOverSweeps) {
   }
 }
 
+// Rows whose scores all carry one large common offset: a finite mask of −1e9 (or finfo.min) over a
+// whole row, or a large shift. float32 lse = M + log Σ rounds to M there, and P = exp(S − lse)
+// summed to T_k instead of 1 (dV 4× too large at T_k = 4, found by a sweep); the fused backward now
+// renormalises such rows (|lse| ≥ 64) and matches the reference. The offset rows' Q is zero, so
+// their scores are the bias exactly on both paths (S's own float32 rounding is not what is tested).
+TEST(SdpaBackwardFused, RowsUnderALargeCommonOffsetMatchTheReference) {
+  for (const float offset : {-1e9f, -3.0e38f, -3.0e4f, 100.0f, 2.0e9f}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      SdpaCase c;
+      c.name = "offset " + std::to_string(offset) + " variant " + std::to_string(variant);
+      c.Tq = 70, c.Tk = 67, c.D = 8, c.Dv = 5, c.bias = true;
+      if (variant == 1) c.B = 1, c.H = 4, c.KV = 1, c.causal = Causal::bottom_right();  // GQA: PerHead at 2 threads
+      if (variant == 2) c.dropout = 0.2f, c.padding = true, c.B = 2;
+      if (variant == 3) c.Tq = 130, c.Tk = 150, c.causal = Causal::top_left();
+      SCOPED_TRACE(c.name);
+      SdpaSetup s = make_setup(c, 900 + static_cast<uint64_t>(variant));
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < c.H; ++h)
+          for (int64_t i = 1; i < c.Tq; i += 3) {  // every third row: zero Q, the offset on every key
+            for (int64_t x = 0; x < c.D; ++x) s.q.at({b, h, i, x}) = 0.0f;
+            if (b == 0)
+              for (int64_t j = 0; j < c.Tk; ++j) s.bias.at({0, h, i, j}) += offset;
+          }
+      poison_padding(s);
+      const SdpaGradTensors want = run_backward(s, Backend::Reference);
+      const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
+      EXPECT_TRUE(fused_close(got.dq, want.dq, c.Tk)) << "dq";
+      EXPECT_TRUE(fused_close(got.dk, want.dk, c.Tq * c.H / c.KV)) << "dk";
+      EXPECT_TRUE(fused_close(got.dv, want.dv, c.Tq * c.H / c.KV)) << "dv";
+      for (const int threads : {1, 3}) {
+        const SdpaGradTensors other = run_backward(s, Backend::Fused, threads);
+        EXPECT_TRUE(bitwise_equal(other.dq, got.dq) && bitwise_equal(other.dk, got.dk) &&
+                    bitwise_equal(other.dv, got.dv))
+            << threads << " threads";
+      }
+    }
+  }
+}
+
+// The same with a sink logit per head: the sink's share of the denominator, exp(z − lse), enters
+// the renormalisation and d sinks.
+TEST(SdpaBackwardFused, RowsUnderALargeCommonOffsetWithSinksMatchTheReference) {
+  SdpaCase c;
+  c.Tq = 9, c.Tk = 4, c.D = 4, c.Dv = 4, c.H = 2, c.KV = 2, c.bias = true;
+  SdpaSetup s = make_setup(c, 950);
+  for (int64_t h = 0; h < c.H; ++h)
+    for (int64_t i = 0; i < c.Tq; i += 2) {
+      for (int64_t x = 0; x < c.D; ++x) s.q.at({0, h, i, x}) = 0.0f;
+      for (int64_t j = 0; j < c.Tk; ++j) s.bias.at({0, h, i, j}) = -1e9f;  // finite, every key
+    }
+  // Sinks near the offset rows' scores, so that their share is neither 0 nor 1.
+  const std::vector<float> sinks = {-1e9f + 64.0f, -1e9f - 64.0f};
+  s.opt.sinks.logits = std::span<const float>(sinks);
+  std::vector<float> dsinks_ref(2), dsinks_fused(2);
+  SdpaOptions opt = s.opt;
+  opt.backend = Backend::Reference;
+  const SdpaResult fwd = sdpa(s.q, s.k, s.v, opt, Want::Lse);
+  const Tensor lse = fwd.lse.reshaped({1, c.H, c.Tq, 1});
+  Tensor dq[2] = {Tensor(s.q.shape()), Tensor(s.q.shape())}, dk[2] = {Tensor(s.k.shape()), Tensor(s.k.shape())},
+         dv[2] = {Tensor(s.v.shape()), Tensor(s.v.shape())};
+  for (int which = 0; which < 2; ++which) {
+    opt.backend = which == 0 ? Backend::Reference : Backend::Fused;
+    sdpa_backward(s.q.view4(), s.k.view4(), s.v.view4(), fwd.out.view4(), s.dout.view4(), lse.view4(), opt,
+                  {dq[which].view4(), dk[which].view4(), dv[which].view4(),
+                   std::span<float>(which == 0 ? dsinks_ref : dsinks_fused)});
+  }
+  EXPECT_TRUE(fused_close(dq[1], dq[0], c.Tk)) << "dq";
+  EXPECT_TRUE(fused_close(dk[1], dk[0], c.Tq)) << "dk";
+  EXPECT_TRUE(fused_close(dv[1], dv[0], c.Tq)) << "dv";
+  for (int h = 0; h < 2; ++h) EXPECT_NEAR(dsinks_fused[h], dsinks_ref[h], 1e-5 * (1 + std::fabs(dsinks_ref[h]))) << h;
+}
+
 // 1, 2, 3 and 5 threads, and the three work schemes they select here (an item per batch·kv-head;
 // per batch·query head with the heads' dK/dV shares summed after; per key block with a second dQ
 // pass), give bitwise the same gradients.

@@ -29,6 +29,10 @@
 // perform the same floating-point operations in the same order per output element, so results are
 // bitwise identical for any thread count.
 //
+// A row whose |lse| is 64 or more (scores that all sit near −1e9 under a finite mask, or share a
+// large offset) first gets its sum over the keys recomputed (refine_lse), so that its P sums to 1
+// as the forward's did: float32 lse = m + log l rounds log l away there.
+//
 // Masks: causal blocks that no (query, key) pair can see are skipped; blocks that straddle the
 // diagonal or the window edge run their products in groups of 16 rows and keys, each over only
 // the pairs it can see (run_block), and are masked with a vector cut per row; any block when a
@@ -58,6 +62,13 @@ namespace mha::kernels::bwd {
 
 constexpr int64_t kBc = 64;       // keys per block (also the scores' row stride)
 constexpr int64_t kCutRows = 16;  // rows (and keys) per group of a block cut by the causal diagonal
+
+/// |lse| from which a row's probabilities are renormalised before use (refine_lse). P = exp(S −
+/// lse) with the forward's float32 lse is off by a factor exp(±ulp(lse)/2) for the whole row: up to
+/// 3.8e-6 below 64, as much as S's own rounding there; but a row whose scores all sit near −1e9 (a
+/// whole row under a finite −1e9 or finfo.min mask) or carry a large common offset has lse within an
+/// ulp of its max, log Σ lost: its P summed to T_k instead of 1 (dV 4× too large at T_k = 4).
+constexpr float kLseRefine = 64.0f;
 
 /// Query rows per block: 64, fewer for wide heads so that kBr·kBc·max(d, d_v) ≤ 2¹⁸ (each product
 /// at most 2¹⁸ multiply-adds): the Q and dO rows of a block shrink as d grows, keeping its
@@ -151,7 +162,7 @@ inline Scheme scheme_for(const SdpaParams& f) {
 /// Scheme::PerHead, each (batch, query head)'s share of dK and dV, (B, h, T_k) rows of ldk / ldv;
 /// with dense_dq, dQ of every (batch, head, query) in rows of ldk floats.
 struct Shared {
-  int64_t rowdot = 0, empty = 0, q = 0, dout = 0, dk_heads = 0, dv_heads = 0, dq = 0, total = 0;
+  int64_t rowdot = 0, empty = 0, lse_lo = 0, q = 0, dout = 0, dk_heads = 0, dv_heads = 0, dq = 0, total = 0;
 };
 inline Shared shared_for(const SdpaParams& f, DenseCopies dense) {
   Shared S;
@@ -161,6 +172,7 @@ inline Shared shared_for(const SdpaParams& f, DenseCopies dense) {
   const int64_t key_rows = scheme_for(f) == Scheme::PerHead ? f.batch() * f.heads() * f.t_k() : 0;
   S.rowdot = c.take(rows);
   S.empty = c.take(rows);
+  S.lse_lo = c.take(rows);
   S.q = c.take(dense.q_dout ? rows * ldk : 0);
   S.dout = c.take(dense.q_dout ? rows * ldv : 0);
   S.dk_heads = c.take(key_rows * ldk);
@@ -192,6 +204,7 @@ struct Ctx {
   float keep_scale = 1.0f;
   const float* rowdot = nullptr;  // D = rowsum(dO ∘ O), (B, h, T_q) contiguous
   const float* empty = nullptr;   // 1 where the row saw no key (row_saw_no_key), else 0; (B, h, T_q)
+  const float* lse_lo = nullptr;  // refine_lse's correction of each row's lse (0 for most), (B, h, T_q)
   bool any_empty = false;         // whether any row of the call saw no key (most calls: none)
   // With dense_rows: Q and dO as (B, h, T_q) rows of L.ldk / L.ldv floats; else null.
   const float* dense_q = nullptr;
@@ -307,10 +320,11 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using kernels::HWY_NAMESPACE::exp_nonpositive;
 
-/// Softmax recomputed from the saved lse: P[r, :] = exp(S[r, :] − lse_r), with the forward's exp;
-/// 0 where S = −inf (and below −87), and the whole row 0 when lse_r = −inf (fully masked).
-HWY_INLINE void probabilities(const float* HWY_RESTRICT s, const float* lse, int64_t rows, int64_t cols,
-                              float* HWY_RESTRICT prob) {
+/// Softmax recomputed from the saved lse: P[r, :] = exp(S[r, :] − lse_r), with the forward's exp
+/// (exp((S − lse_r) − lo_r) for a row refine_lse corrected, lo_r ≠ 0); 0 where S = −inf (and below
+/// −87), and the whole row 0 when lse_r = −inf (fully masked).
+HWY_INLINE void probabilities(const float* HWY_RESTRICT s, const float* lse, const float* lo, int64_t rows,
+                              int64_t cols, float* HWY_RESTRICT prob) {
   const hn::ScalableTag<float> df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   for (int64_t r = 0; r < rows; ++r) {
@@ -325,6 +339,12 @@ HWY_INLINE void probabilities(const float* HWY_RESTRICT s, const float* lse, int
       continue;
     }
     const auto m = hn::Set(df, lse[r]);
+    if (lo[r] != 0.0f) {
+      const auto lo_r = hn::Set(df, lo[r]);
+      for (int64_t c = 0; c < cols; c += N)
+        hn::StoreU(exp_nonpositive(df, hn::Sub(hn::Sub(hn::LoadU(df, sr + c), m), lo_r)), df, pr + c);
+      continue;
+    }
     for (int64_t c = 0; c < cols; c += N)
       hn::StoreU(exp_nonpositive(df, hn::Sub(hn::LoadU(df, sr + c), m)), df, pr + c);
   }
@@ -497,6 +517,96 @@ struct BlockJob {
   int64_t ldkb;
 };
 
+/// Rows and keys of a block in groups. A block that straddles the causal diagonal is computed in
+/// groups of kCutRows: each group of query rows against only the keys some row of it sees (S,
+/// dP̃, dQ), each group of keys over only the query rows from the first that sees one of them on
+/// (dV, dK). The terms left out are exact zeros (P = dS = 0 for hidden pairs), so the sums are
+/// those of the whole block: only the sign of an all-zero sum could differ. A diagonal block thus
+/// costs about 5/8 of a whole one (4 groups of 64: 1, 2, 3, 4 quarters of the keys).
+struct BlockGroups {
+  BlockGroups(const Ctx& c, const BlockJob& j, TileVis block_vis)
+      : cx(c),
+        job(j),
+        vis(block_vis),
+        nr(j.i1 - j.i0),
+        nc(j.j1 - j.j0),
+        cut(block_vis == TileVis::Partial && c.causal.on),
+        size(cut ? kCutRows : std::max<int64_t>(nr, nc)) {}
+  /// Keys [0, n) of the block hold all that rows [r0, r1) see.
+  int64_t keys_seen(int64_t r0, int64_t r1) const {
+    return cut ? cx.causal.visible_keys(job.i0 + r0, job.i0 + r1, job.j0, job.j1).hi - job.j0 : nc;
+  }
+  /// No row before it sees key c0 or a later one.
+  int64_t first_row(int64_t c0) const {
+    return cut ? std::clamp(job.j0 + c0 - cx.causal.offset - job.i0, int64_t{0}, nr) : int64_t{0};
+  }
+  const Ctx& cx;
+  const BlockJob& job;
+  TileVis vis;
+  int64_t nr, nc;
+  bool cut;
+  int64_t size;  // rows (and keys) per group
+  int64_t lanes = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+};
+
+/// The block's scores as the forward formed them, into s (nr rows of kBc, −inf past the keys a
+/// row group computes and for hidden keys, which are never exp'd): S = scale · Q Kᵀ + additive
+/// terms, with the score edits (softcap, whose factor 1 − tanh²(t/c) goes into cap for its
+/// backward, and ALiBi). q: the block's Q rows, ldq apart. run_block's first step, and what
+/// refine_lse reads the rows' sums from.
+HWY_INLINE void block_scores(const Ctx& cx, const BlockJob& job, const BlockGroups& groups, const float* q, int64_t ldq,
+                             float* s, float* cap) {
+  const SdpaParams& f = cx.p->fwd;
+  const TileVis vis = groups.vis;
+  const int64_t nr = groups.nr, nc = groups.nc, N = groups.lanes, group = groups.size, D = f.d();
+  const int64_t cols = round_up(nc, N);
+  for (int64_t r0 = 0; r0 < nr; r0 += group) {
+    const int64_t r1 = std::min(nr, r0 + group), n = std::min(cols, round_up(groups.keys_seen(r0, r1), N));
+    block_gemm({q + r0 * ldq, ldq, 1, job.kt, kBc, s + r0 * kBc, kBc}, r1 - r0, n, D, f.scale, false);
+    for (int64_t r = r0; r < r1; ++r) std::fill(s + r * kBc + std::min(n, nc), s + r * kBc + cols, kNegInf);
+  }
+  const bool masked = vis == TileVis::Partial || cx.element_masks || job.padded;
+  if (vis == TileVis::Partial && !cx.element_masks && !job.padded && !cx.edit_scores) {
+    // Only the causal rule (and its window) cuts this block: row i sees keys [lo, hi), key_hidden's
+    // rule, and with no bias its scores need no additive term. Two fills per row instead of a
+    // key_hidden test per score, which made a diagonal block cost about as much as two whole ones.
+    for (int64_t r = 0; r < nr; ++r) {
+      const KeyRange seen = cx.causal.visible_keys(job.i0 + r, job.i0 + r + 1, job.j0, job.j1);
+      std::fill(s + r * kBc, s + r * kBc + (seen.lo - job.j0), kNegInf);
+      std::fill(s + r * kBc + (seen.hi - job.j0), s + r * kBc + nc, kNegInf);
+    }
+  } else if (masked && !cx.edit_scores)
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t i = job.i0 + r, j = job.j0 + c;
+        float& x = s[r * kBc + c];
+        x = key_hidden(f, job.b, job.h, i, j, cx.causal.offset) ? kNegInf : x + additive_terms(f, job.b, job.h, i, j);
+      }
+  // Score edits, as the forward forms them: s = c·tanh(t/c) + additive terms + ALiBi, keeping
+  // ds/dt = 1 − tanh²(t/c) for the softcap's backward below (0 for hidden keys).
+  if (cx.edit_scores) {
+    const float c_cap = f.edits.softcap;
+    const float slope = f.edits.alibi() ? f.edits.alibi_slopes[job.h] : 0.0f;
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t i = job.i0 + r, j = job.j0 + c;
+        float& x = s[r * kBc + c];
+        if (masked && key_hidden(f, job.b, job.h, i, j, cx.causal.offset)) {
+          x = kNegInf;
+          if (f.edits.capped()) cap[r * kBc + c] = 0.0f;
+          continue;
+        }
+        if (f.edits.capped()) {
+          const float u = std::tanh(x / c_cap);
+          cap[r * kBc + c] = 1.0f - u * u;
+          x = c_cap * u;
+        }
+        if (masked) x += additive_terms(f, job.b, job.h, i, j);
+        if (f.edits.alibi()) x += alibi_bias(slope, i + cx.alibi_offset, j);
+      }
+  }
+}
+
 HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, float* ws, float* dk_acc, float* dv_acc,
                             bool want_dq) {
   const SdpaBackwardParams& p = *cx.p;
@@ -519,11 +629,12 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
   // dQ rows of the block: the call's dense rows (dense_dq) or the output's.
   const int64_t lddq = cx.dense_dq ? cx.L.ldk : p.dq.stride[2];
   float* const dq = cx.dense_dq ? cx.dense_dq + row0 * lddq : p.dq.row(job.b, job.h, job.i0);
-  float lse[64];
+  float lse[64], lse_lo[64];
   bool empty[64];  // rows that saw no key (row_saw_no_key); read only where the call has such rows
   bool any_empty = false;
   for (int64_t r = 0; r < nr; ++r) {
     lse[r] = p.lse(job.b, job.h, job.i0 + r, 0);
+    lse_lo[r] = cx.lse_lo[row0 + r];
     empty[r] = cx.any_empty && cx.empty[row0 + r] != 0.0f;
     any_empty |= empty[r];
   }
@@ -552,77 +663,22 @@ HWY_NOINLINE void run_block(const Ctx& cx, const BlockJob& job, TileVis vis, flo
     q = ws + cx.L.qp, ldq = cx.L.ldk;
     dout = ws + cx.L.dop, lddo = cx.L.ldv;
   }
-  // A block that straddles the causal diagonal is computed in groups of kCutRows: each group of
-  // query rows against only the keys some row of it sees (S, dP̃, dQ), each group of keys over
-  // only the query rows from the first that sees one of them on (dV, dK). The terms left out
-  // are exact zeros (P = dS = 0 for hidden pairs), so the sums are those of the whole block:
-  // only the sign of an all-zero sum could differ. A diagonal block thus costs about 5/8 of a
-  // whole one (4 groups of 64: 1, 2, 3, 4 quarters of the keys).
-  const int64_t N = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<float>()));
-  const bool cut = vis == TileVis::Partial && cx.causal.on;
-  const int64_t group = cut ? kCutRows : std::max<int64_t>(nr, nc);
-  const auto keys_seen = [&](int64_t r0, int64_t r1) {  // keys [0, n) of the block hold all that rows [r0, r1) see
-    return cut ? cx.causal.visible_keys(job.i0 + r0, job.i0 + r1, job.j0, job.j1).hi - job.j0 : nc;
-  };
-  const auto first_row = [&](int64_t c0) {  // no row before it sees key c0 or a later one
-    return cut ? std::clamp(job.j0 + c0 - cx.causal.offset - job.i0, int64_t{0}, nr) : int64_t{0};
-  };
-
-  // Forward "scores": S = scale · Q Kᵀ + additive terms; hidden keys −inf (never exp'd). And
-  // forward "out = P̃ V": dP̃ = dO Vᵀ (into pt); its columns left out are 0.
+  const BlockGroups groups(cx, job, vis);
+  const int64_t N = groups.lanes, group = groups.size;
+  const auto keys_seen = [&](int64_t r0, int64_t r1) { return groups.keys_seen(r0, r1); };
+  const auto first_row = [&](int64_t c0) { return groups.first_row(c0); };
+  // Forward "scores" (block_scores; with a softcap its factor into cap), and forward "out = P̃ V":
+  // dP̃ = dO Vᵀ (into pt); its columns left out are 0.
+  float* cap = ws + cx.L.cap;
+  block_scores(cx, job, groups, q, ldq, s, cap);
   for (int64_t r0 = 0; r0 < nr; r0 += group) {
     const int64_t r1 = std::min(nr, r0 + group), n = std::min(cols, round_up(keys_seen(r0, r1), N));
-    block_gemm({q + r0 * ldq, ldq, 1, job.kt, kBc, s + r0 * kBc, kBc}, r1 - r0, n, D, f.scale, false);
     block_gemm({dout + r0 * lddo, lddo, 1, job.vt, kBc, pt + r0 * kBc, kBc}, r1 - r0, n, Dv, 1.0f, false);
-    for (int64_t r = r0; r < r1; ++r) {
-      std::fill(s + r * kBc + std::min(n, nc), s + r * kBc + cols, kNegInf);
-      std::fill(pt + r * kBc + n, pt + r * kBc + cols, 0.0f);
-    }
-  }
-  const bool masked = vis == TileVis::Partial || cx.element_masks || job.padded;
-  if (vis == TileVis::Partial && !cx.element_masks && !job.padded && !cx.edit_scores) {
-    // Only the causal rule (and its window) cuts this block: row i sees keys [lo, hi), key_hidden's
-    // rule, and with no bias its scores need no additive term. Two fills per row instead of a
-    // key_hidden test per score, which made a diagonal block cost about as much as two whole ones.
-    for (int64_t r = 0; r < nr; ++r) {
-      const KeyRange seen = cx.causal.visible_keys(job.i0 + r, job.i0 + r + 1, job.j0, job.j1);
-      std::fill(s + r * kBc, s + r * kBc + (seen.lo - job.j0), kNegInf);
-      std::fill(s + r * kBc + (seen.hi - job.j0), s + r * kBc + nc, kNegInf);
-    }
-  } else if (masked && !cx.edit_scores)
-    for (int64_t r = 0; r < nr; ++r)
-      for (int64_t c = 0; c < nc; ++c) {
-        const int64_t i = job.i0 + r, j = job.j0 + c;
-        float& x = s[r * kBc + c];
-        x = key_hidden(f, job.b, job.h, i, j, cx.causal.offset) ? kNegInf : x + additive_terms(f, job.b, job.h, i, j);
-      }
-  // Score edits, as the forward forms them: s = c·tanh(t/c) + additive terms + ALiBi, keeping
-  // ds/dt = 1 − tanh²(t/c) for the softcap's backward below (0 for hidden keys).
-  float* cap = ws + cx.L.cap;
-  if (cx.edit_scores) {
-    const float c_cap = f.edits.softcap;
-    const float slope = f.edits.alibi() ? f.edits.alibi_slopes[job.h] : 0.0f;
-    for (int64_t r = 0; r < nr; ++r)
-      for (int64_t c = 0; c < nc; ++c) {
-        const int64_t i = job.i0 + r, j = job.j0 + c;
-        float& x = s[r * kBc + c];
-        if (masked && key_hidden(f, job.b, job.h, i, j, cx.causal.offset)) {
-          x = kNegInf;
-          if (f.edits.capped()) cap[r * kBc + c] = 0.0f;
-          continue;
-        }
-        if (f.edits.capped()) {
-          const float u = std::tanh(x / c_cap);
-          cap[r * kBc + c] = 1.0f - u * u;
-          x = c_cap * u;
-        }
-        if (masked) x += additive_terms(f, job.b, job.h, i, j);
-        if (f.edits.alibi()) x += alibi_bias(slope, i + cx.alibi_offset, j);
-      }
+    for (int64_t r = r0; r < r1; ++r) std::fill(pt + r * kBc + n, pt + r * kBc + cols, 0.0f);
   }
   // Forward "softmax": P = exp(S − lse). A row that saw no key has P = 0 (with a sink its lse is
   // finite, and its zeroed Q scored 0 above, not −inf).
-  probabilities(s, lse, nr, cols, prob);
+  probabilities(s, lse, lse_lo, nr, cols, prob);
   clear_empty_rows(prob, kBc, kBc);
   // Dropout's keep/(1 − p) on both P̃ and dP.
   const float* p_used = prob;  // P̃
@@ -833,6 +889,92 @@ HWY_NOINLINE void query_block_item(const Ctx& cx, int64_t b, int64_t h, int64_t 
   }
 }
 
+/// Whether row (b, h, i)'s probabilities are renormalised (kLseRefine): a finite lse that large,
+/// in a row that saw a key.
+HWY_INLINE bool needs_refining(const Ctx& cx, int64_t b, int64_t h, int64_t i) {
+  const SdpaParams& f = cx.p->fwd;
+  const float lse = cx.p->lse(b, h, i, 0);
+  return std::isfinite(lse) && std::fabs(lse) >= kLseRefine &&
+         !(cx.any_empty && cx.empty[head_row(f, b, h, f.t_q(), i)] != 0.0f);
+}
+
+/// lo (B, h, T_q): 0, but for the rows needs_refining picks, c = log(Σ_j exp(S_j − lse) + exp(z_h −
+/// lse)) over the scores as block_scores forms them (and the sink, if any): the row's P = exp((S −
+/// lse) − c) then sums to 1 as the forward's did. S − lse is exact near lse (Sterbenz), c is small
+/// and formed from those differences, so the log Σ that lse's last bit lost comes back. An extra
+/// pass of the score product over the query blocks that hold such rows (none in most calls: scores
+/// of a trained model stay far below 64); the same arithmetic for any thread count.
+HWY_NOINLINE void refine_lse(const Ctx& cx, float* lo, const WorkspacePlan& plan, float* workspace) {
+  const SdpaParams& f = cx.p->fwd;
+  const int64_t B = f.batch(), H = f.heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d();
+  const int threads = plan.threads;
+  std::fill(lo, lo + B * H * Tq, 0.0f);
+  int64_t flagged = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : flagged)
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t i = 0; i < Tq; ++i) flagged += needs_refining(cx, bh / H, bh % H, i) ? 1 : 0;
+  if (flagged == 0) return;
+  const hn::ScalableTag<float> df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < B * H * cx.n_qblocks; ++item) {
+    const int64_t bh = item / cx.n_qblocks, b = bh / H, h = bh % H, g = h / f.group();
+    const int64_t i0 = item % cx.n_qblocks * cx.br, i1 = std::min(Tq, i0 + cx.br), nr = i1 - i0;
+    bool flag[64], any = false;
+    float lse[64];
+    double m[64], l[64];  // the running max of S − lse over the keys so far, and Σ exp(S − lse − m)
+    for (int64_t r = 0; r < nr; ++r) {
+      flag[r] = needs_refining(cx, b, h, i0 + r);
+      any |= flag[r];
+      lse[r] = cx.p->lse(b, h, i0 + r, 0);
+      m[r] = -std::numeric_limits<double>::infinity(), l[r] = 0.0;
+    }
+    if (!any) continue;
+    float* ws = plan.thread_part(workspace, omp_get_thread_num());
+    int64_t ldq = cx.L.ldk;
+    const float* q =
+        cx.dense_q ? cx.dense_q + head_row(f, b, h, Tq, i0) * ldq
+                   : whole_vectors(f.q.as<float>().row(b, h, i0), f.q.stride[2], nr, D, ws + cx.L.qp, cx.L.ldk, &ldq);
+    float* s = ws + cx.L.s;
+    for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {
+      const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc);
+      const TileVis vis = cx.causal.tile(i0, i1, j0, j1);
+      if (vis == TileVis::None) continue;
+      BlockJob job = key_block(cx, b, g, j0, j1, ws);
+      job.h = h, job.i0 = i0, job.i1 = i1;
+      const BlockGroups groups(cx, job, vis);
+      block_scores(cx, job, groups, q, ldq, s, ws + cx.L.cap);
+      const int64_t cols = round_up(j1 - j0, N);
+      for (int64_t r = 0; r < nr; ++r) {
+        if (!flag[r]) continue;
+        const auto vl = hn::Set(df, lse[r]);
+        auto vmax = hn::Set(df, kNegInf);
+        for (int64_t c = 0; c < cols; c += N) vmax = hn::Max(vmax, hn::Sub(hn::LoadU(df, s + r * kBc + c), vl));
+        const double block_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+        if (block_max == -std::numeric_limits<double>::infinity()) continue;  // no key of the block seen
+        const double m_new = std::max(m[r], block_max);
+        const auto vm = hn::Set(df, static_cast<float>(m_new));
+        auto vsum = hn::Zero(df);
+        for (int64_t c = 0; c < cols; c += N)
+          vsum = hn::Add(vsum, exp_nonpositive(df, hn::Sub(hn::Sub(hn::LoadU(df, s + r * kBc + c), vl), vm)));
+        l[r] = l[r] * std::exp(m[r] - m_new) + static_cast<double>(hn::GetLane(hn::SumOfLanes(df, vsum)));
+        m[r] = m_new;
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      if (!flag[r]) continue;
+      double mr = m[r], lr = l[r];
+      if (f.edits.sinks) {  // the sink's share of the denominator: exp(z_h − lse)
+        const double z = static_cast<double>(f.edits.sinks[h]) - lse[r];
+        const double m_new = std::max(mr, z);
+        lr = lr * std::exp(mr - m_new) + std::exp(z - m_new);
+        mr = m_new;
+      }
+      if (lr > 0.0 && std::isfinite(mr)) lo[head_row(f, b, h, Tq, i0 + r)] = static_cast<float>(mr + std::log(lr));
+    }
+  }
+}
+
 void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   const SdpaParams& f = p.fwd;
   const int64_t B = f.batch(), H = f.heads(), KV = f.kv_heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d();
@@ -857,6 +999,8 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
   float* empty = plan.shared_part(workspace) + shared.empty;
   cx.empty = empty;
   cx.any_empty = empty_rows(p, empty, threads);
+  float* lse_lo = plan.shared_part(workspace) + shared.lse_lo;
+  cx.lse_lo = lse_lo;
   if (dense.q_dout) {
     float* q = plan.shared_part(workspace) + shared.q;
     float* dout = plan.shared_part(workspace) + shared.dout;
@@ -864,6 +1008,7 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
     cx.dense_q = q;
     cx.dense_dout = dout;
   }
+  refine_lse(cx, lse_lo, plan, workspace);
   // The sink z_h: dz_h = −Σ_{b,i} exp(z_h − lse_i) · D_i, summed in a fixed order (any thread
   // count gives the same bits); a NaN row gives NaN. A row that saw no key (lse = z_h, out = 0: a
   // constant) adds nothing, as in the reference, also where its dO holds a NaN (0 · NaN).
@@ -873,7 +1018,8 @@ void backward_f32(const SdpaBackwardParams& p, float* workspace) {
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Tq; ++i) {
           if (empty[(b * H + h) * Tq + i] != 0.0f) continue;
-          const double pz = std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(b, h, i, 0));
+          const int64_t row = (b * H + h) * Tq + i;
+          const double pz = std::exp(static_cast<double>(f.edits.sinks[h]) - p.lse(b, h, i, 0) - cx.lse_lo[row]);
           acc -= pz * rowdot[(b * H + h) * Tq + i];
         }
       p.dsinks[h] = static_cast<float>(acc);

@@ -370,6 +370,24 @@ def test_sdpa_backward_refuses_inputs_modified_in_place():
         o.sum().backward()
 
 
+def test_sdpa_gradients_under_an_hf_style_finfo_min_mask_match_torch():
+    """Padded query rows under torch.finfo(float32).min on every key (Hugging Face's padding masks):
+    the forward agreed, but the fused backward's P = exp(S - lse) summed to T per such row (lse =
+    finfo.min + log T rounds to finfo.min) and the gradients were off by up to 2x torch's."""
+    torch.manual_seed(0)
+    T = 6
+    q, k, v = (torch.randn(1, 2, T, 8, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(1, 1, T, T)
+    mask[..., :, 4:] = torch.finfo(torch.float32).min  # keys 4, 5 are padding
+    mask[..., 4:, :] = torch.finfo(torch.float32).min  # so are query rows 4, 5: every key
+    g = torch.randn(1, 2, T, 8)
+    got = torch.autograd.grad(mt.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), g)
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + mask, -1) @ v  # torch's math SDPA
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
 def test_sdpa_takes_torch_25s_enable_gqa():
     """torch 2.5 added enable_gqa; code that passes it must run on mha's drop-in too (grouped heads
     work either way), with the same numbers as repeating the K/V heads."""
