@@ -8,6 +8,7 @@
 
 #include "layers/scratch_pool.h"
 #include "mha/module.h"
+#include "mha/training.h"
 #include "support/test_support.h"
 
 namespace {
@@ -170,6 +171,40 @@ TEST(TensorCache, ModuleOutputsOverReusedDirtyBlocksAreWhollyWritten) {
       EXPECT_TRUE(mha::testing::bitwise_equal(got.output, want.output));
     }
   }
+}
+
+// An attn_mask the module need not widen (no bias_k / zero-attention columns) is read where the
+// caller keeps it: the module copied it on every call (a float mask is 256 MiB at T = 8192, found
+// by a sweep of the memory per path). The copy would have come back to the cache of freed blocks
+// (at least 4 MiB); forward_train keeps its own, as its context outlives the caller's options.
+TEST(TensorCache, ModuleForwardDoesNotCopyAnAttnMaskItNeedNotWiden) {
+  const TensorCacheLimit scope(size_t{256} << 20);
+  const MultiheadAttention m(config(8, 2), 5);
+  constexpr int64_t T = 2048;
+  const Tensor x = random_tensor({1, T, 8}, 7);
+  Tensor bias({T, T}, 0.0f);
+  for (int64_t i = 0; i < T; ++i)
+    for (int64_t j = i + 1; j < T; ++j) bias.at({i, j}) = -1e9f;  // 16 MiB, causal-looking
+  mha::MhaForwardOptions plain, masked;
+  masked.attn_mask = mha::AttnMask::add(bias);
+  mha::release_cached_tensors();
+  (void)m.forward(x, x, x, plain);
+  const size_t without_mask = mha::cached_tensor_bytes();
+  mha::release_cached_tensors();
+  const Tensor got = m.forward(x, x, x, masked).output;
+  EXPECT_LT(mha::cached_tensor_bytes(), without_mask + (size_t{4} << 20)) << "a mask-sized block came and went";
+  mha::MhaForwardOptions causal;
+  causal.causal = mha::Causal::top_left();
+  EXPECT_TRUE(mha::testing::all_close(got, m.forward(x, x, x, causal).output, 1e-5, 1e-5));
+  // Training keeps a copy: the caller's mask may change before the backward.
+  mha::MhaForwardOptions train = masked;
+  train.attn_mask = mha::AttnMask::add(bias);
+  const Tensor d_out = random_tensor({1, T, 8}, 8);
+  const mha::MhaGradients want = mha::backward(m, mha::forward_train(m, x, x, x, train).context, d_out);
+  mha::MhaTrainOutput t = mha::forward_train(m, x, x, x, train);
+  train.attn_mask = mha::AttnMask{};  // the caller's mask freed,
+  const Tensor reuse({T, T}, 5.0f);   // its block taken from the cache and overwritten
+  EXPECT_TRUE(mha::testing::bitwise_equal(mha::backward(m, t.context, d_out).query, want.query));
 }
 
 // The module's output and weights are allocated without a fill (every kernel writes all of them):

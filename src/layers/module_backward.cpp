@@ -111,6 +111,7 @@ MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& que
     fail(kTrain, ": attention weights are not returned in training; use forward() for them");
   detail::PassOutputs keep;
   keep.lse = true;
+  keep.masks = true;  // the context's backward reads them after the caller's options may be gone
   // The projections and heads come from the module's pool (never zero-filled: the pass writes
   // every element before reading); the context keeps them checked out until it is destroyed. A
   // module without a pool gets one of its own for this step (as backward() takes fresh buffers).

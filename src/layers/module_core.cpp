@@ -318,7 +318,7 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   sopt.threads = options.threads;
   if (options.mode == Mode::Training && c.dropout > 0.0f) sopt.dropout = {c.dropout, options.dropout_seed};
   set_score_options(c, params, sopt);
-  widen_module_masks(options, B, H, Tq, Tk, extra, pass.masks, sopt);
+  widen_module_masks(options, B, H, Tq, Tk, extra, keep.masks, pass.masks, sopt);
 
   // Attention: heads land directly in (N_q, h·d) rows, in the query's layout (sdpa writes every one).
   float* heads = nullptr;

@@ -132,6 +132,9 @@ struct PassOutputs {
   bool lse = false;
   bool weights = false;           ///< per-head weights (B, h, T_q, S)
   bool averaged_weights = false;  ///< weights averaged over heads (B, 1, T_q, S)
+  /// The pass owns copies of its masks (forward_train's context keeps them past the call); else a
+  /// mask that needs no widening is read where the caller keeps it.
+  bool masks = false;
 };
 
 /// Bytes of physical memory on this machine (0 if unknown).

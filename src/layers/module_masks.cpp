@@ -21,7 +21,7 @@ BasicTensor<T> widen(const BasicTensor<T>& m, int64_t planes, int64_t tq, int64_
 }  // namespace
 
 void widen_module_masks(const MhaForwardOptions& options, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t extra,
-                        ModuleMasks& owned, SdpaOptions& sopt) {
+                        bool own, ModuleMasks& owned, SdpaOptions& sopt) {
   const int64_t S = Tk + extra;
   sopt.masks.causal = options.causal;
   const AttnMask& am = options.attn_mask;
@@ -30,7 +30,9 @@ void widen_module_masks(const MhaForwardOptions& options, int64_t B, int64_t H, 
   const std::array<int64_t, 4> mshape{mask3 ? B : 1, mask3 ? H : 1, Tq, S};
   const std::array<int64_t, 4> mstride{mask3 ? H * Tq * S : 0, mask3 ? Tq * S : 0, S, 1};
   const bool causal_on_real_keys = extra > 0 && options.causal.enabled();
-  if (am.allowed.defined() || causal_on_real_keys) {
+  if (am.allowed.defined() && !extra && !own) {  // read where the caller keeps it
+    sopt.masks.allowed.view = {am.allowed.data(), mshape, mstride};
+  } else if (am.allowed.defined() || causal_on_real_keys) {
     const int64_t aplanes = am.allowed.defined() ? planes : 1;
     if (am.allowed.defined())
       owned.allowed = extra ? widen<uint8_t>(am.allowed, aplanes, Tq, Tk, S, 1) : am.allowed;
@@ -48,7 +50,9 @@ void widen_module_masks(const MhaForwardOptions& options, int64_t B, int64_t H, 
     sopt.masks.allowed.view = {
         owned.allowed.data(), {p3 ? B : 1, p3 ? H : 1, Tq, S}, {p3 ? H * Tq * S : 0, p3 ? Tq * S : 0, S, 1}};
   }
-  if (am.additive.defined()) {
+  if (am.additive.defined() && !extra && !own) {
+    sopt.masks.bias.view = {am.additive.data(), mshape, mstride};
+  } else if (am.additive.defined()) {
     owned.additive = extra ? widen<float>(am.additive, planes, Tq, Tk, S, 0.0f) : am.additive;
     sopt.masks.bias.view = {owned.additive.data(), mshape, mstride};
   }

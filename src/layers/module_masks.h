@@ -22,8 +22,10 @@ struct ModuleMasks {
 /// PyTorch pads its masks with visible columns for them). With extra positions, causal masking
 /// speaks of the real keys only, so it is folded into an allowed mask over those columns.
 /// attn_mask is (T_q, T_k) or (B·h, T_q, T_k); key padding (B, T_k). Shapes are the caller's to
-/// have checked. Writes the owners into `owned` and points `sopt.masks` at them.
+/// have checked. Writes the owners into `owned` and points `sopt.masks` at them; an attn_mask that
+/// needs no widening is not copied unless `own` (the views then point into `options`, which must
+/// outlive them): at T = 8192 a float mask is 256 MiB, and the module copied it on every call.
 void widen_module_masks(const MhaForwardOptions& options, int64_t batch, int64_t heads, int64_t t_q, int64_t t_k,
-                        int64_t extra, ModuleMasks& owned, SdpaOptions& sopt);
+                        int64_t extra, bool own, ModuleMasks& owned, SdpaOptions& sopt);
 
 }  // namespace mha::detail
