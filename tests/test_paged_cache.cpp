@@ -368,6 +368,45 @@ TEST(SinkCache, IncrementalEqualsFullForwardUnderTheSinkMask) {
   }
 }
 
+// Chunks whose new tokens include sink positions, in a batch of two sequences of different lengths
+// (new_lengths), with ALiBi, a softcap and learned sink logits: the new tokens' sinks part and
+// window part (merged by log-sum-exp, where a (B, 1, T, T) mask once held the rule) give each
+// sequence what the full forward gives under the explicit sink mask.
+TEST(SinkCache, ChunksHoldingSinksInARaggedBatchEqualTheFullForward) {
+  MhaConfig c;
+  c.embed_dim = 32, c.num_heads = 4, c.num_kv_heads = 2, c.layout = Layout::BatchFirst;
+  c.alibi_slopes = alibi_slopes(4);
+  c.softcap = 3.0f;
+  c.attention_sinks = true;
+  MultiheadAttention m(c, 4);
+  for (int64_t h = 0; h < 4; ++h) m.params().sinks.data()[h] = 0.3f * static_cast<float>(h) - 0.5f;
+  const int64_t sinks = 3, window = 5;
+  const int64_t len[2] = {12, 11}, first[2] = {2, 1};  // chunk 1 holds 2 and 1 tokens, chunk 2 the rest
+  const Tensor x0 = random_tensor({1, len[0], 32}, 21), x1 = random_tensor({1, len[1], 32}, 22);
+  const Tensor* xs[2] = {&x0, &x1};
+  KvCacheConfig cc;
+  cc.batch = 2, cc.kv_heads = 2, cc.head_dim = 8, cc.capacity = sinks + window, cc.ring = true, cc.sinks = sinks;
+  KvCache cache(cc);
+  IncrementalOptions o;
+  o.window = window;
+  Tensor got[2] = {Tensor({1, len[0], 32}), Tensor({1, len[1], 32})};
+  for (int chunk = 0; chunk < 2; ++chunk) {
+    const int64_t n[2] = {chunk == 0 ? first[0] : len[0] - first[0], chunk == 0 ? first[1] : len[1] - first[1]};
+    const int64_t T = std::max(n[0], n[1]);
+    Tensor in({2, T, 32}, 7.0f);  // rows past a sequence's new tokens: never read
+    for (int b = 0; b < 2; ++b)
+      for (int64_t t = 0; t < n[b]; ++t)
+        for (int64_t x = 0; x < 32; ++x) in.at({b, t, x}) = xs[b]->at({0, (chunk ? first[b] : 0) + t, x});
+    o.new_lengths = {n[0], n[1]};
+    const Tensor y = m.forward_incremental(in, in, in, cache, o).output;
+    for (int b = 0; b < 2; ++b)
+      for (int64_t t = 0; t < n[b]; ++t)
+        for (int64_t x = 0; x < 32; ++x) got[b].at({0, (chunk ? first[b] : 0) + t, x}) = y.at({b, t, x});
+  }
+  for (int b = 0; b < 2; ++b)
+    EXPECT_TRUE(all_close(got[b], sink_reference(m, *xs[b], sinks, window), 256 * kEps, 256 * kEps)) << b;
+}
+
 // The decode kernel on a sink ring, every target, against the explicit rule in double.
 TEST(SinkCache, DecodeKernelMatchesExplicitMaskOnEveryTarget) {
   const int64_t kv = 2, h = 4, d = 8, sinks = 3, window = 5, T = 300;

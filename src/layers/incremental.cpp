@@ -4,6 +4,8 @@
 //   Q, K, V = projections of the new tokens;  RoPE at positions L_b + t
 //   new part:    sdpa(Q, K_new, V_new), causal top-left among the new tokens (+ window)  → o₁, lse₁
 //   cached part: attend_cache(Q, cache) at positions L_b + t (+ window), flash-decoding   → o₂, lse₂
+//   (a sink ring whose sinks are among the new tokens: those keys leave the new part, padded out,
+//   for a part of their own, causal without the window, merged the same way)
 //   heads = (e^{lse₁−M} o₁ + e^{lse₂−M} o₂) / (e^{lse₁−M} + e^{lse₂−M}),  M = max(lse₁, lse₂)
 //   append K_new, V_new to the cache;  output = heads · W_Oᵀ + b_O
 // The two parts split the visible keys exactly, so the merge is exact softmax over all of them.
@@ -210,35 +212,81 @@ MhaOutput incremental(const MultiheadAttention& m, const Tensor& query_new, cons
   detail::set_score_options(c, params, sopt);
   sopt.backend = options.backend;
   sopt.threads = options.threads;
-  BoolTensor padding, sink_allowed;
-  bool sink_mask = false;  // a new token that is an attention sink and lies outside a later one's window
-  for (int64_t b = 0; b < B; ++b)
-    sink_mask = sink_mask || (sinks > 0 && start[static_cast<size_t>(b)] < sinks && T > 1);
-  if (sink_mask) {
-    // Sinks among the new tokens stay visible past the window: (B, 1, T, T), the causal and
-    // window rule with that exception (KvCache, 'attention sinks').
-    sink_allowed = BoolTensor({B, 1, T, T}, 0);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t u = 0; u <= t; ++u)
-          sink_allowed.at({b, 0, t, u}) = start[static_cast<size_t>(b)] + u < sinks || u > t - options.window;
-    sopt.masks.allowed.view = sink_allowed.view4();
-    sopt.masks.causal = Causal::top_left();
+  // Sinks among the new tokens (keys u < ns_b = sinks − start_b of sequence b) stay visible past
+  // the window (KvCache, 'attention sinks'). The window's part then runs over the other new keys,
+  // the sinks padded out, and the sinks' part over keys [0, ns) with the causal rule alone; the two
+  // split the visible keys exactly and merge by log-sum-exp below, like the cached part. (A
+  // (B, 1, T, T) mask of the combined rule did this before: 1 GiB for a prefill of 32768 tokens.)
+  std::vector<int64_t> sink_new(static_cast<size_t>(B), 0);
+  int64_t ns = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    sink_new[static_cast<size_t>(b)] =
+        std::clamp<int64_t>(sinks - start[static_cast<size_t>(b)], 0, counts[static_cast<size_t>(b)]);
+    ns = std::max(ns, sink_new[static_cast<size_t>(b)]);
   }
-  if (padded) {  // padded new tokens are never read (docs/semantics.md, 'Padded keys are never read')
-    padding = BoolTensor({B, T}, 0);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = counts[static_cast<size_t>(b)]; t < T; ++t) padding.at({b, t}) = 1;
+  const bool split_sinks = ns > 0 && T > 1;
+  // Keys a part never reads, (B, width) rows, 1 = not read: in the window's part the padded new
+  // tokens (docs/semantics.md, 'Padded keys are never read') and the sinks; in the sinks' part
+  // every key past sequence b's own sinks.
+  const auto unread = [&](int64_t width, bool sinks_part) {
+    BoolTensor mask({B, width}, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = counts[static_cast<size_t>(b)], ns_b = split_sinks ? sink_new[static_cast<size_t>(b)] : 0;
+      for (int64_t u = 0; u < width; ++u) mask.at({b, u}) = sinks_part ? u >= ns_b : u >= n || u < ns_b;
+    }
+    return mask;
+  };
+  BoolTensor padding;
+  if (padded || split_sinks) {
+    padding = unread(T, false);
     sopt.masks.key_padding.view = {padding.data(), {B, 1, 1, T}, {T, 0, 0, 1}};
   }
   Tensor lse_new, out_cached, lse_cached;
   SdpaOutputs souts;
   souts.out = out;
-  if (any_cached) {
+  if (any_cached || split_sinks) {
     lse_new = Tensor({B, H, T});
     souts.lse = contiguous_view(lse_new.data(), B, H, T, 1);
   }
   sdpa(View4<const float>(Q), View4<const float>(K), View4<const float>(V), sopt, souts);
+
+  // out, lse_new ← the log-sum-exp merge of (out, lse_new) with another part's (o2, l2) over the
+  // same queries: exact softmax over both parts' keys.
+  const auto merge = [&](const Tensor& o2, const Tensor& l2) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < T; ++t) {
+          float& l1 = lse_new.at({b, h, t});
+          const float l = l2.at({b, h, t}), M = std::max(l1, l);
+          float* o = out.row(b, h, t);
+          if (M == -std::numeric_limits<float>::infinity()) {
+            std::fill(o, o + d, 0.0f);
+            continue;
+          }
+          const float w1 = std::exp(l1 - M), w2 = std::exp(l - M), inv = 1.0f / (w1 + w2);
+          const float* p2 = o2.view4().row(b, h, t);
+          for (int64_t x = 0; x < d; ++x) o[x] = (w1 * o[x] + w2 * p2[x]) * inv;
+          l1 = M + std::log(w1 + w2);
+        }
+  };
+
+  // ---- the sinks among the new tokens: keys [0, ns), causal (no window), merged ----
+  if (split_sinks) {
+    Tensor out_sinks({B, H, T, d}), lse_sinks({B, H, T});
+    SdpaOptions sink_opt = sopt;
+    sink_opt.masks.causal = Causal::top_left();
+    sink_opt.sinks = {};  // the learned sink logits joined the window's part: counted once
+    const BoolTensor sink_padding = unread(ns, true);
+    sink_opt.masks.key_padding.view = {sink_padding.data(), {B, 1, 1, ns}, {ns, 0, 0, 1}};
+    const auto first = [&](View4<float> x) {
+      return View4<const float>{x.data, {B, x.shape[1], ns, x.shape[3]}, x.stride};
+    };
+    SdpaOutputs sink_outs;
+    sink_outs.out = out_sinks.view4();
+    sink_outs.lse = contiguous_view(lse_sinks.data(), B, H, T, 1);
+    sdpa(View4<const float>(Q), first(K), first(V), sink_opt, sink_outs);
+    merge(out_sinks, lse_sinks);
+  }
 
   // ---- the cached positions, merged by log-sum-exp ----
   if (any_cached) {
@@ -253,20 +301,7 @@ MhaOutput incremental(const MultiheadAttention& m, const Tensor& query_new, cons
     copt.softcap = c.softcap;
     cache.attend(View4<const float>(Q), start, copt, out_cached.view4(),
                  contiguous_view(lse_cached.data(), B, H, T, 1));
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t t = 0; t < T; ++t) {
-          const float l1 = lse_new.at({b, h, t}), l2 = lse_cached.at({b, h, t});
-          const float M = std::max(l1, l2);
-          float* o = out.row(b, h, t);
-          if (M == -std::numeric_limits<float>::infinity()) {
-            std::fill(o, o + d, 0.0f);
-            continue;
-          }
-          const float w1 = std::exp(l1 - M), w2 = std::exp(l2 - M), inv = 1.0f / (w1 + w2);
-          const float* o2 = out_cached.view4().row(b, h, t);
-          for (int64_t x = 0; x < d; ++x) o[x] = (w1 * o[x] + w2 * o2[x]) * inv;
-        }
+    merge(out_cached, lse_cached);
   }
   if (padded)  // rows past a sequence's new tokens attend to nothing
     for (int64_t b = 0; b < B; ++b)
