@@ -108,8 +108,9 @@ struct KeyPaddingMask {
 };
 
 enum class Mode : uint8_t { Eval, Training };  ///< Eval by default: dropout off
-/// Attention weights returned: none (the default: the fused path forms no T_q × T_k matrix), per
-/// head (B, h, T_q, T_k), or averaged over heads (B, T_q, T_k).
+/// Attention weights returned: none (the default: the fused path forms no T_q × T_k matrix, but for
+/// a byte mask under causal with add_bias_kv / add_zero_attn: docs/semantics.md, 'Returned
+/// attention weights'), per head (B, h, T_q, T_k), or averaged over heads (B, T_q, T_k).
 enum class NeedWeights : uint8_t { None, PerHead, Averaged };
 
 struct MhaForwardOptions {
