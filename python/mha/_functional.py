@@ -81,15 +81,31 @@ class Additive:
 
 # ---- argument conversion ---------------------------------------------------------------------
 
+def _narrowed(name: str, a: np.ndarray, fn: str) -> np.ndarray:
+    """a (real numbers of another dtype) as float32. A finite value the cast would make ±inf (past
+    float32's range: 3.4e38) is a ValueError naming the argument and its index, as the safetensors
+    reader refuses such an F64 value: converted silently, it came back as an inf or NaN output."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = a.astype(np.float32)
+    if a.dtype.kind == "f" and a.dtype.itemsize > 4:
+        past = np.isinf(f) & np.isfinite(a)
+        if past.any():
+            at = tuple(int(i) for i in np.unravel_index(int(np.argmax(past)), a.shape))
+            raise ValueError(f"{fn}: {name}{list(at)} = {a[at]!r} is finite but beyond float32's range, which mha "
+                             "computes in")
+    return f
+
+
 def _float_array(name: str, x: Any, fn: str) -> np.ndarray:
-    """float32 ndarray; other real float dtypes are converted (a copy); anything else is a TypeError."""
+    """float32 ndarray; other real float dtypes are converted (a copy, _narrowed); anything else is a
+    TypeError."""
     if x is None:
         raise TypeError(f"{fn}: {name} must be an array, got None")
     a = x if isinstance(x, np.ndarray) else np.asarray(x)
     if a.dtype == np.float32:
         return a
     if a.dtype.kind == "f" or a.dtype.kind in "iu" and not isinstance(x, np.ndarray):
-        return a.astype(np.float32)
+        return _narrowed(name, a, fn)
     raise TypeError(f"{fn}: {name} must be a float32 array (float16/float64 are converted), got dtype {a.dtype}")
 
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
-from ._functional import (_i64, _name, _number, _offsets, _optional_count, _per_head, _probability,
+from ._functional import (_i64, _name, _narrowed, _number, _offsets, _optional_count, _per_head, _probability,
                           _score_edit_values, _seed, _splits, _threads)
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
@@ -58,7 +58,7 @@ def _f32(name: str, x: Any, fn: str) -> np.ndarray:
     a = _numpy(x)
     if a.dtype.kind != "f":
         raise TypeError(f"{fn}: {name} must be a floating-point array, got dtype {a.dtype}")
-    return a
+    return a if a.dtype == np.float32 else _narrowed(name, a, fn)
 
 
 def _f32_contiguous(name: str, x: Any, fn: str) -> np.ndarray:

@@ -233,6 +233,25 @@ def test_analyze_padding_moves_the_sink_and_leaves_padded_queries_out():
         mha.analyze(w, query_padding_mask=pad[:, :2])
 
 
+def test_float64_beyond_float32_range_is_refused_naming_the_argument():
+    # Converted silently, 1e39 became inf and the output inf or NaN (numpy only warned).
+    q = np.zeros((1, 1, 2, 4))
+    big = q.copy()
+    big[0, 0, 1, 2] = 1e39
+    with pytest.raises(ValueError, match=r"sdpa: k\[0, 0, 1, 2\] = 1e\+39 is finite but beyond float32's range"):
+        mha.sdpa(q, big, q)
+    m = mha.MultiheadAttention(4, 1, batch_first=True)
+    with pytest.raises(ValueError, match=r"query\[0, 1, 2\] = 1e\+39"):
+        m(big[0], q[0], q[0])
+    edge = q.copy()
+    edge[0, 0, 0, 0] = float(np.finfo(np.float32).max)  # the largest float32 itself is fine
+    assert np.isfinite(mha.sdpa(edge, q, q)).all()
+    with np.errstate(over="ignore"):
+        inf = q.copy()
+        inf[0, 0, 0, 0] = np.inf  # an infinity is an infinity: the documented rules apply, no error
+    mha.sdpa(q, inf, q)
+
+
 def test_dropout_that_rounds_to_one_in_float32_is_named():
     q = np.zeros((1, 1, 2, 4), np.float32)
     for p in (0.99999999, 1 - 2**-26):
