@@ -352,6 +352,56 @@ TEST(SdpaBackwardFused, RowsUnderALargeCommonOffsetMatchTheReference) {
   }
 }
 
+// Flagged rows in some (batch, head)s only, the rest untouched: the renormalisation's zero must
+// reach the others (a head without a flagged row once got −inf there and NaN gradients, whenever
+// another head of the call had one: a Hugging Face key padding mask of finfo.min over one whole
+// sequence of a batch). Per batch and head, and a packed batch of two sequences.
+TEST(SdpaBackwardFused, RowsUnderALargeOffsetInOneHeadLeaveTheOthersExact) {
+  SdpaCase c;
+  c.B = 2, c.H = 3, c.KV = 3, c.Tq = 20, c.Tk = 19, c.D = 8, c.Dv = 8;
+  SdpaSetup s = make_setup(c, 970);
+  Tensor bias({c.B, c.H, c.Tq, c.Tk}, 0.0f);
+  for (int64_t i = 0; i < c.Tq; i += 4) {  // batch 1, head 2: a few rows at −1e9 on every key
+    for (int64_t x = 0; x < c.D; ++x) s.q.at({1, 2, i, x}) = 0.0f;
+    for (int64_t j = 0; j < c.Tk; ++j) bias.at({1, 2, i, j}) = -1e9f;
+  }
+  s.opt.masks.bias.view = bias.view4();
+  const SdpaGradTensors want = run_backward(s, Backend::Reference);
+  for (const int threads : {1, 2, 3}) {
+    const SdpaGradTensors got = run_backward(s, Backend::Fused, threads);
+    EXPECT_TRUE(fused_close(got.dq, want.dq, c.Tk)) << threads << " threads, dq";
+    EXPECT_TRUE(fused_close(got.dk, want.dk, c.Tq)) << threads << " threads, dk";
+    EXPECT_TRUE(fused_close(got.dv, want.dv, c.Tq)) << threads << " threads, dv";
+  }
+  // A packed batch (each sequence its own call): in the first sequence, head 0's scores are all
+  // 14² / 2 = 98 (equal Q and K rows: lse ≥ 64, renormalised), head 1's ordinary; the second
+  // sequence ordinary.
+  const int64_t total = 11, H = 2, D = 4;
+  Tensor q = random_tensor({total, H, D}, 971), k = random_tensor({total, H, D}, 972);
+  const Tensor v = random_tensor({total, H, D}, 973), d_out = random_tensor({total, H, D}, 974);
+  for (int64_t t = 0; t < 5; ++t)
+    for (int64_t x = 0; x < D; ++x) q.at({t, 0, x}) = k.at({t, 0, x}) = x == 0 ? 14.0f : 0.0f;
+  VarlenBatch seqs;
+  seqs.cu_seqlens_q = seqs.cu_seqlens_k = SeqOffsets({0, 5, total});
+  const std::vector<float> sinks = {0.25f, -0.5f};
+  for (const bool with_sinks : {false, true}) {
+    SdpaOptions o;
+    if (with_sinks) o.sinks.logits = std::span<const float>(sinks);
+    o.backend = Backend::Reference;
+    const SdpaResult f = sdpa_varlen(q, k, v, seqs, o, Want::Lse);
+    ASSERT_GT(std::fabs(f.lse.at({0, 0})), 64.0f);
+    SdpaGradTensors g[2];
+    for (int which = 0; which < 2; ++which) {
+      o.backend = which == 0 ? Backend::Reference : Backend::Fused;
+      g[which] = sdpa_backward_varlen(q, k, v, f.out, d_out, f.lse, seqs, o);
+    }
+    for (const float x : g[1].dq.values()) ASSERT_TRUE(std::isfinite(x)) << "sinks " << with_sinks;
+    EXPECT_TRUE(fused_close(g[1].dq, g[0].dq, total)) << "sinks " << with_sinks;
+    EXPECT_TRUE(fused_close(g[1].dk, g[0].dk, total)) << "sinks " << with_sinks;
+    EXPECT_TRUE(fused_close(g[1].dv, g[0].dv, total)) << "sinks " << with_sinks;
+  }
+}
+
 // The same with a sink logit per head: the sink's share of the denominator, exp(z − lse), enters
 // the renormalisation and d sinks.
 TEST(SdpaBackwardFused, RowsUnderALargeCommonOffsetWithSinksMatchTheReference) {

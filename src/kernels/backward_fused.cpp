@@ -930,11 +930,9 @@ HWY_NOINLINE void refine_lse(const Ctx& cx, float* lo, float* sum, const Workspa
     float* m = lo + bh * Tq;   // the running max of S − lse over the keys so far, then c
     float* l = sum + bh * Tq;  // Σ exp(S − lse − m)
     bool any = false;
-    for (int64_t i = 0; i < Tq; ++i) {
-      m[i] = kNoMax, l[i] = 0.0f;
-      any |= needs_refining(cx, b, h, i);
-    }
-    if (!any) continue;
+    for (int64_t i = 0; i < Tq && !any; ++i) any = needs_refining(cx, b, h, i);
+    if (!any) continue;  // lo stays 0 for the head (m aliases it: −inf there gave NaN gradients)
+    for (int64_t i = 0; i < Tq; ++i) m[i] = kNoMax, l[i] = 0.0f;
     float* ws = plan.thread_part(workspace, omp_get_thread_num());
     float* s = ws + cx.L.s;
     for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {

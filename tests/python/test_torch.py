@@ -388,6 +388,28 @@ def test_sdpa_gradients_under_an_hf_style_finfo_min_mask_match_torch():
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
 
 
+def test_module_gradients_with_one_sequence_wholly_padded_by_finfo_min_match_torch():
+    """A float key_padding_mask of finfo.min over every key of one sequence (Hugging Face's padding):
+    that sequence's rows are renormalised in the backward, and the other sequence's must not be
+    touched (a first form left them NaN)."""
+    torch.manual_seed(3)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    m = mt.MultiheadAttention.from_torch(ref)
+    x = torch.randn(2, 5, 8)
+    kpm = torch.zeros(2, 5)
+    kpm[1, :] = torch.finfo(torch.float32).min
+    grads = []
+    for mod in (ref, m):
+        xi = x.clone().requires_grad_(True)
+        y, _ = mod(xi, xi, xi, key_padding_mask=kpm, need_weights=False)
+        y[0].sum().backward()
+        grads.append([xi.grad] + [p.grad for p in mod.parameters()])
+        mod.zero_grad()
+    for want, got in zip(*grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_sdpa_takes_torch_25s_enable_gqa():
     """torch 2.5 added enable_gqa; code that passes it must run on mha's drop-in too (grouped heads
     work either way), with the same numbers as repeating the K/V heads."""
