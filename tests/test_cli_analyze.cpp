@@ -1,6 +1,8 @@
 // `mha analyze` and `mha prune` through the command line: the table, JSON, pictures, pruned files.
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <span>
@@ -204,24 +206,49 @@ TEST(CliAnalyze, AppendedBiasKeyIsNoPosition) {
 // so. Cross-attention inputs keep every query row.
 TEST(CliAnalyze, PaddedQueryRowsOfSelfAttentionAreNotMeasured) {
   const std::string dir = mha::testing::temp_dir();
-  for (const bool self : {true, false}) {
-    SCOPED_TRACE(self ? "self-attention" : "cross-attention");
-    const Files f = write_known_heads(dir, 0, self ? kT : kT - 1);
-    mha::io::SafetensorsFile in = mha::io::SafetensorsFile::open(f.inputs);
-    mha::io::SafetensorsWriter w;
-    for (const char* name : {"query", "key", "value"}) w.add(name, in.read_f32(name));
-    mha::BoolTensor padding({2, kT});
-    padding.data()[kT + kT - 1] = padding.data()[kT + kT - 2] = 1;  // batch 1: the last two keys
-    w.add_bool("key_padding_mask", padding);
-    const std::string inputs = dir + "/padded.safetensors";
-    w.write(inputs);
-    const auto r = run_command(kCli + " analyze --json --weights " + f.weights + " --inputs " + inputs);
+  for (const bool self : {true, false})
+    for (const bool as_float : {false, true}) {  // float: Hugging Face's finfo(float32).min
+      SCOPED_TRACE(std::string(self ? "self-attention" : "cross-attention") + (as_float ? ", float mask" : ""));
+      const Files f = write_known_heads(dir, 0, self ? kT : kT - 1);
+      mha::io::SafetensorsFile in = mha::io::SafetensorsFile::open(f.inputs);
+      mha::io::SafetensorsWriter w;
+      for (const char* name : {"query", "key", "value"}) w.add(name, in.read_f32(name));
+      mha::BoolTensor padding({2, kT});
+      padding.data()[kT + kT - 1] = padding.data()[kT + kT - 2] = 1;  // batch 1: the last two keys
+      mha::Tensor additive({2, kT}, 0.0f);
+      additive.data()[kT + kT - 1] = additive.data()[kT + kT - 2] = std::numeric_limits<float>::lowest();
+      if (as_float)
+        w.add("key_padding_mask", additive);
+      else
+        w.add_bool("key_padding_mask", padding);
+      const std::string inputs = dir + "/padded.safetensors";
+      w.write(inputs);
+      const auto r = run_command(kCli + " analyze --json --weights " + f.weights + " --inputs " + inputs);
+      ASSERT_EQ(r.exit_code, 0) << r.err;
+      const auto j = nlohmann::json::parse(r.out);
+      EXPECT_EQ(j["key_padding"], true);
+      EXPECT_EQ(j["padded_query_rows_excluded"], self);
+      EXPECT_EQ(j["heads"][0]["rows"], self ? 2 * kT - 2 : 2 * (kT - 1));
+      EXPECT_GT(j["heads"][0]["sink"].get<double>(), 0.99);  // key 0 is real in both sequences
+    }
+}
+
+// --heads takes a comma list, several arguments, or the option again: the same pruned file.
+TEST(CliPrune, HeadsAsACommaListArgumentsOrRepeatedOptions) {
+  const std::string dir = mha::testing::temp_dir();
+  const std::string c = kGolden + "bias_kv_zero_attn_seq_first.safetensors";
+  std::string first;
+  for (const char* heads : {"0,2", "0 2", "0 --heads 2", "2,0,"}) {
+    SCOPED_TRACE(heads);
+    const std::string out = dir + "/p.safetensors";
+    const auto r = run_command(kCli + " prune --weights " + c + " --heads " + heads + " --output " + out);
     ASSERT_EQ(r.exit_code, 0) << r.err;
-    const auto j = nlohmann::json::parse(r.out);
-    EXPECT_EQ(j["key_padding"], true);
-    EXPECT_EQ(j["padded_query_rows_excluded"], self);
-    EXPECT_EQ(j["heads"][0]["rows"], self ? 2 * kT - 2 : 2 * (kT - 1));
-    EXPECT_GT(j["heads"][0]["sink"].get<double>(), 0.99);  // key 0 is real in both sequences
+    std::ifstream in(out, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (first.empty())
+      first = bytes;
+    else
+      EXPECT_EQ(bytes, first);
   }
 }
 

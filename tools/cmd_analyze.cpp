@@ -2,7 +2,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -36,14 +35,14 @@ std::vector<std::string> split_words(const std::string& s) {
 }
 
 /// A key_padding_mask as (B, T_k) booleans, true = padding: a boolean mask as it is, a float one
-/// true where it is −inf (the keys it removes); undefined without one.
+/// true where it is −inf or at most −1e30 (Hugging Face pads with finfo(float32).min, a key no
+/// weight reaches); undefined without one.
 BoolTensor key_padding_of(const KeyPaddingMask& m, int64_t B, int64_t Tk) {
   if (!m.present()) return {};
   BoolTensor padding({B, Tk});
   for (int64_t n = 0; n < B * Tk; ++n)
-    padding.data()[n] = m.is_padding.defined()
-                            ? static_cast<uint8_t>(m.is_padding.data()[n] != 0)
-                            : static_cast<uint8_t>(m.additive.data()[n] == -std::numeric_limits<float>::infinity());
+    padding.data()[n] = m.is_padding.defined() ? static_cast<uint8_t>(m.is_padding.data()[n] != 0)
+                                               : static_cast<uint8_t>(m.additive.data()[n] <= -1e30f);
   return padding;
 }
 
@@ -213,7 +212,9 @@ static void add_analyze_command(CLI::App& app) {
       "first key (sink), on the previous and on the own position, mean row maximum (focus), and a class "
       "(attention_sink > prev_token > self_attend > focused > broad). Inputs as for `mha forward` (but not a packed "
       "batch: weights are returned per padded batch). Appended bias_k / zero-attention keys count in the entropy "
-      "and focus, never as a query's own or previous position.");
+      "and focus, never as a query's own or previous position. With a key_padding_mask (a float one: entries "
+      "of -inf or at most -1e30) the sink is each sequence's first real key, and for self-attention inputs "
+      "padded query rows are not measured.");
   cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")
       ->required();
   cmd->add_option("--inputs", a->inputs, "safetensors file with query, key, value and optional masks")->required();

@@ -19,7 +19,7 @@ namespace {
 
 struct PruneArgs {
   std::string weights, output, inputs;
-  std::string heads;  ///< --heads as given (split and parsed by head_indices)
+  std::vector<std::string> heads;  ///< --heads as given, each split at commas by head_indices
   bool importance = false, duplicate_kv = false;
   int threads = 0;
 };
@@ -43,21 +43,23 @@ double relative_l2(const Tensor& got, const Tensor& want) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-/// --heads as indices: every non-empty comma-separated item a whole decimal integer ("0," and
-/// "1,,2" skip the empty ones), and at least one of them. (Split and parsed here rather than by
-/// CLI11, which read an empty --heads "" as head 0 and removed it, and took --heads , as a list
-/// that swallowed the next option: '--output is required'.)
-std::vector<int64_t> head_indices(const std::string& text) {
+/// --heads as indices: every non-empty comma-separated item of every argument (--heads 0,3, --heads
+/// 0 3 and --heads 0 --heads 3 alike) a whole decimal integer ("0," and "1,,2" skip the empty ones),
+/// and at least one of them. (Split and parsed here rather than by CLI11, which read an empty
+/// --heads "" as head 0 and removed it, and split --heads , into items that swallowed the next
+/// option: '--output is required'.)
+std::vector<int64_t> head_indices(const std::vector<std::string>& texts) {
   std::vector<int64_t> heads;
-  for (size_t begin = 0; begin <= text.size();) {
-    const size_t comma = std::min(text.find(',', begin), text.size());
-    const std::string item = text.substr(begin, comma - begin);
-    begin = comma + 1;
-    if (item.empty()) continue;
-    const std::optional<int64_t> h = whole_number(item);
-    if (!h) fail("prune: --heads item '", item, "' is not a head index");
-    heads.push_back(*h);
-  }
+  for (const std::string& text : texts)
+    for (size_t begin = 0; begin <= text.size();) {
+      const size_t comma = std::min(text.find(',', begin), text.size());
+      const std::string item = text.substr(begin, comma - begin);
+      begin = comma + 1;
+      if (item.empty()) continue;
+      const std::optional<int64_t> h = whole_number(item);
+      if (!h) fail("prune: --heads item '", item, "' is not a head index");
+      heads.push_back(*h);
+    }
   if (heads.empty()) fail("prune: --heads lists no head index (give them comma-separated, e.g. 0,3)");
   return heads;
 }

@@ -82,9 +82,8 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
         sink_key[static_cast<size_t>(b)] = j;
         break;
       }
-  // Without a key padding mask the sink is key 0 even past the positions (all columns appended:
-  // key_positions = 0), as before.
-  if (!options.key_padding.defined()) std::fill(sink_key.begin(), sink_key.end(), Tk > 0 ? 0 : -1);
+  // Without a key padding mask: key 0, when it is a position (key_positions = 0 leaves none).
+  if (!options.key_padding.defined()) std::fill(sink_key.begin(), sink_key.end(), positions > 0 ? 0 : -1);
 
   std::vector<HeadMetrics> result(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) {
