@@ -901,6 +901,72 @@ HWY_INLINE bool needs_refining(const Ctx& cx, int64_t b, int64_t h, int64_t i) {
          !(cx.any_empty && cx.empty[head_row(f, b, h, f.t_q(), i)] != 0.0f);
 }
 
+/// refine_lse's work for head h of batch b: m and l its rows' (T_q) running max and sum, then c in m
+/// (0 for rows not refined). ws: the thread's scratch. A function of its own, not the body of the
+/// parallel loop: clang outlines an OpenMP body without the function's SIMD target attributes,
+/// and its vectors then fail to compile (clang 14: "Do not know how to split the result").
+HWY_NOINLINE void refine_head(const Ctx& cx, int64_t b, int64_t h, float* m, float* l, float* ws) {
+  const SdpaParams& f = cx.p->fwd;
+  const int64_t Tq = f.t_q(), Tk = f.t_k(), D = f.d(), g = h / f.group();
+  const hn::ScalableTag<float> df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  constexpr float kNoMax = -std::numeric_limits<float>::infinity();
+  bool any = false;
+  for (int64_t i = 0; i < Tq && !any; ++i) any = needs_refining(cx, b, h, i);
+  if (!any) return;  // m (lo) stays 0 for the head: −inf there gave NaN gradients
+  for (int64_t i = 0; i < Tq; ++i) m[i] = kNoMax, l[i] = 0.0f;
+  float* s = ws + cx.L.s;
+  for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {
+    const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc), cols = round_up(j1 - j0, N);
+    bool packed = false;
+    BlockJob job{};
+    for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
+      const int64_t i1 = std::min(Tq, i0 + cx.br), nr = i1 - i0;
+      const TileVis vis = cx.causal.tile(i0, i1, j0, j1);
+      bool rows = false;
+      for (int64_t r = 0; r < nr && !rows; ++r) rows = needs_refining(cx, b, h, i0 + r);
+      if (vis == TileVis::None || !rows) continue;
+      if (!packed) job = key_block(cx, b, g, j0, j1, ws, false), packed = true;
+      job.h = h, job.i0 = i0, job.i1 = i1;
+      int64_t ldq = cx.L.ldk;
+      const float* q =
+          cx.dense_q ? cx.dense_q + head_row(f, b, h, Tq, i0) * ldq
+                     : whole_vectors(f.q.as<float>().row(b, h, i0), f.q.stride[2], nr, D, ws + cx.L.qp, cx.L.ldk, &ldq);
+      block_scores(cx, job, BlockGroups(cx, job, vis), q, ldq, s, ws + cx.L.cap);
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t i = i0 + r;
+        if (!needs_refining(cx, b, h, i)) continue;
+        const auto vl = hn::Set(df, cx.p->lse(b, h, i, 0));
+        auto vmax = hn::Set(df, kNoMax);
+        for (int64_t c = 0; c < cols; c += N) vmax = hn::Max(vmax, hn::Sub(hn::LoadU(df, s + r * kBc + c), vl));
+        const float block_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+        if (block_max == kNoMax) continue;  // no key of the block seen
+        const float m_new = std::max(m[i], block_max);
+        const auto vm = hn::Set(df, m_new);
+        auto vsum = hn::Zero(df);
+        for (int64_t c = 0; c < cols; c += N)
+          vsum = hn::Add(vsum, exp_nonpositive(df, hn::Sub(hn::Sub(hn::LoadU(df, s + r * kBc + c), vl), vm)));
+        l[i] = l[i] * std::exp(m[i] - m_new) + hn::GetLane(hn::SumOfLanes(df, vsum));
+        m[i] = m_new;
+      }
+    }
+  }
+  for (int64_t i = 0; i < Tq; ++i) {
+    if (!needs_refining(cx, b, h, i)) {
+      m[i] = 0.0f;
+      continue;
+    }
+    double mi = m[i], li = l[i];
+    if (f.edits.sinks) {  // the sink's share of the denominator: exp(z_h − lse)
+      const double z = static_cast<double>(f.edits.sinks[h]) - cx.p->lse(b, h, i, 0);
+      const double m_new = std::max(mi, z);
+      li = li * std::exp(mi - m_new) + std::exp(z - m_new);
+      mi = m_new;
+    }
+    m[i] = li > 0.0 && std::isfinite(mi) ? static_cast<float>(mi + std::log(li)) : 0.0f;
+  }
+}
+
 /// lo (B, h, T_q): 0, but for the rows needs_refining picks, c = log(Σ_j exp(S_j − lse) + exp(z_h −
 /// lse)) over the scores as block_scores forms them (and the sink, if any): the row's P = exp((S −
 /// lse) − c) then sums to 1 as the forward's did. S − lse is exact near lse (Sterbenz), c is small
@@ -913,7 +979,7 @@ HWY_INLINE bool needs_refining(const Ctx& cx, int64_t b, int64_t h, int64_t i) {
 /// and half under a per-element mask, whose scalar pass it repeats.
 HWY_NOINLINE void refine_lse(const Ctx& cx, float* lo, float* sum, const WorkspacePlan& plan, float* workspace) {
   const SdpaParams& f = cx.p->fwd;
-  const int64_t B = f.batch(), H = f.heads(), Tq = f.t_q(), Tk = f.t_k(), D = f.d();
+  const int64_t B = f.batch(), H = f.heads(), Tq = f.t_q();
   const int threads = plan.threads;
   std::fill(lo, lo + B * H * Tq, 0.0f);
   int64_t flagged = 0;
@@ -921,70 +987,9 @@ HWY_NOINLINE void refine_lse(const Ctx& cx, float* lo, float* sum, const Workspa
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t i = 0; i < Tq; ++i) flagged += needs_refining(cx, bh / H, bh % H, i) ? 1 : 0;
   if (flagged == 0) return;
-  const hn::ScalableTag<float> df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  constexpr float kNoMax = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t b = bh / H, h = bh % H, g = h / f.group();
-    float* m = lo + bh * Tq;   // the running max of S − lse over the keys so far, then c
-    float* l = sum + bh * Tq;  // Σ exp(S − lse − m)
-    bool any = false;
-    for (int64_t i = 0; i < Tq && !any; ++i) any = needs_refining(cx, b, h, i);
-    if (!any) continue;  // lo stays 0 for the head (m aliases it: −inf there gave NaN gradients)
-    for (int64_t i = 0; i < Tq; ++i) m[i] = kNoMax, l[i] = 0.0f;
-    float* ws = plan.thread_part(workspace, omp_get_thread_num());
-    float* s = ws + cx.L.s;
-    for (int64_t kb = 0; kb < cx.n_kblocks; ++kb) {
-      const int64_t j0 = kb * kBc, j1 = std::min(Tk, j0 + kBc), cols = round_up(j1 - j0, N);
-      bool packed = false;
-      BlockJob job{};
-      for (int64_t i0 = 0; i0 < Tq; i0 += cx.br) {
-        const int64_t i1 = std::min(Tq, i0 + cx.br), nr = i1 - i0;
-        const TileVis vis = cx.causal.tile(i0, i1, j0, j1);
-        bool rows = false;
-        for (int64_t r = 0; r < nr && !rows; ++r) rows = needs_refining(cx, b, h, i0 + r);
-        if (vis == TileVis::None || !rows) continue;
-        if (!packed) job = key_block(cx, b, g, j0, j1, ws, false), packed = true;
-        job.h = h, job.i0 = i0, job.i1 = i1;
-        int64_t ldq = cx.L.ldk;
-        const float* q = cx.dense_q ? cx.dense_q + head_row(f, b, h, Tq, i0) * ldq
-                                    : whole_vectors(f.q.as<float>().row(b, h, i0), f.q.stride[2], nr, D, ws + cx.L.qp,
-                                                    cx.L.ldk, &ldq);
-        block_scores(cx, job, BlockGroups(cx, job, vis), q, ldq, s, ws + cx.L.cap);
-        for (int64_t r = 0; r < nr; ++r) {
-          const int64_t i = i0 + r;
-          if (!needs_refining(cx, b, h, i)) continue;
-          const auto vl = hn::Set(df, cx.p->lse(b, h, i, 0));
-          auto vmax = hn::Set(df, kNoMax);
-          for (int64_t c = 0; c < cols; c += N) vmax = hn::Max(vmax, hn::Sub(hn::LoadU(df, s + r * kBc + c), vl));
-          const float block_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
-          if (block_max == kNoMax) continue;  // no key of the block seen
-          const float m_new = std::max(m[i], block_max);
-          const auto vm = hn::Set(df, m_new);
-          auto vsum = hn::Zero(df);
-          for (int64_t c = 0; c < cols; c += N)
-            vsum = hn::Add(vsum, exp_nonpositive(df, hn::Sub(hn::Sub(hn::LoadU(df, s + r * kBc + c), vl), vm)));
-          l[i] = l[i] * std::exp(m[i] - m_new) + hn::GetLane(hn::SumOfLanes(df, vsum));
-          m[i] = m_new;
-        }
-      }
-    }
-    for (int64_t i = 0; i < Tq; ++i) {
-      if (!needs_refining(cx, b, h, i)) {
-        m[i] = 0.0f;
-        continue;
-      }
-      double mi = m[i], li = l[i];
-      if (f.edits.sinks) {  // the sink's share of the denominator: exp(z_h − lse)
-        const double z = static_cast<double>(f.edits.sinks[h]) - cx.p->lse(b, h, i, 0);
-        const double m_new = std::max(mi, z);
-        li = li * std::exp(mi - m_new) + std::exp(z - m_new);
-        mi = m_new;
-      }
-      m[i] = li > 0.0 && std::isfinite(mi) ? static_cast<float>(mi + std::log(li)) : 0.0f;
-    }
-  }
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    refine_head(cx, bh / H, bh % H, lo + bh * Tq, sum + bh * Tq, plan.thread_part(workspace, omp_get_thread_num()));
 }
 
 void backward_f32(const SdpaBackwardParams& p, float* workspace) {
