@@ -62,6 +62,13 @@ struct SdpaOptions {
   AttentionSinks sinks{};  ///< learned sink logit per query head (mha/masks.h); off when empty
   /// When set, each thread's busy time is added here (SdpaThreadStats); off by default.
   SdpaThreadStats* thread_stats = nullptr;
+  /// sdpa_backward only: the lse passed in came from a softmax over more keys than this call's (a
+  /// block of ring attention's keys with the whole row's lse: FlashAttention's way of splitting a
+  /// backward over keys), and the fused backward uses it as given. By default it renormalises the
+  /// rows with |lse| ≥ 64 over this call's keys first (docs/semantics.md, 'Large common offsets'),
+  /// which assumes they are all the keys. The reference backward recomputes its own lse and takes
+  /// neither.
+  bool lse_over_more_keys = false;
 };
 
 /// Where the results go. `out` is required; `weights` (B, h, T_q, T_k) and `lse` (B, h, T_q, 1)

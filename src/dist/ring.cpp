@@ -389,7 +389,8 @@ RingGrads ring_attention_backward(MPI_Comm comm, const Tensor& q, const Tensor& 
   SdpaOptions so;
   so.scale = options.scale;
   so.threads = options.threads;
-  so.backend = Backend::Fused;  // the reference backward recomputes its own lse: it must see the global one
+  so.backend = Backend::Fused;   // the reference backward recomputes its own lse: it must see the global one
+  so.lse_over_more_keys = true;  // a block's keys are some of the row's: no renormalising over them
   const View4<const float> qv = q.view4(), ov = out.view4(), dov = d_out.view4();
   const View4<const float> lv = contiguous_view<const float>(lse.data(), d.B, d.h, d.tq, int64_t{1});
   run_ring(comm, d, k, v, key_padding, seq_k, options.layout, options.skip_communication, stats,

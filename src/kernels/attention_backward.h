@@ -23,14 +23,15 @@
 namespace mha::kernels {
 
 struct SdpaBackwardParams {
-  SdpaParams fwd;           // q, k, v, scale, masks, dropout, threads (fwd.out/weights/lse unused)
-  View4<const float> out;   // (B, h, T_q, d_v): the forward's output
-  View4<const float> dout;  // (B, h, T_q, d_v)
-  View4<const float> lse;   // (B, h, T_q, 1)
-  View4<float> dq;          // (B, h, T_q, d)
-  View4<float> dk;          // (B, kv, T_k, d)
-  View4<float> dv;          // (B, kv, T_k, d_v)
-  float* dsinks = nullptr;  // (h): ∂L/∂(sink logit) when fwd.edits.sinks is set, else unused (may be null)
+  SdpaParams fwd;                   // q, k, v, scale, masks, dropout, threads (fwd.out/weights/lse unused)
+  View4<const float> out;           // (B, h, T_q, d_v): the forward's output
+  View4<const float> dout;          // (B, h, T_q, d_v)
+  View4<const float> lse;           // (B, h, T_q, 1)
+  View4<float> dq;                  // (B, h, T_q, d)
+  View4<float> dk;                  // (B, kv, T_k, d)
+  View4<float> dv;                  // (B, kv, T_k, d_v)
+  float* dsinks = nullptr;          // (h): ∂L/∂(sink logit) when fwd.edits.sinks is set, else unused (may be null)
+  bool lse_over_more_keys = false;  // SdpaOptions::lse_over_more_keys: lse used as given, no renormalising
 };
 
 /// Whether query row (b, h, i) saw no key in the forward: every key hidden from it or scoring −inf

@@ -893,8 +893,10 @@ HWY_NOINLINE void query_block_item(const Ctx& cx, int64_t b, int64_t h, int64_t 
 }
 
 /// Whether row (b, h, i)'s probabilities are renormalised (kLseRefine): a finite lse that large,
-/// in a row that saw a key.
+/// in a row that saw a key, and an lse over this call's keys (not lse_over_more_keys: ring
+/// attention's blocks, whose probabilities over one block must not sum to 1).
 HWY_INLINE bool needs_refining(const Ctx& cx, int64_t b, int64_t h, int64_t i) {
+  if (cx.p->lse_over_more_keys) return false;
   const SdpaParams& f = cx.p->fwd;
   const float lse = cx.p->lse(b, h, i, 0);
   return std::isfinite(lse) && std::fabs(lse) >= kLseRefine &&

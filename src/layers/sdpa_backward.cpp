@@ -43,6 +43,7 @@ kernels::SdpaBackwardParams make_params(View4<const float> q, View4<const float>
 
   p.out = out, p.dout = d_out, p.lse = lse;
   p.dq = grads.dq, p.dk = grads.dk, p.dv = grads.dv;
+  p.lse_over_more_keys = opt.lse_over_more_keys;
   if (opt.sinks.enabled() && !grads.dsinks.empty()) {
     if (static_cast<int64_t>(grads.dsinks.size()) != q.shape[1])
       fail(kBwd, ": dsinks has ", grads.dsinks.size(), " entries, expected one per query head (", q.shape[1], ")");

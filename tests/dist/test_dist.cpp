@@ -67,6 +67,7 @@ struct Case {
   bool padding = false;
   bool last_rank_all_padding = false;  ///< the keys the last rank holds are all padding
   SeqLayout layout = SeqLayout::Contiguous;
+  float qk_scale = 1.0f;  ///< Q and K times this: scores grow as its square (12: |lse| ≥ 64 in most rows)
 };
 
 struct Inputs {
@@ -79,6 +80,10 @@ Inputs make_inputs(const Case& c, uint64_t seed) {
             mha::testing::random_tensor({c.B, c.kv, c.tk, c.d}, seed + 1),
             mha::testing::random_tensor({c.B, c.kv, c.tk, c.dv}, seed + 2),
             {}};
+  if (c.qk_scale != 1.0f) {
+    for (float& x : in.q.values()) x *= c.qk_scale;
+    for (float& x : in.k.values()) x *= c.qk_scale;
+  }
   if (c.padding) {
     in.pad = BoolTensor({c.B, c.tk}, 0);
     for (int64_t b = 0; b < c.B; ++b)
@@ -232,6 +237,16 @@ TEST(RingBackward, CausalZigzagGqaPadding) {
   c.layout = SeqLayout::Zigzag;
   c.padding = true;
   c.last_rank_all_padding = true;
+  check_ring_backward(c);
+}
+
+// Scores of ±100: rows whose |lse| ≥ 64, which the fused backward renormalises over a call's keys
+// when its lse is theirs. A ring block is some of the row's keys with the whole row's lse
+// (SdpaOptions::lse_over_more_keys): renormalised over the block, each block's P summed to 1.
+TEST(RingBackward, LargeScoresUseTheWholeRowsLse) {
+  Case c;
+  c.qk_scale = 12.0f;
+  c.causal = Causal::top_left();
   check_ring_backward(c);
 }
 
