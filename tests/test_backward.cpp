@@ -261,6 +261,15 @@ TEST(SdpaBackward, RejectsBadShapes) {
   return all_close(got, want, tol, tol);
 }
 
+/// dQ, dK and dV of `got` each fused_close to `want`'s: a dQ entry sums over `keys` products, a dK
+/// or dV entry over `rows` (query rows times the group). `what` prefixes each failure's message.
+void expect_grads_close(const SdpaGradTensors& got, const SdpaGradTensors& want, int64_t keys, int64_t rows,
+                        const std::string& what = "") {
+  EXPECT_TRUE(fused_close(got.dq, want.dq, keys)) << what << "dq";
+  EXPECT_TRUE(fused_close(got.dk, want.dk, rows)) << what << "dk";
+  EXPECT_TRUE(fused_close(got.dv, want.dv, rows)) << what << "dv";
+}
+
 std::vector<SdpaCase> sweep_cases() {
   std::vector<SdpaCase> cs;
   const int64_t lengths[] = {0, 1, 2, 7, 63, 64, 65, 197};
@@ -307,9 +316,7 @@ TEST(SdpaBackwardFused, MatchesReferenceOverSweeps) {
     poison_padding(s);
     const SdpaGradTensors want = run_backward(s, Backend::Reference);
     const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
-    EXPECT_TRUE(fused_close(got.dq, want.dq, c.Tk)) << "dq";
-    EXPECT_TRUE(fused_close(got.dk, want.dk, c.Tq * c.H / c.KV)) << "dk";
-    EXPECT_TRUE(fused_close(got.dv, want.dv, c.Tq * c.H / c.KV)) << "dv";
+    expect_grads_close(got, want, c.Tk, c.Tq * c.H / c.KV);
   }
 }
 
@@ -339,9 +346,7 @@ TEST(SdpaBackwardFused, RowsUnderALargeCommonOffsetMatchTheReference) {
       poison_padding(s);
       const SdpaGradTensors want = run_backward(s, Backend::Reference);
       const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
-      EXPECT_TRUE(fused_close(got.dq, want.dq, c.Tk)) << "dq";
-      EXPECT_TRUE(fused_close(got.dk, want.dk, c.Tq * c.H / c.KV)) << "dk";
-      EXPECT_TRUE(fused_close(got.dv, want.dv, c.Tq * c.H / c.KV)) << "dv";
+      expect_grads_close(got, want, c.Tk, c.Tq * c.H / c.KV);
       for (const int threads : {1, 3}) {
         const SdpaGradTensors other = run_backward(s, Backend::Fused, threads);
         EXPECT_TRUE(bitwise_equal(other.dq, got.dq) && bitwise_equal(other.dk, got.dk) &&
@@ -369,9 +374,7 @@ TEST(SdpaBackwardFused, RowsUnderALargeOffsetInOneHeadLeaveTheOthersExact) {
   const SdpaGradTensors want = run_backward(s, Backend::Reference);
   for (const int threads : {1, 2, 3}) {
     const SdpaGradTensors got = run_backward(s, Backend::Fused, threads);
-    EXPECT_TRUE(fused_close(got.dq, want.dq, c.Tk)) << threads << " threads, dq";
-    EXPECT_TRUE(fused_close(got.dk, want.dk, c.Tq)) << threads << " threads, dk";
-    EXPECT_TRUE(fused_close(got.dv, want.dv, c.Tq)) << threads << " threads, dv";
+    expect_grads_close(got, want, c.Tk, c.Tq, std::to_string(threads) + " threads, ");
   }
   // A packed batch (each sequence its own call): in the first sequence, head 0's scores are all
   // 14² / 2 = 98 (equal Q and K rows: lse ≥ 64, renormalised), head 1's ordinary; the second
@@ -396,9 +399,7 @@ TEST(SdpaBackwardFused, RowsUnderALargeOffsetInOneHeadLeaveTheOthersExact) {
       g[which] = sdpa_backward_varlen(q, k, v, f.out, d_out, f.lse, seqs, o);
     }
     for (const float x : g[1].dq.values()) ASSERT_TRUE(std::isfinite(x)) << "sinks " << with_sinks;
-    EXPECT_TRUE(fused_close(g[1].dq, g[0].dq, total)) << "sinks " << with_sinks;
-    EXPECT_TRUE(fused_close(g[1].dk, g[0].dk, total)) << "sinks " << with_sinks;
-    EXPECT_TRUE(fused_close(g[1].dv, g[0].dv, total)) << "sinks " << with_sinks;
+    expect_grads_close(g[1], g[0], total, total, with_sinks ? "sinks, " : "no sinks, ");
   }
 }
 
@@ -497,9 +498,7 @@ TEST(SdpaBackwardFused, MatchesReferenceOnEveryTarget) {
       poison_padding(s);
       const SdpaGradTensors want = run_backward(s, Backend::Reference);
       const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
-      EXPECT_TRUE(fused_close(got.dq, want.dq, k.Tk)) << "dq";
-      EXPECT_TRUE(fused_close(got.dk, want.dk, k.Tq * k.H / k.KV)) << "dk";
-      EXPECT_TRUE(fused_close(got.dv, want.dv, k.Tq * k.H / k.KV)) << "dv";
+      expect_grads_close(got, want, k.Tk, k.Tq * k.H / k.KV);
     }
   });
 }
