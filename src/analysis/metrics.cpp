@@ -74,7 +74,8 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
   const auto key_padded = [&](int64_t b, int64_t j) {
     return options.key_padding.defined() && options.key_padding.data()[b * positions + j] != 0;
   };
-  // Each sequence's sink: its first key that is not padding (none: −1, no sink mass).
+  // Each sequence's sink: its first key that is not padding (none: −1, no sink mass); without a
+  // key padding mask key 0, when key_positions leaves one.
   std::vector<int64_t> sink_key(static_cast<size_t>(B), -1);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < positions; ++j)
@@ -82,8 +83,6 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
         sink_key[static_cast<size_t>(b)] = j;
         break;
       }
-  // Without a key padding mask: key 0, when it is a position (key_positions = 0 leaves none).
-  if (!options.key_padding.defined()) std::fill(sink_key.begin(), sink_key.end(), positions > 0 ? 0 : -1);
 
   std::vector<HeadMetrics> result(static_cast<size_t>(H));
   for (int64_t h = 0; h < H; ++h) {
