@@ -2,10 +2,13 @@
 // to nearest), what it stores and reads back, its bytes, clones, and the non-finite values it
 // refuses. Attention over it is tested with the other caches (test_decode.cpp, test_paged_cache.cpp)
 // and against PyTorch (Int8CacheGolden below).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -275,6 +278,106 @@ TEST(Int8Cache, TinyValuesDecodeAsCloseAsOrdinaryOnes) {
       for (int64_t i = 0; i < a.numel(); ++i) worst = std::max(worst, std::fabs(b.values()[i] - a.values()[i]));
       EXPECT_LE(worst, 0.05f * v_size);
     }
+}
+
+/// (1, kv, T, d) of n · 2^exponent, n whole in [−127, 127], with n = ±127 at element 0 of every row
+/// and at every element of the rows at positions p % 32 == 0: each row's max|x| / 127, and each
+/// 32-position group's per channel, is 2^exponent, so an int8 cache holds these values exactly.
+Tensor int8_exact_values(int64_t kv, int64_t T, int64_t d, uint32_t seed, int exponent) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> steps(-127, 127);
+  Tensor x({1, kv, T, d});
+  for (int64_t g = 0; g < kv; ++g)
+    for (int64_t p = 0; p < T; ++p)
+      for (int64_t e = 0; e < d; ++e) {
+        const int n = e == 0 || p % 32 == 0 ? ((p + e) % 2 == 0 ? 127 : -127) : steps(gen);
+        x.at({0, g, p, e}) = std::ldexp(static_cast<float>(n), exponent);
+      }
+  return x;
+}
+
+// Query rows of extreme magnitude. Where int8 rows are widened to float (AVX2, SSE4 and below),
+// q · k_int8 was summed in float before the key's scale applied, up to 127 · d times the
+// dequantised products: queries near 1e37 gave inf scores and NaN rows where the float32 cache and
+// the AVX-512 integer products stay finite. The caches here hold exactly the float32 cache's
+// values (int8_exact_values), so every layout, paged or not, with per-token or per-channel key
+// scales, must give the float32 cache's output to the integer products' 16-bit rounding of q and
+// p (AVX-512) or float rounding (elsewhere), on every target, the same bits for any thread count.
+TEST(Int8Cache, QueriesOfExtremeMagnitudeDecodeAsTheFloat32CacheDoes) {
+  constexpr int64_t kv = 2, h = 4, T = 300, d = 64;
+  struct Case {
+    const char* what;
+    int q_exponent, k_exponent;
+  };
+  const Case cases[] = {
+      {"q near 2^124, keys below 1: scores near 1e37, one key takes all", 124, -7},
+      {"q near 2^124, keys near 2^-123: scores of ordinary size", 124, -130},
+      {"q near 2^-120, keys below 1: scores near 0, uniform", -120, -7},
+      {"q near 2^-100, keys near 2^97: scores of ordinary size", -100, 90},
+  };
+  const Tensor v = int8_exact_values(kv, T, d, 32, -7);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const Tensor k = int8_exact_values(kv, T, d, 31, c.k_exponent);
+    Tensor q = random_tensor({1, h, 1, d}, 33);
+    for (float& x : q.values()) x = std::ldexp(x, c.q_exponent);
+    KvCacheConfig config = int8_config(1, kv, d, T);
+    config.dtype = CacheDtype::F32;
+    KvCache f32(config);
+    f32.append(k.view4(), v.view4());
+    Tensor want({1, h, 1, d});
+    attend_cache(q.view4(), f32, {}, {}, want.view4());
+    ASSERT_TRUE(std::all_of(want.values().begin(), want.values().end(), [](float x) { return std::isfinite(x); }));
+
+    // The int8 caches: rows and keys across lanes, contiguous and paged (blocks of 16), and
+    // per-channel key scales (contiguous rows only).
+    std::vector<std::pair<std::string, std::function<void(const CacheAttentionOptions&, Tensor&)>>> variants;
+    std::vector<KvCache> contiguous;
+    std::vector<PagedKvCache> paged;
+    std::vector<int64_t> paged_seqs;
+    for (const KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed})
+      for (const Int8KeyScales keys : {Int8KeyScales::PerToken, Int8KeyScales::PerChannel}) {
+        if (layout == KeyLayout::Transposed && keys == Int8KeyScales::PerChannel) continue;  // refused
+        KvCacheConfig i8 = int8_config(1, kv, d, T);
+        i8.key_layout = layout, i8.int8_keys = keys;
+        contiguous.emplace_back(i8);
+        contiguous.back().append(k.view4(), v.view4());
+      }
+    for (const KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed}) {
+      PagedKvCacheConfig pc;
+      pc.kv_heads = kv, pc.head_dim = d, pc.block_size = 16, pc.num_blocks = (T + 15) / 16;
+      pc.dtype = CacheDtype::I8, pc.key_layout = layout;
+      paged.emplace_back(pc);
+      paged_seqs.push_back(paged.back().add_sequence());
+      paged.back().append(paged_seqs.back(), k.view4(), v.view4());
+    }
+    const char* const contiguous_names[] = {"rows", "rows, per-channel keys", "keys across lanes"};
+    for (size_t i = 0; i < contiguous.size(); ++i)
+      variants.emplace_back(contiguous_names[i], [&, i](const CacheAttentionOptions& o, Tensor& out) {
+        attend_cache(q.view4(), contiguous[i], {}, o, out.view4());
+      });
+    const char* const paged_names[] = {"paged rows", "paged keys across lanes"};
+    for (size_t i = 0; i < paged.size(); ++i)
+      variants.emplace_back(paged_names[i], [&, i](const CacheAttentionOptions& o, Tensor& out) {
+        attend_paged_cache(q.view4(), paged[i], std::span(paged_seqs).subspan(i, 1), {}, o, out.view4());
+      });
+
+    testing::for_each_fused_target([&] {
+      for (const auto& [name, attend] : variants) {
+        SCOPED_TRACE(name);
+        CacheAttentionOptions o;
+        o.splits = 3;
+        Tensor one({1, h, 1, d}), two({1, h, 1, d});
+        o.threads = 1;
+        attend(o, one);
+        o.threads = 2;
+        attend(o, two);
+        EXPECT_TRUE(bitwise_equal(two, one));
+        // AVX-512 rounds q and p to 16 bits (up to 6e-6 here); elsewhere float rounding (below 1e-6).
+        EXPECT_TRUE(testing::all_close(one, want, 1e-4, 1e-4));
+      }
+    });
+  }
 }
 
 TEST(Int8Cache, CloneIsADeepCopy) {

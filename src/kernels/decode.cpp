@@ -26,15 +26,17 @@
 // thread that the OS preempts (a shared machine) no longer holds back a fixed half of the work.
 //
 // int8, on AVX-512 targets: both products in integers (the int8 section below; other targets
-// widen the rows to float, as bf16 is). The query rows are rounded to int16 once per item and a
-// block's probabilities (times their value rows' scales) once per block, the int8 rows widened
-// to int16 only, and pairs of int16 products summed exactly in int32 lanes
-// (pmaddwd, vpdpwssd with AVX512-VNNI). The scales apply outside the loops over d: a key's score
-// is scale_k · step_q · (q16 · k_int8), and the softmax sum l uses the unscaled probabilities.
-// That is the attention over the dequantised cache (value · scale) up to the 16-bit rounding of q
-// and p (docs/semantics.md). Keys with per-channel scales (KIVI) fold their group's scales into
-// the query instead and keep float32 scores: a key's score is (q ⊙ scale_group) · k_int8, one
-// elementwise product of the query rows per run of a block's keys that share a group.
+// widen the rows to float, as bf16 is, with each query row divided by a power of two that keeps
+// the float sums of q · k_int8 in range: divide_by_power_of_two_step). The query rows are rounded
+// to int16 once per item and a block's probabilities (times their value rows' scales) once per
+// block, the int8 rows widened to int16 only, and pairs of int16 products summed exactly in int32
+// lanes (pmaddwd, vpdpwssd with AVX512-VNNI). The scales apply outside the loops over d: a key's
+// score is scale_k · step_q · (q16 · k_int8), and the softmax sum l uses the unscaled
+// probabilities. That is the attention over the dequantised cache (value · scale) up to the
+// 16-bit rounding of q and p (docs/semantics.md). Keys with per-channel scales (KIVI) fold their
+// group's scales into the query instead and keep float32 scores: a key's score is (q ⊙
+// scale_group) · k_int8, one elementwise product of the query rows per run of a block's keys that
+// share a group (those products are the dequantised ones: no wider range than float32's).
 //
 // Transposed keys (KeyLayout::Transposed, DecodeParams::k_transposed): K in tiles of 16 slots,
 // each channel's 16 values together, so a block's scores accumulate 16 keys in the lanes of one
@@ -438,12 +440,13 @@ inline int32_t query_steps(int64_t d) {
   return static_cast<int32_t>(std::min<int64_t>(32767, (int64_t{2147483647} / 128) / std::max<int64_t>(d, 1)));
 }
 
-/// out[x] = round(in[x] / s) for x < n, with s = max|in| / steps (returned). A row of zeros gives
-/// s = 0 and zeros; a row holding a NaN or ±inf gives s = NaN and zeros, so every product it takes
-/// part in is NaN (as the float32 products would be).
-HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16_t* out) {
+/// max|in[x]| for x < n, and whether every in[x] is finite (if not, the max means nothing).
+struct AbsMax {
+  float value;
+  bool finite;
+};
+HWY_INLINE AbsMax abs_max(const float* in, int64_t n) {
   const DF df;
-  const hn::Rebind<int16_t, DF> dh;
   const int64_t L = static_cast<int64_t>(hn::Lanes(df));
   const int64_t nv = n / L * L;
   auto vmax = hn::Zero(df);
@@ -453,12 +456,23 @@ HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16
     vmax = hn::Max(vmax, hn::Abs(v));
     bad = hn::Or(bad, hn::Not(hn::IsFinite(v)));
   }
-  float amax = hn::GetLane(hn::MaxOfLanes(df, vmax));
-  bool finite = hn::AllFalse(df, bad);
+  AbsMax m{hn::GetLane(hn::MaxOfLanes(df, vmax)), hn::AllFalse(df, bad)};
   for (int64_t x = nv; x < n; ++x) {
-    finite = finite && std::isfinite(in[x]);
-    amax = std::max(amax, std::fabs(in[x]));
+    m.finite = m.finite && std::isfinite(in[x]);
+    m.value = std::max(m.value, std::fabs(in[x]));
   }
+  return m;
+}
+
+/// out[x] = round(in[x] / s) for x < n, with s = max|in| / steps (returned). A row of zeros gives
+/// s = 0 and zeros; a row holding a NaN or ±inf gives s = NaN and zeros, so every product it takes
+/// part in is NaN (as the float32 products would be).
+HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16_t* out) {
+  const DF df;
+  const hn::Rebind<int16_t, DF> dh;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t nv = n / L * L;
+  const auto [amax, finite] = abs_max(in, n);
   if (!finite || amax == 0.0f) {
     std::fill(out, out + n, int16_t{0});
     return finite ? 0.0f : kNaN;
@@ -476,6 +490,31 @@ HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16
     hn::StoreU(hn::DemoteTo(dh, hn::NearestInt(hn::Mul(hn::LoadU(df, in + x), vinv))), dh, out + x);
   for (int64_t x = nv; x < n; ++x) out[x] = static_cast<int16_t>(std::nearbyint(in[x] * inv));
   return amax / static_cast<float>(steps);
+}
+
+/// Divides in[0, n) by the smallest power of two s (returned) that leaves max|in / s| < 2⁶⁴: s = 1
+/// for rows below 2⁶⁴ and for rows holding a NaN or ±inf (which give NaN as before), else 2 … 2⁶⁴.
+/// For the targets that widen int8 keys to float: there q · k_int8 is summed in float before the
+/// key's scale applies, up to 127 · d times the dequantised products, so a query row near 1e37
+/// overflowed to inf where the float32 cache and the integer products (which divide by their own
+/// step) stayed finite; below 2⁶⁴ · 127 · d the sums cannot. A power of two divides exactly (only
+/// elements below 2⁻¹⁹⁰ of the row's max turn subnormal), and (s · scale_k) · (q / s · k_int8)
+/// rounds as scale_k · (q · k_int8) did: scores that were finite keep their bits (but where a
+/// product or a scale is subnormal).
+HWY_INLINE float divide_by_power_of_two_step(float* in, int64_t n) {
+  constexpr int kRangeExponent = 64;
+  const auto [amax, finite] = abs_max(in, n);
+  int exponent = 0;  // amax = f · 2^exponent, f in [0.5, 1)
+  if (!finite || std::frexp(amax, &exponent) == 0.0f || exponent <= kRangeExponent) return 1.0f;
+  const int e = exponent - kRangeExponent;  // 1 … 64: 2^e and 2^−e are normal floats
+  const DF df;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(df));
+  const float inverse = std::ldexp(1.0f, -e);
+  const auto vinverse = hn::Set(df, inverse);
+  int64_t x = 0;
+  for (; x + L <= n; x += L) hn::StoreU(hn::Mul(hn::LoadU(df, in + x), vinverse), df, in + x);
+  for (; x < n; ++x) in[x] *= inverse;
+  return std::ldexp(1.0f, e);
 }
 
 #if MHA_INT8_PRODUCTS
@@ -942,8 +981,14 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // products gave).
   constexpr bool kIntScores = kScaled && !kChannelKeys && kIntProducts;
   constexpr bool kIntValues = kScaled && kIntProducts;  // integer P·V
-  if constexpr (kIntScores)
+  // int8 with one scale per key: score = (step_q · scale_k) · (q / step_q · k_int8), the step per
+  // query row: the int16 rounding's (integer scores), else a power of two that keeps the float
+  // sums of q · k_int8 in range (divide_by_power_of_two_step).
+  if constexpr (kIntScores) {
     for (int64_t r = 0; r < rows; ++r) q_step[r] = quantize_int16(qs + r * d, d, query_steps(d), q16 + r * d);
+  } else if constexpr (kScaled && !kChannelKeys) {
+    for (int64_t r = 0; r < rows; ++r) q_step[r] = divide_by_power_of_two_step(qs + r * d, d);
+  }
 
   const T* const kpool = static_cast<const T*>(p.k);
   const T* const vpool = static_cast<const T*>(p.v);
@@ -1101,13 +1146,11 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
-      if constexpr (kIntScores) {  // score = (step_q · scale_k) · (q16 · k_int8); lanes past nb are −inf below
+      // int8: score = (step_q · scale_k) · (q / step_q · k_int8); lanes past nb are −inf below.
+      if constexpr (kScaled && !kChannelKeys) {
         const auto step = hn::Set(df, q_step[rr]);
         for (int64_t j = 0; j < nb; j += L)
           hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::Mul(step, hn::LoadU(df, kscale + j))), df, s + j);
-      } else if constexpr (kScaled && !kChannelKeys) {  // widened int8: score = scale_k · (q · k_int8)
-        for (int64_t j = 0; j < nb; j += L)
-          hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::LoadU(df, kscale + j)), df, s + j);
       }
       if (edit_scores) {
         // Score edits (kernels/score_edits.h): c·tanh(t/c), then ALiBi's m·(k_pos − q_pos) by
