@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "mha/analysis.h"
+#include "mha/module.h"
 #include "support/test_support.h"
 
 namespace mha {
@@ -118,25 +119,29 @@ TEST(HeadMetrics, RectangularWeightsAlignBottomRightByDefault) {
 }
 
 // Columns after the real keys (the bias_k / zero-attention keys a module appends) are no query's
-// own or previous position: a head that puts all its weight on an appended bias_k column has no
-// self or previous-token mass, even for queries whose i + offset reaches that column.
+// own or previous position: a head that puts most of its weight on an appended bias_k column has
+// no self or previous-token mass there, even for queries whose i + offset reaches that column.
 TEST(HeadMetrics, AppendedKeyColumnsAreNoPosition) {
   constexpr int64_t kTq = 4, kReal = 2;
   Tensor w({1, 1, kTq, kReal + 1});
-  for (int64_t i = 0; i < kTq; ++i) w.at({0, 0, i, kReal}) = 1.0f;  // every query on bias_k
+  for (int64_t i = 0; i < kTq; ++i) {  // every query: half on bias_k, a quarter on each real key
+    w.at({0, 0, i, kReal}) = 0.5f;
+    for (int64_t j = 0; j < kReal; ++j) w.at({0, 0, i, j}) = 0.25f;
+  }
   MetricsOptions o;
   o.query_offset = 0;  // a top-left causal mask, T_q > T_k
   o.key_positions = kReal;
   auto m = head_metrics(w, o)[0];
-  EXPECT_EQ(m.self, 0.0);
-  EXPECT_EQ(m.prev_token, 0.0);
+  EXPECT_NEAR(m.self, 0.25, kTol);        // queries 0 and 1; query 2's own key would be bias_k
+  EXPECT_NEAR(m.prev_token, 0.25, kTol);  // queries 1 and 2; query 3's previous key would be bias_k
   EXPECT_EQ(m.rows, kTq);
-  EXPECT_NEAR(m.focus, 1.0, kTol);  // the appended column's mass still counts in focus and entropy
+  EXPECT_NEAR(m.focus, 0.5, kTol);  // the appended column's mass still counts in focus and entropy
   EXPECT_NE(m.cls, HeadClass::PrevToken);
   // Counted as a position, the column was query 2's own key and query 3's previous one.
   o.key_positions.reset();
   m = head_metrics(w, o)[0];
-  EXPECT_NEAR(m.self, 1.0 / 3.0, kTol);
+  EXPECT_NEAR(m.self, (0.25 + 0.25 + 0.5) / 3, kTol);
+  EXPECT_NEAR(m.prev_token, (0.25 + 0.25 + 0.5) / 3, kTol);
   // The default offset is bottom-right over the positions: key_positions − T_q.
   Tensor last({1, 1, 2, kReal + 2 + 1});  // 4 real keys and one appended: queries at positions 2, 3
   last.at({0, 0, 0, 1}) = 1.0f, last.at({0, 0, 1, 2}) = 1.0f;
@@ -154,6 +159,86 @@ TEST(HeadMetrics, AppendedKeyColumnsAreNoPosition) {
       EXPECT_NE(std::string(e.what()).find("key_positions"), std::string::npos) << e.what();
     }
   }
+}
+
+// Rows whose only visible keys are the appended bias_k / zero-attention ones (every real key
+// hidden: weight exactly 0 there) put all their weight on those columns. Counted, they read as
+// focus 1 and entropy 0 and made a broad head look focused; they are left out like fully masked
+// rows. A row with any weight on a real key, however little, is measured.
+TEST(HeadMetrics, RowsThatSeeOnlyAppendedKeysAreNotMeasured) {
+  constexpr int64_t kTq = 6, kReal = 4;
+  Tensor w({2, 1, kTq, kReal + 2});  // bias_k, then the zero-attention key
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t i = 0; i < kTq; ++i) {
+      float* row = &w.at({b, 0, i, 0});
+      if (b == 0 && i < 2) {  // queries 0, 1 of sequence 0 see no real key
+        row[kReal] = 0.75f, row[kReal + 1] = 0.25f;
+        continue;
+      }
+      for (int64_t j = 0; j < kReal + 2; ++j) row[j] = 1.0f / (kReal + 2);  // uniform over all six
+    }
+  w.at({1, 0, 5, kReal}) = 1.0f - 1e-30f;  // one real key barely seen: still measured
+  for (int64_t j = 0; j < kReal + 2; ++j)
+    if (j != kReal) w.at({1, 0, 5, j}) = j == 1 ? 1e-30f : 0.0f;
+  MetricsOptions o;
+  o.key_positions = kReal;
+  const HeadMetrics m = head_metrics(w, o)[0];
+  EXPECT_EQ(m.rows, 2 * kTq - 2);
+  const double uniform_rows = 2 * kTq - 3;
+  EXPECT_NEAR(m.entropy, uniform_rows * std::log(6.0) / (2 * kTq - 2), 1e-6);
+  EXPECT_NEAR(m.focus, (uniform_rows * static_cast<double>(1.0f / (kReal + 2)) + 1.0) / (2 * kTq - 2), kTol);
+  EXPECT_EQ(m.cls, HeadClass::Broad);
+  // As positions (key_positions unset), every row has weight on one: all are measured.
+  EXPECT_EQ(head_metrics(w)[0].rows, 2 * kTq);
+  // key_positions = 0: no row sees a position, so the head has nothing to measure.
+  o.key_positions = 0;
+  EXPECT_EQ(head_metrics(w, o)[0].rows, 0);
+  EXPECT_EQ(head_metrics(w, o)[0].cls, HeadClass::Empty);
+  // A head whose every row sees only the appended keys is empty, not focused.
+  Tensor only_appended({1, 1, kTq, kReal + 1});
+  for (int64_t i = 0; i < kTq; ++i) only_appended.at({0, 0, i, kReal}) = 1.0f;
+  o.key_positions = kReal;
+  EXPECT_EQ(head_metrics(only_appended, o)[0].cls, HeadClass::Empty);
+}
+
+// Through the module: weights of add_bias_kv and add_zero_attn under a bottom-right causal mask
+// with T_q > T_k (queries 0, 1 see no real key) and a key padding mask that hides all but the
+// last real key of sequence 1 (then queries 0 … 4 see none there). The masks give those rows
+// weight exactly 0 on every real key, so the rows measured are the rows that see a real key.
+TEST(HeadMetrics, ModuleRowsWhoseMasksHideEveryRealKeyAreNotMeasured) {
+  constexpr int64_t kE = 8, kH = 2, kTq = 6, kTk = 4, kB = 2;
+  MhaConfig c;
+  c.embed_dim = kE, c.num_heads = kH, c.add_bias_kv = true, c.add_zero_attn = true;
+  c.layout = Layout::BatchFirst;
+  const MultiheadAttention module(c, 3);
+  MhaForwardOptions opt;
+  opt.causal = Causal::bottom_right();
+  opt.need_weights = NeedWeights::PerHead;
+  opt.key_padding_mask.is_padding = BoolTensor({kB, kTk});
+  for (int64_t j = 0; j < kTk - 1; ++j) opt.key_padding_mask.is_padding.at({1, j}) = 1;
+  const Tensor q = testing::random_tensor({kB, kTq, kE}, 4), kv = testing::random_tensor({kB, kTk, kE}, 5);
+  const Tensor w = module.forward(q, kv, kv, opt).attn_weights;
+  ASSERT_EQ(w.size(3), kTk + 2);
+  // Query i sees real key j when j ≤ i − (T_q − T_k) and j is not padding.
+  int64_t seeing = 0;
+  for (int64_t b = 0; b < kB; ++b)
+    for (int64_t i = 0; i < kTq; ++i) {
+      bool sees = false;
+      for (int64_t j = 0; j < kTk; ++j)
+        sees = sees || (j <= i - (kTq - kTk) && opt.key_padding_mask.is_padding.at({b, j}) == 0);
+      seeing += sees;
+      for (int64_t h = 0; h < kH; ++h) {
+        float appended = 0;
+        for (int64_t j = kTk; j < kTk + 2; ++j) appended += w.at({b, h, i, j});
+        if (!sees) EXPECT_NEAR(appended, 1.0f, 1e-6) << b << " " << i;  // all of it on bias_k and the zero key
+      }
+    }
+  EXPECT_EQ(seeing, kB * kTq - 2 - 5);
+  MetricsOptions o;
+  o.key_positions = kTk;
+  o.query_offset = opt.causal.offset_for(kTq, kTk);
+  o.key_padding = opt.key_padding_mask.is_padding;
+  for (const HeadMetrics& m : head_metrics(w, o)) EXPECT_EQ(m.rows, seeing) << "head " << m.head;
 }
 
 // Padding (true = padding): the sink is each sequence's first real key (left padding puts none of

@@ -195,10 +195,19 @@ TEST(CliAnalyze, AppendedBiasKeyIsNoPosition) {
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["t_k"], kTk);
   EXPECT_EQ(j["query_offset"], 0);
+  EXPECT_EQ(j["heads"][0]["rows"], kTq);  // every query sees key 0
   EXPECT_LT(j["heads"][0]["self"].get<double>(), 1e-4);
   EXPECT_LT(j["heads"][0]["prev_token"].get<double>(), 1e-4);
   EXPECT_GT(j["heads"][0]["focus"].get<double>(), 0.99);
   EXPECT_NE(j["heads"][0]["class"], "prev_token");
+  // Bottom-right, queries 0 and 1 see no real key, only bias_k: those rows are not measured.
+  w.set_metadata("causal_align", "bottom_right");
+  w.write(weights);
+  const auto br = run_command(kCli + " analyze --json --weights " + weights + " --inputs " + inputs);
+  ASSERT_EQ(br.exit_code, 0) << br.err;
+  const auto jb = nlohmann::json::parse(br.out);
+  EXPECT_EQ(jb["query_offset"], kTk - kTq);
+  EXPECT_EQ(jb["heads"][0]["rows"], kTq - (kTq - kTk));
 }
 
 // A key padding mask on self-attention inputs: padded query rows are not measured (they were

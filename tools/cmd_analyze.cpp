@@ -173,10 +173,12 @@ void run_analyze(const AnalyzeArgs& a) {
     // failing the whole report.
     std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
-    std::printf("%lld heads (d=%lld, kv_heads=%lld) on B=%lld, T_q=%lld, T_k=%lld%s; fully masked rows excluded\n",
-                static_cast<long long>(H), static_cast<long long>(c.head_dim()), static_cast<long long>(c.kv_heads()),
-                static_cast<long long>(B), static_cast<long long>(Tq), static_cast<long long>(Tk),
-                extra ? " (+ appended bias_k / zero key positions)" : "");
+    std::printf(
+        "%lld heads (d=%lld, kv_heads=%lld) on B=%lld, T_q=%lld, T_k=%lld%s; rows with no weight on a key position "
+        "excluded\n",
+        static_cast<long long>(H), static_cast<long long>(c.head_dim()), static_cast<long long>(c.kv_heads()),
+        static_cast<long long>(B), static_cast<long long>(Tq), static_cast<long long>(Tk),
+        extra ? " (+ appended bias_k / zero key positions)" : "");
     if (mopt.key_padding.defined())
       std::printf("key padding: the sink is each sequence's first real key%s\n",
                   mopt.query_padding.defined() ? "; padded query rows (self-attention) are not measured" : "");
@@ -212,7 +214,8 @@ static void add_analyze_command(CLI::App& app) {
       "first key (sink), on the previous and on the own position, mean row maximum (focus), and a class "
       "(attention_sink > prev_token > self_attend > focused > broad). Inputs as for `mha forward` (but not a packed "
       "batch: weights are returned per padded batch). Appended bias_k / zero-attention keys count in the entropy "
-      "and focus, never as a query's own or previous position. With a key_padding_mask (a float one: entries "
+      "and focus, never as a query's own or previous position; rows with no weight on a real key (fully masked, or "
+      "left only the appended keys by the masks) are not measured. With a key_padding_mask (a float one: entries "
       "of -inf or at most -1e30) the sink is each sequence's first real key, and for self-attention inputs "
       "padded query rows are not measured.");
   cmd->add_option("--weights", a->weights, "safetensors file with the weights and the configuration metadata")

@@ -2,7 +2,7 @@
 //
 // Input: attention weights (B, h, T_q, T_k), or (h, T_q, T_k) for one sequence, as returned by
 // MultiheadAttention::forward with NeedWeights::PerHead. For each head, over every row (b, i) that
-// is not fully masked (a row of all zeros: docs/semantics.md, 'Fully masked rows') is excluded from every mean:
+// sees a key position (below):
 //   entropy     mean of −Σ_j w[i,j]·ln w[i,j]          (nats; 0·ln 0 = 0; uniform over n keys = ln n)
 //   sink        mean of w[i, 0]                         (mass on the first key)
 //   prev_token  mean of w[i, p(i) − 1]                  (mass on the previous position)
@@ -16,6 +16,16 @@
 // KV-cache decoding); MetricsOptions::query_offset sets it explicitly (a top-left causal mask's
 // offset is 0). A row whose p(i) − 1 (or p(i)) lies outside [0, n) does not enter the prev_token
 // (self) mean; a head where no row qualifies reports 0 there (e.g. T = 1 has no previous token).
+// A row sees a key position when it has weight on one of the first n columns. Rows that see none
+// are excluded from every mean: fully masked rows (all zeros: docs/semantics.md, 'Fully masked
+// rows'), and rows whose only visible keys are the appended bias_k / zero-attention ones — every
+// real key hidden by attn_mask, key_padding_mask or the causal rule, which never hide those
+// columns — whose weight, all on those columns, would read as focus 1 and entropy 0 and say
+// nothing of the head. The weights decide, as they do for fully masked rows: a hidden key's weight
+// is exactly 0, and so is the weight of a key a float mask pushes down by ~1e30 (Hugging Face's
+// finfo.min padding) or of a visible key that scores too far below the row's best for float32
+// (about 87 below in mha's weights): a row whose every real key is that far below an appended key
+// is left out too, its weights being those of a masked row. key_positions = 0 leaves no row.
 // Padding, when given (MetricsOptions, PyTorch's polarity: true = padding): rows of padded queries
 // are excluded from every mean like fully masked rows (their outputs are discarded anyway), and
 // the sink is each sequence's first key that is not padding (with left padding, key 0 is padding
@@ -27,7 +37,7 @@
 //   self_attend     self > 0.4
 //   focused         entropy < 0.5 nats
 //   broad           otherwise
-//   empty           the head has no unmasked row (nothing to measure)
+//   empty           the head has no row that sees a key position (nothing to measure)
 // The comparisons are strict; the thresholds are configurable (HeadThresholds).
 #pragma once
 
@@ -59,7 +69,7 @@ struct MetricsOptions {
   std::optional<int64_t> query_offset;
   /// How many leading key columns are sequence positions, in [0, T_k]; unset = T_k. Pass T_k − 1
   /// (− 2) for weights of a module with add_bias_kv (and add_zero_attn), whose extra columns come
-  /// last.
+  /// last (rows with weight on those columns only are then not measured).
   std::optional<int64_t> key_positions;
   /// (B, key_positions), nonzero = padding (PyTorch's key_padding_mask polarity); undefined = none.
   /// The sink of sequence b is its first key that is not padding.
@@ -71,7 +81,7 @@ struct MetricsOptions {
 
 struct HeadMetrics {
   int64_t head = 0;
-  int64_t rows = 0;         ///< rows measured (all batches), fully masked rows excluded
+  int64_t rows = 0;         ///< rows measured (all batches): those that see a key position
   double entropy = 0.0;     ///< nats
   double sink = 0.0;        ///< mean weight on key 0
   double prev_token = 0.0;  ///< mean weight on key p(i) − 1

@@ -608,6 +608,9 @@ def analyze(weights: Any, *, query_offset: Optional[int] = None, key_positions: 
     top-left causal mask's is 0). ``key_positions`` (default T_k) says how many leading key columns
     are sequence positions: pass T_k - 1 (- 2) for weights of a module with ``add_bias_kv`` (and
     ``add_zero_attn``), whose extra columns come last and are never a query's own or previous token.
+    Rows with no weight on any of the first ``key_positions`` columns are not measured: fully masked
+    rows, and rows whose masks left them only the extra columns (which would read as focus 1,
+    entropy 0). A hidden key's weight is exactly 0; the weights decide, as in ``head_metrics``.
 
     Padding, boolean, True = padding (torch's key_padding_mask polarity): ``key_padding_mask``
     (B, key_positions) makes each sequence's sink its first real key; ``query_padding_mask`` (B, T_q)

@@ -94,14 +94,19 @@ std::vector<HeadMetrics> head_metrics(const Tensor& weights, const MetricsOption
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < Tq; ++i) {
         const float* row = w.row(b, h, i);
-        double sum = 0, ent = 0, top = 0;
+        double ent = 0, top = 0;
+        bool sees_a_position = false;  // some weight on one of the first `positions` keys
         for (int64_t j = 0; j < Tk; ++j) {
           const double x = row[j];
-          sum += x;
-          if (x > 0) ent -= x * std::log(x);
+          if (x > 0) {
+            ent -= x * std::log(x);
+            sees_a_position = sees_a_position || j < positions;
+          }
           top = std::max(top, x);
         }
-        if (sum == 0.0) continue;  // fully masked: excluded from every mean
+        // Excluded from every mean: fully masked rows, and rows left only the appended bias_k /
+        // zero-attention keys, which would read as focus 1, entropy 0 (mha/analysis.h).
+        if (!sees_a_position) continue;
         if (options.query_padding.defined() && options.query_padding.data()[b * Tq + i] != 0) continue;
         ++rows;
         entropy += ent;

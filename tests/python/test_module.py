@@ -208,15 +208,34 @@ def test_gradients_finite_differences(rng):
 
 
 def test_analyze_key_positions_leave_appended_columns_out():
-    # Top-left causal, 4 queries over 2 real keys and an appended bias_k column that takes all the
-    # weight: no query's own or previous token is the bias_k column.
-    w = np.zeros((1, 1, 4, 3), np.float32)
-    w[..., 2] = 1
+    # Top-left causal, 4 queries over 2 real keys and an appended bias_k column that takes most of
+    # the weight: no query's own or previous token is the bias_k column.
+    w = np.full((1, 1, 4, 3), 0.25, np.float32)
+    w[..., 2] = 0.5
     r = mha.analyze(w, query_offset=0, key_positions=2)[0]
-    assert r["self"] == 0 and r["prev_token"] == 0 and r["class"] != "prev_token"
+    assert r["self"] == pytest.approx(0.25) and r["prev_token"] == pytest.approx(0.25)
+    assert r["class"] != "prev_token" and r["rows"] == 4
     assert mha.analyze(w, query_offset=0)[0]["self"] == pytest.approx(1 / 3)  # as a position
     with pytest.raises(ValueError, match="key_positions 4 is out of range"):
         mha.analyze(w, key_positions=4)
+
+
+def test_analyze_leaves_out_rows_that_see_only_the_appended_keys():
+    # A module with add_zero_attn under a bottom-right causal mask, T_q = 4 > T_k = 2: queries 0
+    # and 1 see no real key, so all their weight is on the zero key. Counted, they read as focus 1
+    # and entropy 0; they are left out like fully masked rows.
+    m = mha.MultiheadAttention(8, 2, batch_first=True, add_zero_attn=True, seed=3).eval()
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    kv = rng.standard_normal((1, 2, 8)).astype(np.float32)
+    causal = np.triu(np.ones((4, 2), bool), k=-1)  # True = may not attend: key j > query i - 2
+    _, w = m(q, kv, kv, attn_mask=causal, need_weights=True, average_attn_weights=False)
+    assert w.shape == (1, 2, 4, 3)
+    np.testing.assert_allclose(w[0, :, :2, 2], 1.0, rtol=1e-6)
+    assert (w[0, :, :2, :2] == 0).all()
+    for r in mha.analyze(w, key_positions=2):
+        assert r["rows"] == 2
+    assert all(r["rows"] == 4 for r in mha.analyze(w))  # the zero key as a position: every row
 
 
 def test_analyze_padding_moves_the_sink_and_leaves_padded_queries_out():
