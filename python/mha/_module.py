@@ -77,8 +77,10 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     if attn_mask is not None:
         m = _numpy(attn_mask)
         if _is_bool(m):
-            # PyTorch's polarity (True = may NOT attend), converted once, here, to mha's "allowed".
-            args.attn_allowed = np.logical_not(m).view(np.uint8)
+            # PyTorch's polarity (True = may NOT attend), as it is: the binding negates it into
+            # mha's "allowed" in the one pass that copies it into the library's mask, reading it in
+            # place whatever its strides (np.logical_not here made a second mask-sized copy).
+            args.attn_masked_out = m
         elif m.dtype.kind == "f":
             args.attn_additive = m
         else:
@@ -86,7 +88,7 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     if key_padding_mask is not None:
         m = _numpy(key_padding_mask)
         if _is_bool(m):
-            args.key_padding = (m != 0).view(np.uint8)
+            args.key_padding = m  # read in place, nonzero = padding, as attn_mask
         elif m.dtype.kind == "f":
             args.key_bias = m
         else:
@@ -625,7 +627,7 @@ def analyze(weights: Any, *, query_offset: Optional[int] = None, key_positions: 
         a = np.asarray(m)
         if a.dtype != np.bool_:
             raise TypeError(f"{fn}: {name} must be a boolean array (True = padding), got dtype {a.dtype}")
-        return np.ascontiguousarray(a).view(np.uint8)
+        return a  # read in place by the binding, whatever its strides
 
     result = _core.analyze(w, None if query_offset is None else _i64(fn, "query_offset", query_offset),
                            None if key_positions is None else _i64(fn, "key_positions", key_positions),

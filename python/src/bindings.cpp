@@ -71,11 +71,37 @@ mha::Tensor tensor_from(const py::array_t<float, py::array::c_style | py::array:
   return mha::Tensor(std::move(shape), std::move(values));
 }
 
-mha::BoolTensor bool_tensor_from(const py::array_t<uint8_t, py::array::c_style | py::array::forcecast>& a) {
-  mha::Shape shape(a.shape(), a.shape() + a.ndim());
-  mha::TensorStorage<uint8_t> values(a.data(), a.data() + a.size());
-  for (auto& x : values) x = x ? 1 : 0;
-  return mha::BoolTensor(std::move(shape), std::move(values));
+/// An owning BoolTensor of 0 / 1 from a bool or uint8 numpy array (nonzero = true), read in place
+/// whatever its strides (transposed, sliced, broadcast, reversed): the one copy that the module's
+/// owning masks need. With `negate`, true becomes 0 and false 1 in that same pass, so that PyTorch's
+/// "True = masked out" turns into mha's "allowed" without numpy's logical_not first making a mask-sized
+/// copy of its own (and the conversion to contiguous uint8 a second).
+mha::BoolTensor bool_tensor_from(const py::array& a, const char* what, bool negate = false) {
+  if (a.itemsize() != 1 || (a.dtype().kind() != 'b' && a.dtype().kind() != 'u'))
+    mha::fail(what, ": expected a bool or uint8 array, got dtype ", std::string(py::str(a.dtype())));
+  const auto rank = static_cast<size_t>(a.ndim());
+  mha::BoolTensor t = mha::BoolTensor::uninitialized(mha::Shape(a.shape(), a.shape() + rank));
+  if (t.numel() == 0) return t;
+  const auto* base = static_cast<const uint8_t*>(a.data());
+  const int64_t cols = rank ? a.shape(rank - 1) : 1, col_stride = rank ? a.strides(rank - 1) : 0;
+  // An odometer over the axes before the last: `row` is the byte offset of the current row.
+  std::vector<int64_t> index(rank ? rank - 1 : 0, 0);
+  int64_t row = 0;
+  uint8_t* out = t.data();
+  for (int64_t r = 0, rows = t.numel() / cols; r < rows; ++r, out += cols) {
+    const uint8_t* src = base + row;
+    if (col_stride == 1)  // the common case, kept apart so that it vectorises
+      for (int64_t j = 0; j < cols; ++j) out[j] = static_cast<uint8_t>((src[j] != 0) != negate);
+    else
+      for (int64_t j = 0; j < cols; ++j) out[j] = static_cast<uint8_t>((src[j * col_stride] != 0) != negate);
+    for (size_t axis = index.size(); axis-- > 0;) {
+      row += a.strides(static_cast<py::ssize_t>(axis));
+      if (++index[axis] < a.shape(static_cast<py::ssize_t>(axis))) break;
+      row -= a.strides(static_cast<py::ssize_t>(axis)) * a.shape(static_cast<py::ssize_t>(axis));
+      index[axis] = 0;
+    }
+  }
+  return t;
 }
 
 /// A numpy array that owns a copy of the tensor (empty tensor → None).
@@ -267,7 +293,6 @@ auto writing(const Cache& cache, F&& f) {
 }
 
 using F32In = py::array_t<float, py::array::c_style | py::array::forcecast>;
-using BoolIn = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
 
 /// Attention of q (B, h, T_q, d) over a KV cache by `attend(q, options, out, lse)`, without the GIL:
 /// (out (B, h, T_q, d_v), lse (B, h, T_q)).
@@ -320,9 +345,11 @@ const std::vector<std::string> kParamNames = {"in_proj_weight", "q_proj_weight",
 
 /// The forward options, from the Python half's already-converted masks (mha polarity).
 struct ForwardArgs {
-  std::optional<BoolIn> attn_allowed;
+  /// attn_mask in PyTorch's polarity (nonzero = may NOT attend) and key_padding_mask (nonzero =
+  /// padding): bool or uint8 arrays of any strides, copied once, into the options (bool_tensor_from).
+  std::optional<py::array> attn_masked_out;
   std::optional<F32In> attn_additive;
-  std::optional<BoolIn> key_padding;
+  std::optional<py::array> key_padding;
   std::optional<F32In> key_bias;
   bool is_causal = false;
   std::string need_weights = "none";  // none | per_head | averaged
@@ -335,9 +362,10 @@ struct ForwardArgs {
 
 mha::MhaForwardOptions forward_options(const ForwardArgs& a) {
   mha::MhaForwardOptions o;
-  if (a.attn_allowed) o.attn_mask = mha::AttnMask::allow(bool_tensor_from(*a.attn_allowed));
+  if (a.attn_masked_out)
+    o.attn_mask = mha::AttnMask::allow(bool_tensor_from(*a.attn_masked_out, "attn_mask", /*negate=*/true));
   if (a.attn_additive) o.attn_mask = mha::AttnMask::add(tensor_from(*a.attn_additive));
-  if (a.key_padding) o.key_padding_mask.is_padding = bool_tensor_from(*a.key_padding);
+  if (a.key_padding) o.key_padding_mask.is_padding = bool_tensor_from(*a.key_padding, "key_padding_mask");
   if (a.key_bias) o.key_padding_mask.additive = tensor_from(*a.key_bias);
   if (a.is_causal) o.causal = mha::Causal::top_left();
   if (a.need_weights == "per_head")
@@ -571,7 +599,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<ForwardArgs>(m, "ForwardArgs")
       .def(py::init<>())
-      .def_readwrite("attn_allowed", &ForwardArgs::attn_allowed)
+      .def_readwrite("attn_masked_out", &ForwardArgs::attn_masked_out)
       .def_readwrite("attn_additive", &ForwardArgs::attn_additive)
       .def_readwrite("key_padding", &ForwardArgs::key_padding)
       .def_readwrite("key_bias", &ForwardArgs::key_bias)
@@ -925,12 +953,12 @@ PYBIND11_MODULE(_core, m) {
     return py::make_tuple(tensors, f.metadata());
   });
   m.def("analyze", [](const F32In& weights, std::optional<int64_t> query_offset, std::optional<int64_t> key_positions,
-                      std::optional<BoolIn> key_padding, std::optional<BoolIn> query_padding) {
+                      std::optional<py::array> key_padding, std::optional<py::array> query_padding) {
     mha::MetricsOptions o;
     o.query_offset = query_offset;
     o.key_positions = key_positions;
-    if (key_padding) o.key_padding = bool_tensor_from(*key_padding);
-    if (query_padding) o.query_padding = bool_tensor_from(*query_padding);
+    if (key_padding) o.key_padding = bool_tensor_from(*key_padding, "key_padding_mask");
+    if (query_padding) o.query_padding = bool_tensor_from(*query_padding, "query_padding_mask");
     return metrics_list(mha::head_metrics(tensor_from(weights), o));
   });
   m.def("write_heatmap_png",

@@ -505,3 +505,64 @@ def test_load_weights_while_another_thread_runs_forward(tmp_path):
         stop.set()
         t.join()
     assert not wrong
+
+
+def _mask_layouts(masked, rng):
+    """``masked`` (a C-contiguous bool array of rank ≥ 2) in layouts the binding reads in place."""
+    last = masked.ndim - 1
+    return {
+        "transposed": np.ascontiguousarray(np.swapaxes(masked, last - 1, last)).swapaxes(last - 1, last),
+        "every other column": np.repeat(masked, 2, axis=-1)[..., ::2],
+        "reversed": masked[..., ::-1, ::-1].copy()[..., ::-1, ::-1],
+        "uint8, any nonzero": (masked * rng.integers(1, 256, masked.shape)).astype(np.uint8),
+        "broadcast": np.broadcast_to(masked[..., :1, :], masked.shape),
+    }
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_bool_masks_are_read_in_place_in_any_layout(rng, rank):
+    """A torch-polarity bool attn_mask was inverted by np.logical_not, and the result (F-ordered for
+    a transposed mask) copied again into C-contiguous uint8 before the library's own copy: two to
+    three mask-sized copies a call. The binding now reads the mask in place, whatever its strides,
+    negating it in the one copy the library keeps; every layout gives the contiguous mask's numbers."""
+    import tracemalloc
+
+    B, h = 2, 4
+    m = mha.MultiheadAttention(16, h, batch_first=True, seed=5).eval()
+
+    def inputs(T, S):
+        masked = rng.random((T, S) if rank == 2 else (B * h, T, S)) < 0.3
+        masked[..., 0] = False  # every row sees a key, so the float mask's numbers compare too
+        padding = rng.random((B, S)) < 0.3
+        padding[:, 0] = False
+        return x(rng, B, T, 16), x(rng, B, S, 16), masked, padding
+
+    q, kv, masked, padding = inputs(7, 9)
+    paddings = {"contiguous": padding, "reversed": padding[:, ::-1].copy()[:, ::-1],
+                "broadcast": np.broadcast_to(padding[:1], padding.shape)}
+    layouts = _mask_layouts(masked, rng)
+    for name, mask in layouts.items():
+        for pname, pad in paddings.items():
+            contiguous_mask = np.ascontiguousarray(mask != 0)
+            want = m(q, kv, kv, attn_mask=contiguous_mask, key_padding_mask=np.ascontiguousarray(pad),
+                     average_attn_weights=False)
+            got = m(q, kv, kv, attn_mask=mask, key_padding_mask=pad, average_attn_weights=False)
+            for g, w in zip(got, want):
+                assert np.array_equal(g, w), (name, pname)
+            additive = np.where(contiguous_mask, -np.inf, 0).astype(np.float32)
+            np.testing.assert_allclose(got[0], m(q, kv, kv, attn_mask=additive, key_padding_mask=pad)[0], atol=1e-6)
+    g_in_place = m.gradients(q, kv, kv, q, attn_mask=layouts["transposed"], key_padding_mask=paddings["reversed"])
+    g_contiguous = m.gradients(q, kv, kv, q, attn_mask=masked, key_padding_mask=padding)
+    for n, g in g_contiguous[1].items():
+        assert np.array_equal(g_in_place[1][n], g), n
+    # No copy of a mask on the numpy side: tracemalloc sees numpy's allocations (not the library's).
+    q, kv, masked, padding = inputs(128, 160)
+    for name, mask in _mask_layouts(masked, rng).items():
+        m(q, kv, kv, attn_mask=mask, key_padding_mask=padding[:, ::-1], need_weights=False)
+        tracemalloc.start()
+        try:
+            m(q, kv, kv, attn_mask=mask, key_padding_mask=padding[:, ::-1], need_weights=False)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < masked.size // 8, (name, peak)
