@@ -1,9 +1,11 @@
 """Scaled dot-product attention on numpy arrays: :func:`sdpa` and :func:`sdpa_backward`."""
 from __future__ import annotations
 
+import contextlib
+import math
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -141,17 +143,31 @@ def _float_mask(name: str, m: Any, fn: str) -> np.ndarray:
     return _in_place(_broadcast4(name, _float_array(name, m, fn), fn))
 
 
+def _finite(fn: str, name: str, values: Sequence[float]) -> None:
+    """A ValueError naming the argument and its first NaN or ±inf entry, if any. The library refuses
+    them too, but its message names its own field and check ("MhaConfig: alibi slope nan", "sdpa:
+    sink logit 1"), neither of which the Python caller wrote."""
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise ValueError(f"{fn}: {name} must be finite, got {name}[{i}] = {v}")
+
+
 def _per_head(name: str, x: Any, fn: str) -> List[float]:
+    """One finite number per head (ALiBi slopes, sink logits) as a list of floats: TypeError for
+    anything but a 1-D array of numbers, ValueError (:func:`_finite`) for a NaN or ±inf."""
     a = np.asarray(x)
     if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.number) or a.ndim != 1:
         raise TypeError(f"{fn}: {name} must be a 1-D sequence of numbers (one per query head), got "
                         f"{a.dtype} with shape {a.shape}")
-    return [float(v) for v in a]
+    values = [float(v) for v in a]
+    _finite(fn, name, values)
+    return values
 
 
 def _score_edit_values(fn: str, alibi_slopes: Any, softcap: Any, sinks: Any) -> Tuple[List[float], float, List[float]]:
     """(ALiBi slopes, softcap, sink logits) as the core takes them, an empty list for None (off);
-    types are checked here, lengths and values by the library (ValueError naming the argument)."""
+    types and finiteness are checked here (:func:`_per_head`), lengths and the softcap's value by the
+    library (ValueError naming the argument)."""
     slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
     return slopes, _number(fn, "softcap", softcap), [] if sinks is None else _per_head("sinks", sinks, fn)
 
@@ -379,6 +395,20 @@ def _name(fn: str, name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{fn}: {name} must be a str, got {type(value).__name__}")
     return value
+
+
+@contextlib.contextmanager
+def _named_errors(fn: str, heads: Tuple[str, ...]) -> Iterator[None]:
+    """Names what the user called in the core's ValueErrors whose message starts with one of
+    ``heads``: names a Python caller never wrote, such as the C++ configuration "MhaConfig" or the
+    module's own "MultiheadAttention.forward" behind mha.torch."""
+    try:
+        yield
+    except ValueError as e:
+        head, sep, rest = str(e).partition(": ")
+        if sep and head in heads:
+            raise ValueError(f"{fn}: {rest}") from None
+        raise
 
 
 def _count(fn: str, name: str, value: Any, zero: str) -> int:

@@ -9,8 +9,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
-from ._functional import (_i64, _name, _narrowed, _number, _offsets, _optional_count, _per_head, _probability,
-                          _score_edit_values, _seed, _splits, _threads)
+from ._functional import (_finite, _i64, _name, _named_errors, _narrowed, _number, _offsets, _optional_count,
+                          _per_head, _probability, _score_edit_values, _seed, _splits, _threads)
 
 __all__ = ["Rope", "MultiheadAttention", "KvCache", "PagedKvCache", "attend_cache", "attend_paged_cache", "analyze",
            "prune_heads", "head_importance", "load_safetensors"]
@@ -101,6 +101,14 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
     args.seed = _seed(fn, "dropout_seed", seed)
     args.threads = _threads(fn, threads)
     return args
+
+
+def _finite_sinks(fn: str, core: "_core.Module") -> None:
+    """A ValueError naming the parameter when a module's sink logits (attention_sinks) are not all
+    finite: refused where they are loaded, since every later call would fail on them with the
+    library's message, which names an "sdpa" the caller never called."""
+    if "sinks" in core.param_names():
+        _finite(fn, "sinks", core.get("sinks").tolist())
 
 
 def _i64s(fn: str, **named: Any) -> List[int]:
@@ -303,7 +311,7 @@ def _cache_query(fn: str, q: Any, cache: Any, kind: type) -> np.ndarray:
 def _cache_options(fn: str, scale: Any, window: Any, splits: Any, threads: Any, alibi_slopes: Any, softcap: Any,
                    sinks: Any) -> Tuple[Any, ...]:
     """attend_cache's and attend_paged_cache's options in the binding's order, each checked as
-    :func:`mha.sdpa` checks it (types here; lengths and finiteness by the library, as ValueError)."""
+    :func:`mha.sdpa` checks it (types and finiteness here; lengths by the library, as ValueError)."""
     return (None if scale is None else _number(fn, "scale", scale), _i64(fn, "window", window), _splits(fn, splits),
             _threads(fn, threads), *_score_edit_values(fn, alibi_slopes, softcap, sinks))
 
@@ -380,17 +388,19 @@ class MultiheadAttention:
         widths = [_optional_count(fn, name, val, default) for name, val, default in
                   (("num_kv_heads", num_kv_heads, "num_heads"), ("kdim", kdim, "embed_dim"), ("vdim", vdim, "embed_dim"))]
         p = 0.0 if dropout is False else _probability(fn, "dropout", _number(fn, "dropout", dropout))  # as torch
-        self._m = _core.Module(embed_dim, num_heads, *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn), p,
-                               bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
-                               int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
-                               _seed(fn, "seed", seed))
-        softcap = 0.0 if softcap is None else _number(fn, "softcap", softcap)
-        if scale is not None or alibi_slopes is not None or softcap or attention_sinks:
-            # Softmax scale (default 1/sqrt(d)), ALiBi slopes (mha.alibi_slopes(h) for the standard
-            # schedule), logit softcap c > 0, learned sink logits (parameter "sinks", zeros at init).
-            slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
-            self._m = self._m.with_score_options(slopes, softcap, bool(attention_sinks),
-                                                 None if scale is None else _number(fn, "scale", scale))
+        # The configuration's errors name this constructor, not the C++ MhaConfig that checks them.
+        with _named_errors(fn, ("MhaConfig",)):
+            self._m = _core.Module(embed_dim, num_heads, *widths, bool(bias), bool(add_bias_kv), bool(add_zero_attn),
+                                   p, bool(batch_first), rope is not None, float(rope.theta if rope else 10000.0),
+                                   int(rope.dims if rope else 0), str(rope.pairing if rope else "half_split"), 0,
+                                   _seed(fn, "seed", seed))
+            softcap = 0.0 if softcap is None else _number(fn, "softcap", softcap)
+            if scale is not None or alibi_slopes is not None or softcap or attention_sinks:
+                # Softmax scale (default 1/sqrt(d)), ALiBi slopes (mha.alibi_slopes(h) for the standard
+                # schedule), logit softcap c > 0, learned sink logits (parameter "sinks", zeros at init).
+                slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
+                self._m = self._m.with_score_options(slopes, softcap, bool(attention_sinks),
+                                                     None if scale is None else _number(fn, "scale", scale))
         self.training = True
         self.dropout_seed = 0
 
@@ -449,7 +459,8 @@ class MultiheadAttention:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Loads parameters by PyTorch name (numpy arrays, or CPU torch tensors). Shapes must match;
-        with ``strict`` every parameter must be present and no other name may appear."""
+        with ``strict`` every parameter must be present and no other name may appear; ``sinks``
+        must be finite (ValueError naming it, the module unchanged)."""
         names = self._m.param_names()
         if strict:
             missing = [n for n in names if n not in state_dict]
@@ -462,6 +473,7 @@ class MultiheadAttention:
         for n, value in state_dict.items():
             if n in names:
                 staged.set(n, _f32(n, value, "load_state_dict"))
+        _finite_sinks("load_state_dict", staged)
         self._m = staged
 
     def save(self, path: PathLike, names: str = "pytorch") -> None:
@@ -472,16 +484,20 @@ class MultiheadAttention:
     @classmethod
     def load(cls, path: PathLike) -> "MultiheadAttention":
         """A module built from a safetensors file's configuration metadata and weights (either naming)."""
-        return cls._wrap(_core.load_module(os.fspath(path)))
+        core = _core.load_module(os.fspath(path))
+        _finite_sinks("MultiheadAttention.load", core)
+        return cls._wrap(core)
 
     def load_weights(self, path: PathLike) -> None:
         """Loads weights (either naming) from a safetensors file into this module. Shapes are checked,
         and every configuration field the file's metadata states (mha's own files state them all)
-        must be this module's, but batch_first and dropout: ValueError naming the field otherwise."""
+        must be this module's, but batch_first and dropout: ValueError naming the field otherwise
+        (or naming ``sinks``, which must be finite)."""
         # Into a copy, then swapped in (as load_state_dict): a forward running on another thread
         # (without the GIL) keeps reading the parameters it started with, never freed ones.
         staged = copy.copy(self._m)
         _core.load_weights(staged, os.fspath(path))
+        _finite_sinks("load_weights", staged)
         self._m = staged
 
     # ---- forward ----------------------------------------------------------------------------

@@ -16,7 +16,6 @@ copies of its layer).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Optional, Tuple
 
@@ -24,7 +23,8 @@ import numpy as np
 import torch as _torch
 
 from . import _core
-from ._functional import _args, _i64, _in_place, _number, _optional_count, _per_head, _probability
+from ._functional import (_args, _finite, _i64, _in_place, _named_errors, _number, _optional_count, _per_head,
+                          _probability)
 from ._module import Rope, _forward_args
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
@@ -71,18 +71,7 @@ def _mask_np(m: Optional[_torch.Tensor], name: str, fn: str, uint8: bool = False
     return (m.float() if m.dtype == _torch.bfloat16 else m).numpy()
 
 
-@contextlib.contextmanager
-def _named_errors(fn: str, heads: Tuple[str, ...] = ("MultiheadAttention.forward", "forward_train")):
-    """Names what the user called in the core's ValueErrors: the module's forward reports itself as
-    MultiheadAttention.forward or forward_train, its configuration as MhaConfig, names a torch user
-    never calls."""
-    try:
-        yield
-    except ValueError as e:
-        head, sep, rest = str(e).partition(": ")
-        if sep and head in heads:
-            raise ValueError(f"{fn}: {rest}") from None
-        raise
+_MODULE_HEADS = ("MultiheadAttention.forward", "forward_train")  # what the core's forwards call themselves
 
 
 # with_score_options' arguments (ALiBi slopes, softcap, sinks, scale) when no edit is asked for.
@@ -91,12 +80,10 @@ _NO_SCORE_EDITS: Tuple[Any, ...] = ([], 0.0, False, None)
 
 def _score_edits(fn: str, scale: Any, alibi_slopes: Any, softcap: Any, attention_sinks: Any) -> Tuple[Any, ...]:
     """The score edits in with_score_options' order. Types are checked here, and the values the
-    library would not name the argument of (a non-finite slope, a softcap that is neither 0 nor a
-    finite c > 0); the slope count and the scale's finiteness by the library (ValueError). A softcap
-    of None or 0 is off, as in the numpy module and the library."""
+    library would not name the argument of (a non-finite slope, by _per_head; a softcap that is
+    neither 0 nor a finite c > 0); the slope count and the scale's finiteness by the library
+    (ValueError). A softcap of None or 0 is off, as in the numpy module and the library."""
     slopes = [] if alibi_slopes is None else _per_head("alibi_slopes", alibi_slopes, fn)
-    if not np.isfinite(slopes).all():
-        raise ValueError(f"{fn}: alibi_slopes must be finite, got {slopes}")
     c = 0.0
     if softcap is not None:
         c = _number(fn, "softcap", softcap)
@@ -360,9 +347,8 @@ class MultiheadAttention(_torch.nn.Module):
         for n, p in items:
             _check(n, p, fn)
         params = {n: _np(p) for n, p in items}
-        if "sinks" in params and not np.isfinite(params["sinks"]).all():
-            # (the library's own message names an "sdpa" the user never called)
-            raise ValueError(f"{fn}.forward: sinks must be finite, got {params['sinks'].tolist()}")
+        if "sinks" in params:  # (the library's own message names an "sdpa" the user never called)
+            _finite(fn + ".forward", "sinks", params["sinks"].tolist())
         # This call's own module with the current parameters: the shared core is never written, so
         # threads may call forward (and backward) on one module at once, as on torch's.
         core = self._core.with_params(params)
@@ -373,7 +359,7 @@ class MultiheadAttention(_torch.nn.Module):
         needs_grad = _torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
                                                    or any(p.requires_grad for _, p in items))
         weights = None
-        with _named_errors(fn + ".forward"):
+        with _named_errors(fn + ".forward", _MODULE_HEADS):
             if need_weights or not needs_grad:
                 need = "none" if not need_weights else ("averaged" if average_attn_weights else "per_head")
                 args = _forward_args(fn, kpm, am, is_causal, need, training, seed, 0)

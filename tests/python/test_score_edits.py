@@ -112,3 +112,40 @@ def test_module_sinks_parameter_and_config():
     sd["sinks"] = np.full(4, 2.0, np.float32)
     m.load_state_dict(sd)
     assert not np.allclose(m(x, x, x)[0], y0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(alibi_slopes=[0.5, np.nan, 0.1, 0.1]), r"alibi_slopes must be finite, got alibi_slopes\[1\] = nan$"),
+    (dict(alibi_slopes=np.array([0.5, 0.1, 0.1, -np.inf])), r"alibi_slopes must be finite, got alibi_slopes\[3\] = -inf$"),
+    (dict(alibi_slopes=[0.5, 0.25]), r"alibi_slopes has 2 entries, expected one per head \(4\)$"),
+    (dict(softcap=np.inf), "softcap must be a finite c > 0"),
+    (dict(scale=np.nan), "scale must be finite"),
+])
+def test_module_score_edit_values_are_named_as_the_constructor_took_them(kw, match):
+    """The library's messages named its C++ configuration and field ("MhaConfig: alibi slope nan is
+    not finite"): the constructor's ValueError now names it and the argument."""
+    with pytest.raises(ValueError, match=r"^MultiheadAttention: " + match):
+        mha.MultiheadAttention(16, 4, **kw)
+
+
+def test_module_non_finite_sinks_are_refused_where_they_are_loaded(tmp_path):
+    """Non-finite sink logits loaded into the module failed every later call with "sdpa: sink logit 1
+    is not finite", naming a function the caller never called; each way in now names the parameter,
+    leaving the module as it was."""
+    m = mha.MultiheadAttention(16, 4, batch_first=True, attention_sinks=True)
+    x = np.random.default_rng(2).standard_normal((2, 5, 16)).astype(np.float32)
+    before = m(x, x, x)[0]
+    for bad in (np.inf, -np.inf, np.nan):
+        sd = m.state_dict()
+        sd["sinks"] = np.array([0.0, 0.5, bad, 0.0], np.float32)
+        with pytest.raises(ValueError, match=rf"^load_state_dict: sinks must be finite, got sinks\[2\] = {bad}$"):
+            m.load_state_dict(sd)
+        assert np.array_equal(m(x, x, x)[0], before)
+    poisoned = mha.MultiheadAttention(16, 4, batch_first=True, attention_sinks=True)
+    poisoned._m.set("sinks", np.array([np.nan, 0, 0, 0], np.float32))  # only a file can bring them in now
+    poisoned.save(tmp_path / "poisoned.safetensors")
+    with pytest.raises(ValueError, match=r"^load_weights: sinks must be finite, got sinks\[0\] = nan$"):
+        m.load_weights(tmp_path / "poisoned.safetensors")
+    assert np.array_equal(m(x, x, x)[0], before)
+    with pytest.raises(ValueError, match=r"^MultiheadAttention.load: sinks must be finite, got sinks\[0\] = nan$"):
+        mha.MultiheadAttention.load(tmp_path / "poisoned.safetensors")
