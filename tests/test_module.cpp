@@ -505,6 +505,73 @@ TEST(Module, ScratchPoolKeepsTheLargestBuffersAndHandsEachToOneCaller) {
   EXPECT_EQ(pool->free_buffers(), size_t{0});
 }
 
+// with_params binds other parameters to the same configuration and workspace (mha.torch does so on
+// every call): the bound module computes with its own parameters, gives its buffers back to the
+// shared pool, keeps sharing it when moved (a copy does not), and checks the shapes it is given.
+TEST(Module, WithParamsSharesTheWorkspace) {
+  MhaConfig c = config(32, 4);
+  c.num_kv_heads = 2;
+  const MultiheadAttention m(c, 31), other(c, 32);
+  const Tensor x = random_tensor({3, 20, 32}, 5);
+  MultiheadAttention bound = m.with_params(other.params());
+  EXPECT_EQ(bound.workspace_pool(), m.workspace_pool());
+  EXPECT_TRUE(
+      mha::testing::bitwise_equal(bound.forward(x, x, x).output, MultiheadAttention(other).forward(x, x, x).output));
+  EXPECT_GT(m.workspace_bytes(), size_t{0});  // the bound call's buffers, back in m's pool
+  EXPECT_TRUE(mha::testing::bitwise_equal(m.forward(x, x, x).output, MultiheadAttention(m).forward(x, x, x).output));
+  const MultiheadAttention moved = std::move(bound);
+  EXPECT_EQ(moved.workspace_pool(), m.workspace_pool());
+  EXPECT_NE(MultiheadAttention(moved).workspace_pool(), m.workspace_pool());
+  m.release_workspace();
+  EXPECT_EQ(moved.workspace_bytes(), size_t{0});
+  mha::MhaParameters wrong = other.params();
+  wrong.out_proj_weight = Tensor({32, 31});
+  expect_error_mentions([&] { (void)m.with_params(wrong); }, "out_proj.weight has shape (32, 31)");
+}
+
+// Threads binding their own parameters to one module's workspace at once, for forwards and
+// training steps of several shapes, get bitwise what modules with workspaces of their own get.
+TEST(Module, ConcurrentCallsOnModulesSharingAWorkspaceMatchFreshModules) {
+  MhaConfig c = config(32, 4);
+  c.dropout = 0.1f;
+  const MultiheadAttention m(c, 41);
+  constexpr int kThreads = 3, kSteps = 4;
+  struct Want {
+    Tensor x, d_out, output, d_query, d_in_proj;
+    MultiheadAttention module;
+  };
+  std::vector<Want> wants;
+  mha::MhaForwardOptions train;
+  train.mode = mha::Mode::Training, train.dropout_seed = 9, train.causal = mha::Causal::top_left();
+  for (int t = 0; t < kThreads; ++t) {
+    const MultiheadAttention fresh(c, 50 + static_cast<uint64_t>(t));
+    const Tensor x = random_tensor({2, 9 + 13 * t, 32}, 60 + static_cast<uint64_t>(t));
+    const Tensor d_out = random_tensor(x.shape(), 70 + static_cast<uint64_t>(t));
+    const mha::MhaTrainOutput step = mha::forward_train(fresh, x, x, x, train);
+    mha::MhaGradients g = mha::backward(fresh, step.context, d_out);
+    wants.push_back(
+        {x, d_out, fresh.forward(x, x, x).output, std::move(g.query), std::move(g.params.in_proj_weight), fresh});
+  }
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      const Want& w = wants[static_cast<size_t>(t)];
+      for (int s = 0; s < kSteps; ++s) {
+        const MultiheadAttention bound = m.with_params(w.module.params());
+        if (!mha::testing::bitwise_equal(bound.forward(w.x, w.x, w.x).output, w.output)) ++wrong;
+        const mha::MhaTrainOutput step = mha::forward_train(bound, w.x, w.x, w.x, train);
+        const mha::MhaGradients g = mha::backward(bound, step.context, w.d_out);
+        if (!mha::testing::bitwise_equal(g.query, w.d_query) ||
+            !mha::testing::bitwise_equal(g.params.in_proj_weight, w.d_in_proj))
+          ++wrong;
+      }
+    });
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(m.workspace_pool()->free_buffers(), size_t{0});
+}
+
 TEST(Module, ForwardErrorsNameArgumentsAndShapes) {
   MultiheadAttention m(config(8, 2), 12);
   const Tensor x = random_tensor({2, 3, 8}, 13);

@@ -159,11 +159,15 @@ struct MhaOutput {
 namespace detail {
 class ScratchPool;
 /// The working buffers a module's forward calls reuse (layers/scratch_pool.h). Not part of the
-/// module's value: a copy starts with an empty pool of its own.
+/// module's value: a copy starts with an empty pool of its own. A move keeps the pool (and leaves
+/// the moved-from module sharing it, which is safe: the pool hands each call its own buffers), so
+/// that a module returned by value (MultiheadAttention::with_params) keeps the one it was given.
 struct ModuleScratch {
   ModuleScratch();
   ModuleScratch(const ModuleScratch&);
+  ModuleScratch(ModuleScratch&& other) noexcept;
   ModuleScratch& operator=(const ModuleScratch&);
+  ModuleScratch& operator=(ModuleScratch&& other) noexcept;
   ~ModuleScratch();
   std::shared_ptr<ScratchPool> pool;
 };
@@ -217,6 +221,15 @@ class MultiheadAttention {
   /// (mha/training.h) borrow theirs from the same place: an MhaContext holds its buffers until it is
   /// destroyed. This frees the kept ones (not those a live context holds).
   void release_workspace() const;
+  /// Bytes of the kept buffers that release_workspace() would free now (not those calls hold).
+  size_t workspace_bytes() const;
+  /// The same configuration with `params` (checked as the constructor checks them), keeping its
+  /// working buffers where this module keeps its own: calls on either reuse the buffers the other's
+  /// calls gave back, and concurrent calls on both still each get their own. For a caller that
+  /// binds fresh parameters on every call (mha.torch binds its torch module's current tensors, so
+  /// that threads may share it) and would otherwise allocate, and page-fault, a whole workspace
+  /// each time. (A copy, by contrast, starts with an empty workspace of its own.)
+  MultiheadAttention with_params(MhaParameters params) const;
   /// Internal (layers/module_core.cpp): where those buffers are kept.
   const std::shared_ptr<detail::ScratchPool>& workspace_pool() const { return scratch_.pool; }
 

@@ -192,4 +192,12 @@ MhaOutput MultiheadAttention::forward(const Tensor& query, const Tensor& key, co
 
 void MultiheadAttention::release_workspace() const { scratch_.pool->release(); }
 
+size_t MultiheadAttention::workspace_bytes() const { return scratch_.pool->free_floats() * sizeof(float); }
+
+MultiheadAttention MultiheadAttention::with_params(MhaParameters params) const {
+  MultiheadAttention bound(config_, std::move(params));
+  bound.scratch_.pool = scratch_.pool;
+  return bound;
+}
+
 }  // namespace mha

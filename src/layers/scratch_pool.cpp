@@ -101,7 +101,12 @@ size_t ScratchPool::free_floats() const {
 
 ModuleScratch::ModuleScratch() : pool(ScratchPool::make()) {}
 ModuleScratch::ModuleScratch(const ModuleScratch&) : ModuleScratch() {}
+ModuleScratch::ModuleScratch(ModuleScratch&& other) noexcept : pool(other.pool) {}
 ModuleScratch& ModuleScratch::operator=(const ModuleScratch&) { return *this; }
+ModuleScratch& ModuleScratch::operator=(ModuleScratch&& other) noexcept {
+  pool = other.pool;
+  return *this;
+}
 ModuleScratch::~ModuleScratch() = default;
 
 }  // namespace mha::detail
