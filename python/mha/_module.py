@@ -447,6 +447,11 @@ class MultiheadAttention:
         """Inference mode (no dropout). Returns self."""
         return self.train(False)
 
+    def release_workspace(self) -> None:
+        """Frees the working buffers (projections, attention heads, a training step's gradient rows)
+        the module keeps between calls to reuse them; the next call allocates afresh."""
+        self._m.release_workspace()
+
     def parameter_count(self) -> int:
         """Number of trainable scalars (4·E² + 4·E for a plain module with bias)."""
         return self._m.parameter_count()

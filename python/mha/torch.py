@@ -163,7 +163,10 @@ class MultiheadAttention(_torch.nn.Module):
 
     Each forward copies the current parameters into a module of its own (O(parameters)), which its
     backward uses: threads may share one module, and torch refuses the backward of a graph whose
-    parameters were modified in place after its forward (as for its own module).
+    parameters were modified in place after its forward (as for its own module). Those per-call
+    modules share this module's workspace: the large working buffers (projections, attention heads,
+    the backward's gradient rows) are reused from call to call, as the numpy module's are, each
+    concurrent call checking out buffers of its own.
     ``batch_first``, ``dropout`` and ``add_zero_attn`` may be changed between calls, as torch's
     forward reads them on every call. ``dropout`` must be in [0, 1): torch also takes 1.0 (every
     probability dropped, the output out_proj's bias), which mha refuses with ValueError.
@@ -283,6 +286,13 @@ class MultiheadAttention(_torch.nn.Module):
                 core = self._new_core(tuple(args))  # validates (ValueError) before anything is replaced
             self._core, self._core_args = core, tuple(args)
 
+    def release_workspace(self) -> None:
+        """Frees the working buffers the module keeps between calls to reuse them (projections,
+        attention heads and a backward's gradient rows: about 32·B·T·E bytes after a training step
+        of self-attention, 16·B·T·E after inference, for the largest B·T seen; each layer keeps its
+        own); the next call allocates afresh."""
+        self._core.release_workspace()
+
     def _reset_parameters(self) -> None:
         """PyTorch's initialisation: Xavier-uniform input projections, zero biases, Xavier-normal bias_k/v
         (and zero sinks, as mha.MultiheadAttention)."""
@@ -350,7 +360,8 @@ class MultiheadAttention(_torch.nn.Module):
         if "sinks" in params:  # (the library's own message names an "sdpa" the user never called)
             _finite(fn + ".forward", "sinks", params["sinks"].tolist())
         # This call's own module with the current parameters: the shared core is never written, so
-        # threads may call forward (and backward) on one module at once, as on torch's.
+        # threads may call forward (and backward) on one module at once, as on torch's. It keeps its
+        # working buffers in the shared core's workspace, which hands each concurrent call its own.
         core = self._core.with_params(params)
         training = self.training and self.dropout > 0.0
         seed = _dropout_seed(self.dropout) if training else 0

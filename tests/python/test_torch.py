@@ -610,3 +610,106 @@ def test_bfloat16_masks_as_torch_takes_them():
     # (torch 1.13 itself gives NaN for a float key padding mask beside an attention mask: the mask alone)
     torch.testing.assert_close(new(x, x, x, attn_mask=am)[0], ref(x, x, x, attn_mask=am.float())[0],
                                atol=2e-5, rtol=1e-4)
+
+
+def _step(m, q, k, need_weights=False, is_causal=False):
+    """One training step's results, without touching .grad: the output, the weights (when asked
+    for) and the gradients of sum(output · g) with respect to q, k and every parameter."""
+    qr, kr = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+    mask = torch.ones(q.shape[-2], k.shape[-2]).triu(1).bool() if is_causal and q.shape[-2] == k.shape[-2] else None
+    out, w = m(qr, kr, kr, need_weights=need_weights, attn_mask=mask)
+    g = torch.Generator().manual_seed(out.numel())
+    params = [p for _, p in m.named_parameters()]
+    grads = torch.autograd.grad(out, [qr, kr, *params], torch.randn(out.shape, generator=g))
+    return [out.detach(), *([] if w is None else [w]), *grads]
+
+
+# (query shape, key shape): batched, unbatched, self- and cross-attention, growing and shrinking, so
+# that a call finds buffers a larger or smaller call left in the module's workspace.
+_CHANGING_SHAPES = [((3, 40, 32), (3, 40, 32)), ((1, 7, 32), (1, 9, 32)), ((5, 64, 32), (5, 30, 32)),
+                    ((12, 32), (12, 32)), ((2, 1, 32), (2, 50, 32)), ((3, 40, 32), (3, 40, 32)),
+                    ((6, 90, 32), (6, 90, 32)), ((1, 7, 32), (1, 9, 32))]
+
+
+def _inputs(i, q_shape, k_shape):
+    g = torch.Generator().manual_seed(100 + i)
+    q = torch.randn(q_shape, generator=g)
+    return q, (q if q_shape == k_shape else torch.randn(k_shape, generator=g))
+
+
+def test_repeated_calls_with_changing_shapes_match_a_fresh_module():
+    """Every call reuses the working buffers earlier calls on the module gave back (never zero-
+    filled, possibly larger and holding their values): each call of a run of changing shapes gives
+    bitwise what a fresh copy of the module (no buffers of its own yet) gives, weights and
+    gradients included, in training and in inference."""
+    import copy
+
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(32, 4, batch_first=True, num_kv_heads=2)
+    for rnd in range(2):
+        for i, (qs, ks) in enumerate(_CHANGING_SHAPES):
+            q, k = _inputs(i, qs, ks)
+            kw = dict(need_weights=(i + rnd) % 2 == 0, is_causal=i % 3 == 0)
+            for g, w in zip(_step(m, q, k, **kw), _step(copy.deepcopy(m), q, k, **kw)):
+                assert torch.equal(g, w), (rnd, qs, ks)
+            with torch.no_grad():
+                got = m(q, k, k, average_attn_weights=False)
+                want = copy.deepcopy(m)(q, k, k, average_attn_weights=False)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rnd, qs, ks)
+
+
+def test_concurrent_training_calls_on_one_module_match_sequential_ones():
+    """Two Python threads training through one module at once, each on shapes of its own that change
+    from call to call, share its workspace (each call checks out buffers of its own): every
+    output, weight and gradient is bitwise that of the same call made alone, one after another."""
+    import threading
+
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(32, 4, batch_first=True, dropout=0.0)
+    work = [[(i, *_CHANGING_SHAPES[i]) for i in range(t, len(_CHANGING_SHAPES), 2)] for t in range(2)]
+    sequential = {i: _step(m, *_inputs(i, qs, ks), need_weights=i % 2 == 0, is_causal=i % 3 == 0)
+                  for calls in work for i, qs, ks in calls}
+    wrong, errors = [], []
+
+    def run(calls):
+        try:
+            for _ in range(4):
+                for i, qs, ks in calls:
+                    got = _step(m, *_inputs(i, qs, ks), need_weights=i % 2 == 0, is_causal=i % 3 == 0)
+                    if not all(torch.equal(g, w) for g, w in zip(got, sequential[i])):
+                        wrong.append(i)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(calls,)) for calls in work]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert not wrong, wrong
+
+
+def test_release_workspace_frees_the_kept_buffers_and_calls_go_on():
+    """Both modules keep their working buffers between calls (mha.torch's calls since they share the
+    module's workspace: before, each call's buffers were new, and freed with it);
+    release_workspace() gives them back, and later calls allocate afresh, with the same results."""
+    torch.manual_seed(0)
+    m = mt.MultiheadAttention(64, 4)
+    x = torch.randn(50, 3, 64)
+    first = _step(m, x, x)
+    kept = m._core.workspace_bytes()
+    assert kept >= 2 * 4 * 4 * x.numel()  # a step's projections and heads, and its backward's rows
+    again = _step(m, x, x)
+    assert m._core.workspace_bytes() == kept  # reused, not grown
+    m.release_workspace()
+    assert m._core.workspace_bytes() == 0
+    after = _step(m, x, x)
+    for a, b, c in zip(first, again, after):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    n = mha.MultiheadAttention(64, 4)
+    y = x.numpy()
+    want = n(y, y, y)[0]
+    assert n._m.workspace_bytes() > 0
+    n.release_workspace()
+    assert n._m.workspace_bytes() == 0 and np.array_equal(n(y, y, y)[0], want)
