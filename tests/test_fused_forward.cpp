@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/amx.h"
@@ -47,7 +48,9 @@ struct Case {
   int64_t B = 1, H = 2, KV = 2, Tq = 5, Tk = 5, D = 8, Dv = 8;
   Tensor q, k, v, bias, key_bias;
   BoolTensor allowed, key_padding;
+  std::vector<float> slopes, sinks;  // score edits (borrowed by opt when set)
   SdpaOptions opt;
+  double slack = 1.0;  // scales the tolerances (2 where score edits add roundings)
 
   void make_inputs(uint64_t seed) {
     q = random_tensor({B, H, Tq, D}, seed);
@@ -55,28 +58,47 @@ struct Case {
     v = random_tensor({B, KV, Tk, Dv}, seed + 2, -2.0f, 2.0f);
   }
   float scale() const { return opt.scale ? *opt.scale : 1.0f / std::sqrt(static_cast<float>(D)); }
-  /// Score magnitude bound: |scale·q·k| + |bias| + |key_bias|; errors scale with it.
+  /// Score magnitude bound: |scale·q·k| (at most the softcap) + |bias| + |key_bias| + ALiBi's
+  /// largest term (its slope times the farthest distance, causal offsets up to 30 included);
+  /// errors scale with it.
   double score_bound() const {
-    return scale() * static_cast<double>(D) * max_abs(q) * max_abs(k) + max_abs(bias) + max_abs(key_bias);
+    double dot = scale() * static_cast<double>(D) * max_abs(q) * max_abs(k);
+    if (opt.softcap > 0) dot = std::min(dot, static_cast<double>(opt.softcap));
+    const double alibi = slopes.empty() ? 0.0 : slopes[0] * static_cast<double>(Tq + Tk + 30);
+    return dot + max_abs(bias) + max_abs(key_bias) + alibi;
   }
   /// float32 tolerance for out: score errors (a few ε·bound) and exp's error move each
-  /// probability relatively, the weighted sum adds ε·√T_k; all scaled by max|v|.
-  double out_tol() const { return f32_out_tol(max_abs(v), Tk, score_bound()); }
-  double lse_tol() const { return f32_lse_tol(Tk, score_bound()); }
+  /// probability relatively, the weighted sum adds ε·√T_k; all scaled by max|v|. A sink counts
+  /// as one more key.
+  double out_tol() const { return f32_out_tol(max_abs(v), Tk + !sinks.empty(), score_bound(), slack); }
+  double lse_tol() const { return f32_lse_tol(Tk + !sinks.empty(), score_bound(), slack); }
+  /// ALiBi with the standard slopes, softcap c and a sink logit per head (each off when not asked).
+  void set_edits(bool alibi, float softcap, bool with_sinks) {
+    slopes = alibi ? alibi_slopes(H) : std::vector<float>{};
+    opt.alibi.slopes = slopes;
+    opt.softcap = softcap;
+    sinks.clear();
+    for (int64_t h = 0; h < H && with_sinks; ++h) sinks.push_back(0.75f * static_cast<float>(h % 3) - 0.5f);
+    opt.sinks.logits = sinks;
+    slack = 2.0;
+  }
 };
 
 struct Result {
   Tensor out, lse;
 };
 
-Result run(const Case& c, Backend backend, int threads = 2) {
+/// out and lse of the case on inputs q, k, v (float32 or bf16 tensors of its shapes).
+template <class Inputs>
+Result run(const Case& c, const Inputs& q, const Inputs& k, const Inputs& v, Backend backend, int threads = 2) {
   Result r{Tensor({c.B, c.H, c.Tq, c.Dv}), Tensor({c.B, c.H, c.Tq, 1})};
   SdpaOptions opt = c.opt;
   opt.backend = backend;
   opt.threads = threads;
-  sdpa(c.q.view4(), c.k.view4(), c.v.view4(), opt, {r.out.view4(), {}, r.lse.view4()});
+  sdpa(q.view4(), k.view4(), v.view4(), opt, {r.out.view4(), {}, r.lse.view4()});
   return r;
 }
+Result run(const Case& c, Backend backend, int threads = 2) { return run(c, c.q, c.k, c.v, backend, threads); }
 
 void expect_close(const Case& c, const Result& got, const Result& want, double extra_out_tol = 0) {
   EXPECT_TRUE(all_close(got.out, want.out, c.out_tol() + extra_out_tol, 0));
@@ -262,21 +284,28 @@ TEST(FusedForward, DropoutMatchesTheReference) {
   }
 }
 
-/// A window into a bigger buffer: offset by one float (misaligned), rows further apart than
-/// their length, elements `step` apart.
-struct Strided {
-  std::vector<float> buf;
-  View4<float> view;
-  Strided(const Shape& s, int64_t step) {
+/// A window into a bigger buffer: offset by one element (misaligned), rows further apart than
+/// their length, elements `step` apart; of float32 (gather() reads it back) or bf16 inputs.
+template <class T>
+struct StridedOf {
+  std::vector<T> buf;
+  View4<T> view;
+  StridedOf(const Shape& s, int64_t step) {
     const int64_t row = s[3] * step + 3;
-    buf.assign(static_cast<size_t>(1 + s[0] * s[1] * s[2] * row), -7.0f);
+    buf.assign(static_cast<size_t>(1 + s[0] * s[1] * s[2] * row), fill());
     view = {buf.data() + 1, {s[0], s[1], s[2], s[3]}, {s[1] * s[2] * row, s[2] * row, row, step}};
   }
-  Strided(const Tensor& t, int64_t step) : Strided(t.shape(), step) {
+  StridedOf(const BasicTensor<T>& t, int64_t step) : StridedOf(t.shape(), step) {
     for (int64_t a = 0; a < t.size(0); ++a)
       for (int64_t b = 0; b < t.size(1); ++b)
         for (int64_t c = 0; c < t.size(2); ++c)
           for (int64_t e = 0; e < t.size(3); ++e) view(a, b, c, e) = t.at({a, b, c, e});
+  }
+  static T fill() {
+    if constexpr (std::is_same_v<T, bf16>)
+      return to_bf16(-7.0f);
+    else
+      return -7.0f;
   }
   Tensor gather() const {
     Tensor t({view.shape[0], view.shape[1], view.shape[2], view.shape[3]});
@@ -287,6 +316,7 @@ struct Strided {
     return t;
   }
 };
+using Strided = StridedOf<float>;
 
 TEST(FusedForward, StridedAndMisalignedViews) {
   Case c;
@@ -307,6 +337,20 @@ TEST(FusedForward, StridedAndMisalignedViews) {
       // Packing makes the arithmetic independent of the layout: bitwise the same result.
       EXPECT_TRUE(bitwise_equal(out.gather(), contiguous.out)) << "step " << step;
       EXPECT_TRUE(bitwise_equal(lse.gather(), contiguous.lse)) << "step " << step;
+    }
+    // bf16 inputs are copied (into bf16 pairs for the dot-product tiles, or widened) from any
+    // strides and alignment: the bits of contiguous ones.
+    const BF16Tensor qb = to_bf16_tensor(c.q), kb = to_bf16_tensor(c.k), vb = to_bf16_tensor(c.v);
+    const Result contiguous16 = run(c, qb, kb, vb, Backend::Fused);
+    for (int64_t step : {1, 2}) {
+      const StridedOf<bf16> q(qb, step), k(kb, step), v(vb, step + 1);
+      Strided out(Shape{c.B, c.H, c.Tq, c.Dv}, step), lse(Shape{c.B, c.H, c.Tq, 1}, 2);
+      SdpaOptions opt = c.opt;
+      opt.backend = Backend::Fused;
+      sdpa(View4<const bf16>(q.view), View4<const bf16>(k.view), View4<const bf16>(v.view), opt,
+           {out.view, {}, lse.view});
+      EXPECT_TRUE(bitwise_equal(out.gather(), contiguous16.out)) << "bf16, step " << step;
+      EXPECT_TRUE(bitwise_equal(lse.gather(), contiguous16.lse)) << "bf16, step " << step;
     }
   });
 }
@@ -354,6 +398,31 @@ TEST(FusedForward, ThreadCountDoesNotChangeABit) {
       EXPECT_TRUE(bitwise_equal(many.lse, one.lse)) << threads << " threads";
     }
   });
+}
+
+// Every mask kind and combination (per-element masks, fully masked rows, padded keys holding NaN,
+// causal offsets and windows, dropout), float32 and bf16, on every target: 1, 2 and 3 threads give
+// the same bits. Two query blocks per (batch, kv-head), so threads keep the key blocks they packed
+// and take the items in any order.
+TEST(FusedForward, EveryMaskKindGivesTheSameBitsOnAnyThreadCount) {
+  for (const MaskCase& mc : mask_cases()) {
+    SCOPED_TRACE(mc.name);
+    Case c;
+    c.B = 2, c.H = 4, c.KV = 2, c.Tq = kQBlock + 22, c.Tk = 150, c.D = 32, c.Dv = 16;
+    c.make_inputs(71);
+    mc.apply(c);
+    with_f32_and_bf16(c, [&](const auto& q, const auto& k, const auto& v) {
+      for_each_fused_target([&] {
+        const Result one = run(c, q, k, v, Backend::Fused, 1);
+        for (int threads : {2, 3}) {
+          const Result many = run(c, q, k, v, Backend::Fused, threads);
+          EXPECT_TRUE(bitwise_equal(many.out, one.out)) << threads << " threads";
+          EXPECT_TRUE(bitwise_equal(many.lse, one.lse)) << threads << " threads";
+        }
+      });
+    });
+    if (HasFailure()) return;
+  }
 }
 
 // Many short sequences (B = 32): items are taken by whichever thread is free, causal ones last
@@ -428,9 +497,15 @@ TEST(FusedForward, TeamIsNoLargerThanTheWork) {
   EXPECT_TRUE(bitwise_equal(many.out, run(c, Backend::Fused, 1).out));
 }
 
+/// The fused kernel on the case's inputs, or on them rounded to bf16.
+Result run_fused(const Case& c, bool bf16, int threads = 2) {
+  if (!bf16) return run(c, Backend::Fused, threads);
+  return run(c, to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v), Backend::Fused, threads);
+}
+
 /// Rows [i0, i0 + n) of a request as a request of their own (n ≤ one query block, so the kernel
 /// packs K/V per item instead of once per call), with the causal rule shifted to match.
-Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {
+Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal, bool bf16 = false) {
   Case part = c;
   part.Tq = n;
   part.q = Tensor({c.B, c.H, n, c.D});
@@ -439,7 +514,7 @@ Result rows_alone(const Case& c, int64_t i0, int64_t n, Causal causal) {
       for (int64_t i = 0; i < n; ++i)
         for (int64_t x = 0; x < c.D; ++x) part.q.view4()(b, h, i, x) = c.q.view4()(b, h, i0 + i, x);
   part.opt.masks.causal = causal;
-  return run(part, Backend::Fused);
+  return run_fused(part, bf16);
 }
 
 /// Whether `part` (rows_alone from row i0) has the bits of those rows of `whole`, out and lse.
@@ -491,6 +566,34 @@ TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsAsPerItemPacking) {
         }
       });
     }
+}
+
+// Prepacked K/V from bf16 inputs (blocks of bf16 pairs for the dot-product tiles where the CPU
+// has them) gives the bits of per-item packing too; and the blocks, packed by a static share of
+// the threads before the items, give the same bits on 1, 2 and 3 threads, float32 and bf16. A
+// causal diagonal, padded keys holding NaN and a key bias; d = 64 over 1 MiB of key blocks.
+TEST(FusedForward, PrepackedKeyBlocksGiveTheSameBitsInBf16AndOnAnyThreadCount) {
+  Case c;
+  c.B = 1, c.H = 1, c.KV = 1, c.Tq = 8 * kQBlock + 5, c.Tk = 16 * kQBlock + 70, c.D = 64, c.Dv = 64;
+  c.make_inputs(43);
+  set_key_padding(c);
+  set_key_bias(c);
+  c.opt.masks.causal = Causal::bottom_right();
+  const int64_t offset = c.Tk - c.Tq;
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "float32");
+    for_each_fused_target([&] {
+      const Result whole = run_fused(c, bf16);
+      for (int64_t i0 = 0; i0 < c.Tq && bf16; i0 += kQBlock) {  // float32: the test above
+        const Result part = rows_alone(c, i0, std::min(kQBlock, c.Tq - i0), Causal::with_offset(offset + i0), true);
+        ASSERT_TRUE(same_bits_as_rows_alone(c, whole, i0, part));
+      }
+      for (const int threads : {1, 3}) {
+        const Result r = run_fused(c, bf16, threads);
+        EXPECT_TRUE(bitwise_equal(r.out, whole.out) && bitwise_equal(r.lse, whole.lse)) << threads << " threads";
+      }
+    });
+  }
 }
 
 // From 2 to 7 query blocks each thread keeps the K/V blocks it packed for its last (batch,
@@ -590,6 +693,32 @@ TEST(FusedForward, Bf16Lengths) {
       c.opt.masks.causal = Causal::bottom_right();
       c.make_inputs(17);
       check_bf16(c);
+    }
+}
+
+// Score edits meet every mask kind: a softcapped, ALiBi-shifted score then takes the per-element
+// masks (allowed, an additive bias with −inf, a key bias), padding, causal offsets and windows, and
+// a sink joins the denominator of rows that see nothing else, as in the reference; on every target,
+// float32 and bf16, across the key and query block edges.
+TEST(FusedForward, ScoreEditsUnderEveryMaskKindMatchTheReference) {
+  struct Edits {
+    bool alibi;
+    float softcap;
+    bool sinks;
+  };
+  for (const Edits e : {Edits{false, 2.0f, true}, Edits{true, 1.5f, true}})
+    for (const MaskCase& mc : mask_cases()) {
+      SCOPED_TRACE(::testing::Message() << mc.name << ", alibi " << e.alibi << " softcap " << e.softcap << " sinks "
+                                        << e.sinks);
+      Case c;
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = kQBlock + 3, c.Tk = kKBlock + 5, c.D = 16, c.Dv = 12;
+      c.make_inputs(83);
+      spread_scores(c);
+      mc.apply(c);
+      c.set_edits(e.alibi, e.softcap, e.sinks);
+      check_all_targets(c);
+      check_bf16(c);
+      if (HasFailure()) return;
     }
 }
 
@@ -1009,19 +1138,24 @@ TEST(FusedWeights, StridedWeightsViewGivesTheSameBits) {
 /// The fused kernel called directly with its one-pass weights' scratch bounded to max_bytes
 /// (SdpaParams::weights_one_pass_max_bytes; 0: the kernel's own bound): how a test reaches the
 /// two-pass path on small shapes. *one_pass (if given): which path the call took.
-WeightsResult run_weights_bounded(const Case& c, int64_t max_bytes, int threads = 2, WantWeights want = kBoth,
-                                  bool* one_pass = nullptr) {
+template <class Inputs>
+WeightsResult run_weights_bounded(const Case& c, const Inputs& q, const Inputs& k, const Inputs& v, int64_t max_bytes,
+                                  int threads = 2, WantWeights want = kBoth, bool* one_pass = nullptr) {
   SdpaOutputs outs;
   WeightsResult r = weights_buffers(c, want, outs);
   SdpaOptions opt = c.opt;
   opt.backend = Backend::Fused;
   opt.threads = threads;
-  kernels::SdpaParams p = detail::prepare_sdpa("sdpa", c.q.view4(), c.k.view4(), c.v.view4(), opt, outs);
+  kernels::SdpaParams p = detail::prepare_sdpa("sdpa", q.view4(), k.view4(), v.view4(), opt, outs);
   p.weights_one_pass_max_bytes = max_bytes;
   if (one_pass) *one_pass = kernels::fused_weights_one_pass(p);
   std::vector<float> workspace(kernels::fused_workspace_floats(p));
   kernels::sdpa_fused(p, workspace.data());
   return r;
+}
+WeightsResult run_weights_bounded(const Case& c, int64_t max_bytes, int threads = 2, WantWeights want = kBoth,
+                                  bool* one_pass = nullptr) {
+  return run_weights_bounded(c, c.q, c.k, c.v, max_bytes, threads, want, one_pass);
 }
 
 TEST(FusedWeights, ContiguousRowsAtAnyAlignmentGiveTheSameBits) {
@@ -1209,6 +1343,29 @@ TEST(FusedWeights, TwoPassBeyondTheScratchBound) {
   }
 }
 
+/// On every target, the one-pass path (bound 0: the kernel's own) and the two-pass one (1), per-head,
+/// averaged or both weights: 2 and 3 threads give the bits of 1.
+template <class Inputs>
+void expect_weights_paths_same_bits_on_any_thread_count(const Case& c, const Inputs& q, const Inputs& k,
+                                                        const Inputs& v) {
+  for_each_fused_target([&] {
+    for (int64_t bound : {0, 1})
+      for (WantWeights want : {kPerHead, kAveraged, kBoth}) {
+        const WeightsResult one = run_weights_bounded(c, q, k, v, bound, 1, want);
+        for (int threads : {2, 3}) {
+          const WeightsResult many = run_weights_bounded(c, q, k, v, bound, threads, want);
+          EXPECT_TRUE(bitwise_equal(many.out, one.out) && bitwise_equal(many.lse, one.lse)) << threads << " threads";
+          if (want & kPerHead) {
+            EXPECT_TRUE(bitwise_equal(many.w, one.w)) << threads << " threads, bound " << bound;
+          }
+          if (want & kAveraged) {
+            EXPECT_TRUE(bitwise_equal(many.avg, one.avg)) << threads << " threads, bound " << bound;
+          }
+        }
+      }
+  });
+}
+
 TEST(FusedWeights, EitherPathGivesTheSameBitsOnAnyThreadCount) {
   // Several query blocks and items per thread, maxima moving between key blocks, padding, a
   // window and dropout; the one-pass path (bound 0: the kernel's own) and the two-pass one (1).
@@ -1220,22 +1377,19 @@ TEST(FusedWeights, EitherPathGivesTheSameBitsOnAnyThreadCount) {
   set_key_padding(c);
   c.opt.masks.causal = Causal::bottom_right().with_window(150);
   c.opt.dropout = {0.15f, 8};
-  for_each_fused_target([&] {
-    for (int64_t bound : {0, 1})
-      for (WantWeights want : {kPerHead, kAveraged, kBoth}) {
-        const WeightsResult one = run_weights_bounded(c, bound, 1, want);
-        for (int threads : {2, 3}) {
-          const WeightsResult many = run_weights_bounded(c, bound, threads, want);
-          EXPECT_TRUE(bitwise_equal(many.out, one.out) && bitwise_equal(many.lse, one.lse)) << threads << " threads";
-          if (want & kPerHead) {
-            EXPECT_TRUE(bitwise_equal(many.w, one.w)) << threads << " threads, bound " << bound;
-          }
-          if (want & kAveraged) {
-            EXPECT_TRUE(bitwise_equal(many.avg, one.avg)) << threads << " threads, bound " << bound;
-          }
-        }
-      }
-  });
+  expect_weights_paths_same_bits_on_any_thread_count(c, c.q, c.k, c.v);
+}
+
+// The same from bf16 inputs, whose one-pass path keeps P as float32 and pairs it for the products.
+TEST(FusedWeights, Bf16EitherPathGivesTheSameBitsOnAnyThreadCount) {
+  Case c;
+  c.B = 2, c.H = 6, c.KV = 3, c.Tq = kQBlock + 7, c.Tk = 2 * kKBlock + 3, c.D = 24, c.Dv = 40;
+  c.make_inputs(23);
+  spread_scores(c);
+  set_key_padding(c);
+  c.opt.masks.causal = Causal::bottom_right().with_window(100);
+  c.opt.dropout = {0.15f, 8};
+  expect_weights_paths_same_bits_on_any_thread_count(c, to_bf16_tensor(c.q), to_bf16_tensor(c.k), to_bf16_tensor(c.v));
 }
 
 // ---- dispatch -------------------------------------------------------------------------------
