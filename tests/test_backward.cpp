@@ -41,6 +41,7 @@ struct SdpaCase {
   int64_t B = 1, H = 2, KV = 2, Tq = 4, Tk = 5, D = 3, Dv = 3;
   Causal causal;
   bool allowed = false, bias = false, padding = false, key_bias = false, dead_row = false;
+  bool edits = false;  // ALiBi (the standard slopes), softcap 2 and a sink logit per head
   float dropout = 0.0f;
   std::optional<float> scale;
 };
@@ -49,6 +50,7 @@ struct SdpaSetup {
   Tensor q, k, v, dout;
   BoolTensor allowed, padding;
   Tensor bias, key_bias;
+  std::vector<float> slopes, sinks;  // borrowed by opt
   SdpaOptions opt;
 };
 
@@ -84,6 +86,14 @@ SdpaSetup make_setup(const SdpaCase& c, uint64_t seed) {
   if (c.key_bias) {
     s.key_bias = random_tensor({c.B, c.Tk}, seed + 7);
     s.opt.masks.key_bias.view = {s.key_bias.data(), {c.B, 1, 1, c.Tk}, {c.Tk, 0, 0, 1}};
+  }
+  if (c.edits) {
+    s.slopes = alibi_slopes(c.H);
+    const Tensor z = random_tensor({c.H}, seed + 8, -1.0f, 2.0f);
+    s.sinks.assign(z.data(), z.data() + c.H);
+    s.opt.alibi.slopes = s.slopes;
+    s.opt.sinks.logits = s.sinks;
+    s.opt.softcap = 2.0f;
   }
   return s;
 }
@@ -253,21 +263,48 @@ TEST(SdpaBackward, RejectsBadShapes) {
 // ---- the fused kernel against the reference, over sweeps -----------------------------------------------
 
 /// Fused float32 against the double reference: each gradient entry is a sum over ≈ T_k (or T_q·group)
-/// products of O(1) terms, each rounded at ε, so the error grows like ε·√n·max|g|.
-::testing::AssertionResult fused_close(const Tensor& got, const Tensor& want, int64_t n) {
+/// products of O(1) terms, each rounded at ε, so the error grows like ε·√n·max|g|. `slack` scales
+/// the bound where the scores are larger than O(1) (each probability then moves by ε·|score|).
+::testing::AssertionResult fused_close(const Tensor& got, const Tensor& want, int64_t n, double slack = 1.0) {
   double biggest = 0;
   for (float x : want.values()) biggest = std::max(biggest, std::fabs(double(x)));
-  const double tol = 64 * kEpsF32 * std::sqrt(double(n) + 1) * (1 + biggest);
+  const double tol = slack * 64 * kEpsF32 * std::sqrt(double(n) + 1) * (1 + biggest);
   return all_close(got, want, tol, tol);
 }
 
 /// dQ, dK and dV of `got` each fused_close to `want`'s: a dQ entry sums over `keys` products, a dK
-/// or dV entry over `rows` (query rows times the group). `what` prefixes each failure's message.
+/// or dV entry over `rows` (query rows times the group); d sinks, where the call has them, over
+/// every row of its head (`rows` times the batch is enough). `what` prefixes each failure's message.
 void expect_grads_close(const SdpaGradTensors& got, const SdpaGradTensors& want, int64_t keys, int64_t rows,
-                        const std::string& what = "") {
-  EXPECT_TRUE(fused_close(got.dq, want.dq, keys)) << what << "dq";
-  EXPECT_TRUE(fused_close(got.dk, want.dk, rows)) << what << "dk";
-  EXPECT_TRUE(fused_close(got.dv, want.dv, rows)) << what << "dv";
+                        const std::string& what = "", double slack = 1.0) {
+  EXPECT_TRUE(fused_close(got.dq, want.dq, keys, slack)) << what << "dq";
+  EXPECT_TRUE(fused_close(got.dk, want.dk, rows, slack)) << what << "dk";
+  EXPECT_TRUE(fused_close(got.dv, want.dv, rows, slack)) << what << "dv";
+  EXPECT_EQ(got.dsinks.numel(), want.dsinks.numel()) << what << "dsinks";
+  if (want.dsinks.numel() > 0) {
+    EXPECT_TRUE(fused_close(got.dsinks, want.dsinks, rows * want.dq.size(0), slack)) << what << "dsinks";
+  }
+}
+
+/// The same gradients, bit for bit (d sinks included).
+void expect_grads_bitwise(const SdpaGradTensors& got, const SdpaGradTensors& want, const std::string& what) {
+  EXPECT_TRUE(bitwise_equal(got.dq, want.dq)) << what << ", dq";
+  EXPECT_TRUE(bitwise_equal(got.dk, want.dk)) << what << ", dk";
+  EXPECT_TRUE(bitwise_equal(got.dv, want.dv)) << what << ", dv";
+  EXPECT_TRUE(bitwise_equal(got.dsinks, want.dsinks)) << what << ", dsinks";
+}
+
+/// The fused backward of s on every target it was compiled for: close to the reference on 2
+/// threads (expect_grads_close, with its `slack`), and bitwise the same on 1 and 3 threads (other
+/// work schemes where B·kv is small).
+void expect_fused_matches_reference_on_every_target(const SdpaSetup& s, const SdpaCase& c, double slack = 1.0) {
+  const SdpaGradTensors want = run_backward(s, Backend::Reference);
+  testing::for_each_fused_backward_target([&] {
+    const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
+    expect_grads_close(got, want, c.Tk, c.Tq * c.H / c.KV, "", slack);
+    for (const int threads : {1, 3})
+      expect_grads_bitwise(run_backward(s, Backend::Fused, threads), got, std::to_string(threads) + " threads");
+  });
 }
 
 std::vector<SdpaCase> sweep_cases() {
@@ -283,7 +320,7 @@ std::vector<SdpaCase> sweep_cases() {
       c.name += std::to_string(d);
       c.Tq = t, c.Tk = t == 0 ? 3 : t, c.D = d, c.Dv = d == 1 ? 3 : d;
       // Rotate the options over the sweep so every length meets masks, GQA and dropout.
-      switch (n++ % 6) {
+      switch (n++ % 7) {
         case 0:
           c.causal = Causal::top_left();
           break;
@@ -299,6 +336,9 @@ std::vector<SdpaCase> sweep_cases() {
         case 4:
           c.H = 3, c.KV = 1, c.key_bias = true, c.causal = Causal::bottom_right().with_window(9);
           break;
+        case 5:  // a causal offset of its own: rows up to 2 see nothing at t ≥ 6
+          c.causal = Causal::with_offset(t / 3 - 2), c.Tk = t + 3;
+          break;
         default:
           c.Tk = 2 * t + 1;
           break;
@@ -308,15 +348,68 @@ std::vector<SdpaCase> sweep_cases() {
   return cs;
 }
 
+// The sweep on every target the fused backward was compiled for: against the reference on 2
+// threads, and bitwise the same on 1 and 3 (other work schemes where B·kv is small).
 TEST(SdpaBackwardFused, MatchesReferenceOverSweeps) {
   uint64_t seed = 500;
   for (const SdpaCase& c : sweep_cases()) {
     SCOPED_TRACE(c.name);
     SdpaSetup s = make_setup(c, seed += 10);
     poison_padding(s);
-    const SdpaGradTensors want = run_backward(s, Backend::Reference);
-    const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
-    expect_grads_close(got, want, c.Tk, c.Tq * c.H / c.KV);
+    expect_fused_matches_reference_on_every_target(s, c);
+  }
+}
+
+// Wide heads: a query block holds 2¹⁸ / (64 · max(d, d_v)) rows, 32 at 128 and 16 at 256, instead of
+// 64. Lengths around those block edges, with a causal diagonal, padded keys and GQA, wide Q/K or
+// wide V alone, on every target against the reference, and bitwise on 1 and 3 threads.
+TEST(SdpaBackwardFused, WideHeadsQueryBlocksMatchReferenceOnEveryTarget) {
+  for (const auto& [d, dv] : {std::pair<int64_t, int64_t>{128, 128}, {40, 256}}) {
+    const int64_t rows = 262144 / (64 * std::max(d, dv));
+    for (const int64_t tq : {rows - 1, rows, rows + 1, 2 * rows + 3}) {
+      SdpaCase c;
+      c.name = "d " + std::to_string(d) + " d_v " + std::to_string(dv) + " T_q " + std::to_string(tq);
+      c.B = 2, c.H = 4, c.KV = 2, c.Tq = tq, c.Tk = 70, c.D = d, c.Dv = dv, c.padding = true;
+      c.causal = Causal::bottom_right();
+      SCOPED_TRACE(c.name);
+      SdpaSetup s = make_setup(c, static_cast<uint64_t>(d + dv + tq));
+      poison_padding(s);
+      expect_fused_matches_reference_on_every_target(s, c);
+    }
+  }
+}
+
+// Score edits (softcap, ALiBi, a sink per head) meet every mask kind in the backward: the softcap's
+// derivative, ALiBi's distances and the sink's share of each row under per-element masks, a fully
+// masked row, padded keys holding NaN, a causal offset, windows and dropout; on every target
+// against the reference (d sinks included), and bitwise on 1 and 3 threads.
+TEST(SdpaBackwardFused, ScoreEditsUnderEveryMaskKindMatchTheReferenceOnEveryTarget) {
+  std::vector<SdpaCase> cases;
+  const auto add = [&](const std::string& name, const std::function<void(SdpaCase&)>& edit) {
+    SdpaCase c;
+    c.name = name;
+    c.B = 2, c.H = 4, c.KV = 2, c.Tq = 70, c.Tk = 67, c.D = 12, c.Dv = 7, c.edits = true;
+    edit(c);
+    cases.push_back(c);
+  };
+  add("allowed, dead row", [](SdpaCase& c) { c.allowed = c.dead_row = true; });
+  add("bias with -inf", [](SdpaCase& c) { c.bias = true; });
+  add("key bias", [](SdpaCase& c) { c.key_bias = true; });
+  add("padding", [](SdpaCase& c) { c.padding = true; });
+  add("causal offset -5", [](SdpaCase& c) { c.causal = Causal::with_offset(-5); });
+  add("window 13 top-left", [](SdpaCase& c) { c.causal = Causal::top_left().with_window(13); });
+  add("dropout, causal", [](SdpaCase& c) { c.dropout = 0.2f, c.causal = Causal::bottom_right(); });
+  add("everything", [](SdpaCase& c) {
+    c.allowed = c.dead_row = c.bias = c.padding = c.key_bias = true;
+    c.causal = Causal::bottom_right().with_window(20), c.dropout = 0.1f;
+  });
+  uint64_t seed = 1200;
+  for (const SdpaCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    SdpaSetup s = make_setup(c, seed += 10);
+    poison_padding(s);
+    // Scores up to the cap plus ALiBi's largest term (slope 1/4 over T_q + T_k positions): ~36.
+    expect_fused_matches_reference_on_every_target(s, c, (2.0 + s.slopes[0] * static_cast<double>(c.Tq + c.Tk)) / 4);
   }
 }
 
@@ -344,15 +437,8 @@ TEST(SdpaBackwardFused, RowsUnderALargeCommonOffsetMatchTheReference) {
               for (int64_t j = 0; j < c.Tk; ++j) s.bias.at({0, h, i, j}) += offset;
           }
       poison_padding(s);
-      const SdpaGradTensors want = run_backward(s, Backend::Reference);
-      const SdpaGradTensors got = run_backward(s, Backend::Fused, 2);
-      expect_grads_close(got, want, c.Tk, c.Tq * c.H / c.KV);
-      for (const int threads : {1, 3}) {
-        const SdpaGradTensors other = run_backward(s, Backend::Fused, threads);
-        EXPECT_TRUE(bitwise_equal(other.dq, got.dq) && bitwise_equal(other.dk, got.dk) &&
-                    bitwise_equal(other.dv, got.dv))
-            << threads << " threads";
-      }
+      // The renormalisation (refine_lse) is vector code of its own: on every target.
+      expect_fused_matches_reference_on_every_target(s, c);
     }
   }
 }
@@ -436,6 +522,84 @@ TEST(SdpaBackwardFused, RowsUnderALargeCommonOffsetWithSinksMatchTheReference) {
   for (int h = 0; h < 2; ++h) EXPECT_NEAR(dsinks_fused[h], dsinks_ref[h], 1e-5 * (1 + std::fabs(dsinks_ref[h]))) << h;
 }
 
+/// Keys [lo, hi) of a view along `axis` (K or V rows: 2; a key mask's columns: 3), nothing copied.
+template <class T>
+View4<T> keys_of(View4<T> v, int axis, int64_t lo, int64_t hi) {
+  if (v.data != nullptr) v.data += lo * v.stride[static_cast<size_t>(axis)];
+  v.shape[static_cast<size_t>(axis)] = hi - lo;
+  return v;
+}
+
+/// The backward of s in blocks of keys [cuts[n], cuts[n + 1]), as ring attention takes it: each block
+/// given the whole rows' out and lse (from `fwd`), its own keys, padding and causal offset, and
+/// `lse_over_more_keys`; the blocks' dQ summed in block order, their dK and dV side by side.
+SdpaGradTensors backward_by_key_blocks(const SdpaSetup& s, const SdpaResult& fwd, const std::vector<int64_t>& cuts,
+                                       bool lse_over_more_keys, int threads) {
+  const int64_t B = s.q.size(0), H = s.q.size(1), Tq = s.q.size(2), Tk = s.k.size(2);
+  SdpaGradTensors sum{Tensor(s.q.shape()), Tensor(s.k.shape()), Tensor(s.v.shape())};
+  const View4<const float> lse = contiguous_view<const float>(fwd.lse.data(), B, H, Tq, int64_t{1});
+  const int64_t offset = s.opt.masks.causal.enabled() ? s.opt.masks.causal.offset_for(Tq, Tk) : 0;
+  for (size_t n = 0; n + 1 < cuts.size(); ++n) {
+    const int64_t lo = cuts[n], hi = cuts[n + 1];
+    SdpaOptions o = s.opt;
+    o.backend = Backend::Fused, o.threads = threads, o.lse_over_more_keys = lse_over_more_keys;
+    if (o.masks.causal.enabled()) o.masks.causal = Causal::with_offset(offset - lo);
+    o.masks.key_padding.view = keys_of(o.masks.key_padding.view, 3, lo, hi);
+    Tensor dq(s.q.shape()), dk({B, s.k.size(1), hi - lo, s.k.size(3)}), dv({B, s.v.size(1), hi - lo, s.v.size(3)});
+    sdpa_backward(s.q.view4(), keys_of(s.k.view4(), 2, lo, hi), keys_of(s.v.view4(), 2, lo, hi), fwd.out.view4(),
+                  s.dout.view4(), lse, o, {dq.view4(), dk.view4(), dv.view4(), {}});
+    for (int64_t x = 0; x < dq.numel(); ++x) sum.dq.data()[x] += dq.data()[x];
+    for (const auto& [part, whole] : {std::pair{&dk, &sum.dk}, std::pair{&dv, &sum.dv}})
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < part->size(1); ++g)
+          for (int64_t j = lo; j < hi; ++j)
+            for (int64_t x = 0; x < part->size(3); ++x) whole->at({b, g, j, x}) = part->at({b, g, j - lo, x});
+  }
+  return sum;
+}
+
+// Ring attention's backward (SdpaOptions::lse_over_more_keys): each block of a row's keys gets the
+// whole row's out and lse and gives that block's share of the gradients. Summed over the blocks
+// (dQ) and side by side (dK, dV) the shares are the whole backward: against the reference on every
+// target, for blocks that end inside a key block, a causal diagonal, padded keys, GQA and rows
+// whose scores reach ~100 (|lse| ≥ 64, which the fused backward renormalises over a call's keys
+// unless told they are some of the row's: then the sum is wrong); bitwise on 1 and 3 threads.
+TEST(SdpaBackwardFused, KeyBlocksWithTheWholeRowsLseAddUpToTheWholeBackward) {
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "no causal mask");
+    SdpaCase c;
+    c.B = 2, c.H = 4, c.KV = 2, c.Tq = 70, c.Tk = 150, c.D = 8, c.Dv = 6, c.padding = true;
+    if (causal) c.causal = Causal::bottom_right();
+    SdpaSetup s = make_setup(c, causal ? 61 : 67);
+    poison_padding(s);
+    // Every third query row is 100 times the key of its own index (a key every row sees): that
+    // key scores ~100·|k|²/√d ≈ 94, far above the rest.
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t i = 0; i < c.Tq; i += 3)
+          for (int64_t x = 0; x < c.D; ++x) s.q.at({b, h, i, x}) = 100.0f * s.k.at({b, h / 2, i, x});
+    SdpaOptions opt = s.opt;
+    opt.backend = Backend::Reference;
+    const SdpaResult fwd = sdpa(s.q, s.k, s.v, opt, Want::Lse);
+    int64_t large = 0;
+    for (const float x : fwd.lse.values()) large += std::fabs(x) >= 64.0f ? 1 : 0;
+    ASSERT_GT(large, 20);
+    const SdpaGradTensors want = sdpa_backward(s.q, s.k, s.v, fwd.out, s.dout, fwd.lse, opt);
+    const std::vector<int64_t> cuts = {0, 45, 130, c.Tk};  // 45, 85 (across a key block's edge) and 20 keys
+    const int64_t rows = c.Tq * c.H / c.KV;
+    testing::for_each_fused_backward_target([&] {
+      const SdpaGradTensors got = backward_by_key_blocks(s, fwd, cuts, true, 2);
+      expect_grads_close(got, want, c.Tk, rows);
+      for (const int threads : {1, 3})
+        expect_grads_bitwise(backward_by_key_blocks(s, fwd, cuts, true, threads), got,
+                             std::to_string(threads) + " threads");
+    });
+    // Renormalised over each block alone, the large rows' probabilities sum to 1 per block.
+    const SdpaGradTensors renormalised = backward_by_key_blocks(s, fwd, cuts, false, 2);
+    EXPECT_FALSE(fused_close(renormalised.dv, want.dv, rows));
+  }
+}
+
 // 1, 2, 3 and 5 threads, and the three work schemes they select here (an item per batch·kv-head;
 // per batch·query head with the heads' dK/dV shares summed after; per key block with a second dQ
 // pass), give bitwise the same gradients.
@@ -453,12 +617,8 @@ TEST(SdpaBackwardFused, BitwiseIdenticalForAnyThreadCount) {
     SdpaSetup s = make_setup(c, 77);
     poison_padding(s);
     const SdpaGradTensors one = run_backward(s, Backend::Fused, 1);
-    for (int threads : {2, 3, 5}) {
-      const SdpaGradTensors other = run_backward(s, Backend::Fused, threads);
-      EXPECT_TRUE(bitwise_equal(other.dq, one.dq)) << threads << " threads, dq";
-      EXPECT_TRUE(bitwise_equal(other.dk, one.dk)) << threads << " threads, dk";
-      EXPECT_TRUE(bitwise_equal(other.dv, one.dv)) << threads << " threads, dv";
-    }
+    for (int threads : {2, 3, 5})
+      expect_grads_bitwise(run_backward(s, Backend::Fused, threads), one, std::to_string(threads) + " threads");
   }
 }
 
@@ -651,25 +811,28 @@ TEST(SdpaBackwardFused, InterleavedHeadRowsGiveTheBitsOfContiguousOnes) {
       SdpaOptions opt = s.opt;
       opt.backend = Backend::Fused;
       const SdpaResult fwd = sdpa(s.q, s.k, s.v, opt, Want::Lse);
-      opt.threads = 2;
-      const SdpaGradTensors want = sdpa_backward(s.q, s.k, s.v, fwd.out, s.dout, fwd.lse, opt);
       std::vector<float> q, k, v, o, dout, dq, dk, dv;
       const View4<float> qv = interleaved_heads(s.q, q), kv = interleaved_heads(s.k, k), vv = interleaved_heads(s.v, v);
       const View4<float> ov = interleaved_heads(fwd.out, o), dov = interleaved_heads(s.dout, dout);
-      const SdpaGrads grads{
-          interleaved_heads(want.dq, dq), interleaved_heads(want.dk, dk), interleaved_heads(want.dv, dv), {}};
-      for (int threads : {1, 3, 5}) {
-        SCOPED_TRACE(::testing::Message() << threads << " threads");
-        opt.threads = threads;
-        for (std::vector<float>* g : {&dq, &dk, &dv})
-          std::fill(g->begin(), g->end(), std::numeric_limits<float>::quiet_NaN());  // every row written
-        sdpa_backward(View4<const float>(qv), View4<const float>(kv), View4<const float>(vv), View4<const float>(ov),
-                      View4<const float>(dov),
-                      View4<const float>{fwd.lse.data(), {c.B, c.H, c.Tq, 1}, {c.H * c.Tq, c.Tq, 1, 1}}, opt, grads);
-        EXPECT_TRUE(same_bits(grads.dq, want.dq)) << "dq";
-        EXPECT_TRUE(same_bits(grads.dk, want.dk)) << "dk";
-        EXPECT_TRUE(same_bits(grads.dv, want.dv)) << "dv";
-      }
+      // The dense copies and their vector products on every target.
+      testing::for_each_fused_backward_target([&] {
+        opt.threads = 2;
+        const SdpaGradTensors want = sdpa_backward(s.q, s.k, s.v, fwd.out, s.dout, fwd.lse, opt);
+        const SdpaGrads grads{
+            interleaved_heads(want.dq, dq), interleaved_heads(want.dk, dk), interleaved_heads(want.dv, dv), {}};
+        for (int threads : {1, 3, 5}) {
+          SCOPED_TRACE(::testing::Message() << threads << " threads");
+          opt.threads = threads;
+          for (std::vector<float>* g : {&dq, &dk, &dv})
+            std::fill(g->begin(), g->end(), std::numeric_limits<float>::quiet_NaN());  // every row written
+          sdpa_backward(View4<const float>(qv), View4<const float>(kv), View4<const float>(vv), View4<const float>(ov),
+                        View4<const float>(dov),
+                        View4<const float>{fwd.lse.data(), {c.B, c.H, c.Tq, 1}, {c.H * c.Tq, c.Tq, 1, 1}}, opt, grads);
+          EXPECT_TRUE(same_bits(grads.dq, want.dq)) << "dq";
+          EXPECT_TRUE(same_bits(grads.dk, want.dk)) << "dk";
+          EXPECT_TRUE(same_bits(grads.dv, want.dv)) << "dv";
+        }
+      });
     }
 }
 
