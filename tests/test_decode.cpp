@@ -3,7 +3,9 @@
 // against PyTorch.
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 #include <utility>
@@ -87,9 +89,10 @@ KvCache make_cache(const DecodeSetup& s, int64_t batch, int64_t capacity) {
   return KvCache(cc);
 }
 
-/// Prefill `prefill` tokens, then decode the rest one by one; returns all outputs (B, T, E).
-Tensor incremental(const MultiheadAttention& m, const DecodeSetup& s, const Tensor& x, int64_t prefill,
-                   int splits = 0) {
+/// Prefill `prefill` tokens, then decode the rest in chunks of `chunks` tokens (in turn, the last
+/// one cut short), one by one by default; returns all outputs (B, T, E).
+Tensor incremental(const MultiheadAttention& m, const DecodeSetup& s, const Tensor& x, int64_t prefill, int splits = 0,
+                   const std::vector<int64_t>& chunks = {1}) {
   const int64_t T = x.size(1);
   KvCache cache = make_cache(s, x.size(0), T);
   IncrementalOptions o;
@@ -97,8 +100,8 @@ Tensor incremental(const MultiheadAttention& m, const DecodeSetup& s, const Tens
   o.splits = splits;
   Tensor all(x.shape());
   int64_t t = 0;
-  while (t < T) {
-    const int64_t n = t == 0 ? prefill : 1;
+  for (size_t step = 0; t < T; ++step) {
+    const int64_t n = std::min(T - t, t == 0 ? prefill : chunks[(step - 1) % chunks.size()]);
     const Tensor in = tokens(x, t, t + n);
     put_tokens(all, m.forward_incremental(in, in, in, cache, o).output, t);
     t += n;
@@ -113,10 +116,11 @@ Tensor full_forward(const MultiheadAttention& m, const DecodeSetup& s, const Ten
   return m.forward(x, x, x, o).output;
 }
 
-void expect_incremental_matches(const DecodeSetup& s, int64_t B, int64_t T, int64_t prefill, double tol = kF32Tol) {
+void expect_incremental_matches(const DecodeSetup& s, int64_t B, int64_t T, int64_t prefill, double tol = kF32Tol,
+                                const std::vector<int64_t>& chunks = {1}) {
   const MultiheadAttention m = make_module(s);
   const Tensor x = random_tensor({B, T, s.E}, 11);
-  EXPECT_TRUE(all_close(incremental(m, s, x, prefill), full_forward(m, s, x), tol, tol));
+  EXPECT_TRUE(all_close(incremental(m, s, x, prefill, 0, chunks), full_forward(m, s, x), tol, tol));
 }
 
 TEST(Incremental, PrefillThenDecodeEqualsFullForward) { expect_incremental_matches(setup(), 2, 13, 5); }
@@ -160,6 +164,20 @@ TEST(Incremental, Int8CacheWithinInt8Rounding) {
   DecodeSetup channel = setup(32, 4, 2, 0, Rope::half_split(), CacheDtype::I8);
   channel.key_group = 4;
   expect_incremental_matches(channel, 2, 13, 6, 8.0 / 254);
+}
+
+// Chunks of several tokens after the prefill: each attends the cache with as many query rows
+// (several query tiles of the decode kernel: up to 16 rows a tile, the group's heads times the
+// queries) and merges with its own causal part. Plain, GQA of 4, MQA of 16 heads, a window, a ring
+// that the chunks wrap, and an int8 cache.
+TEST(Incremental, ChunksOfSeveralTokensEqualFullForward) {
+  const std::vector<int64_t> chunks = {3, 1, 7, 17};
+  expect_incremental_matches(setup(32, 4, 4), 2, 40, 5, kF32Tol, chunks);
+  expect_incremental_matches(setup(32, 8, 2), 2, 40, 5, kF32Tol, chunks);
+  expect_incremental_matches(setup(64, 16, 1), 1, 40, 2, kF32Tol, chunks);
+  expect_incremental_matches(setup(32, 4, 2, 6), 2, 40, 5, kF32Tol, chunks);
+  expect_incremental_matches(setup(32, 4, 2, 6, Rope::half_split(), CacheDtype::F32, true), 2, 40, 5, kF32Tol, chunks);
+  expect_incremental_matches(setup(32, 4, 2, 0, Rope{}, CacheDtype::I8), 2, 40, 5, 8.0 / 254, chunks);
 }
 
 TEST(Incremental, SplitCountDoesNotChangeTheAnswer) {
@@ -384,45 +402,62 @@ TEST(KvCache, EmptyCachesAndNegativeExtentsAreErrors) {
 struct CacheCase {
   KvCache cache;
   Tensor q;
+  // Score edits, off unless set: ALiBi slopes and sink logits (one per query head), softcap.
+  std::vector<float> slopes = {}, sinks = {};
+  float softcap = 0.0f;
 };
 
-/// A (B=2, kv=2) cache of different lengths per sequence and h = 6 queries of T_q rows;
-/// key_group > 0: int8 keys with per-channel scales over groups of that many positions.
-CacheCase cache_case(CacheDtype dtype, int64_t tq, int64_t d = 20, int64_t key_group = 0,
-                     KeyLayout layout = KeyLayout::Rows) {
-  KvCacheConfig config{.batch = 2, .kv_heads = 2, .head_dim = d, .capacity = 700, .dtype = dtype};
+/// A cache of one sequence per entry of `lens`, holding that many positions (capacity the
+/// longest), kv K/V heads, and `heads` queries of T_q rows; key_group > 0: int8 keys with
+/// per-channel scales over groups of that many positions.
+CacheCase cache_of(CacheDtype dtype, int64_t tq, int64_t d, const std::vector<int64_t>& lens, int64_t heads = 6,
+                   int64_t kv = 2, int64_t key_group = 0, KeyLayout layout = KeyLayout::Rows) {
+  const auto B = static_cast<int64_t>(lens.size());
+  const int64_t capacity = std::max<int64_t>(1, *std::max_element(lens.begin(), lens.end()));
+  KvCacheConfig config{.batch = B, .kv_heads = kv, .head_dim = d, .capacity = capacity, .dtype = dtype};
   if (key_group > 0) config.int8_keys = Int8KeyScales::PerChannel, config.key_group = key_group;
   config.key_layout = layout;
-  CacheCase c{KvCache(config), random_tensor({2, 6, tq, d}, 9)};
-  const Tensor k = random_tensor({2, 2, 700, d}, 10, -2.0f, 2.0f), v = random_tensor({2, 2, 700, d}, 11);
-  const std::vector<int64_t> lens{700, 333};
+  CacheCase c{KvCache(config), random_tensor({B, heads, tq, d}, 9)};
+  const Tensor k = random_tensor({B, kv, capacity, d}, 10, -2.0f, 2.0f), v = random_tensor({B, kv, capacity, d}, 11);
   c.cache.append(k.view4(), v.view4(), lens);
   return c;
 }
 
+/// A (B=2, kv=2) cache of different lengths per sequence (700 and 333) and h = 6 queries of T_q rows.
+CacheCase cache_case(CacheDtype dtype, int64_t tq, int64_t d = 20, int64_t key_group = 0,
+                     KeyLayout layout = KeyLayout::Rows) {
+  return cache_of(dtype, tq, d, {700, 333}, 6, 2, key_group, layout);
+}
+
 Tensor attend(const CacheCase& c, int splits, int threads, int64_t window = 0, Tensor* lse = nullptr) {
-  Tensor out({2, 6, c.q.size(2), c.cache.config().head_dim});
+  const int64_t B = c.q.size(0), H = c.q.size(1), tq = c.q.size(2);
+  Tensor out({B, H, tq, c.cache.config().head_dim});
   CacheAttentionOptions o;
   o.splits = splits;
   o.threads = threads;
   o.window = window;
+  o.alibi.slopes = c.slopes;
+  o.softcap = c.softcap;
+  o.sinks.logits = c.sinks;
   View4<float> lse_view;
   if (lse) {
-    *lse = Tensor({2, 6, c.q.size(2)});
-    lse_view = contiguous_view(lse->data(), 2, 6, c.q.size(2), 1);
+    *lse = Tensor({B, H, tq});
+    lse_view = contiguous_view(lse->data(), B, H, tq, 1);
   }
   attend_cache(c.q.view4(), c.cache, {}, o, out.view4(), lse_view);
   return out;
 }
 
-/// The reference SDPA over the same cache contents (as float), queries at positions length + t.
+/// The reference SDPA over the same cache contents (as float), queries at positions length + t,
+/// with the case's score edits.
 Tensor oracle(const CacheCase& c, int64_t window) {
-  const int64_t d = c.cache.config().head_dim, tq = c.q.size(2);
-  Tensor out({2, 6, tq, d});
-  for (int64_t b = 0; b < 2; ++b) {
+  const int64_t d = c.cache.config().head_dim, B = c.q.size(0), H = c.q.size(1), tq = c.q.size(2);
+  const int64_t kv = c.cache.config().kv_heads;
+  Tensor out({B, H, tq, d});
+  for (int64_t b = 0; b < B; ++b) {
     const int64_t L = c.cache.length(b);
-    Tensor k({1, 2, L + tq, d}), v({1, 2, L + tq, d}), q({1, 6, tq, d});
-    for (int64_t g = 0; g < 2; ++g)
+    Tensor k({1, kv, L + tq, d}), v({1, kv, L + tq, d}), q({1, H, tq, d});
+    for (int64_t g = 0; g < kv; ++g)
       for (int64_t p = 0; p < L; ++p)
         for (int64_t x = 0; x < d; ++x) {
           k.at({0, g, p, x}) = c.cache.k_at(b, g, p, x);
@@ -431,15 +466,57 @@ Tensor oracle(const CacheCase& c, int64_t window) {
     // Rows L … L+tq−1 are the queries' own positions, masked away below (not in the cache).
     BoolTensor pad({1, L + tq}, 0);
     for (int64_t p = L; p < L + tq; ++p) pad.at({0, p}) = 1;
-    std::copy(c.q.data() + b * 6 * tq * d, c.q.data() + (b + 1) * 6 * tq * d, q.data());
+    std::copy(c.q.data() + b * H * tq * d, c.q.data() + (b + 1) * H * tq * d, q.data());
     SdpaOptions o;
     o.backend = Backend::Reference;
     o.masks.causal = Causal::with_offset(L).with_window(window);
     o.masks.key_padding.view = {pad.data(), {1, 1, 1, L + tq}, {0, 0, 0, 1}};
+    o.alibi.slopes = c.slopes;
+    o.softcap = c.softcap;
+    o.sinks.logits = c.sinks;
     const Tensor r = sdpa(q, k, v, o).out;
-    std::copy(r.data(), r.data() + r.numel(), out.data() + b * 6 * tq * d);
+    std::copy(r.data(), r.data() + r.numel(), out.data() + b * H * tq * d);
   }
   return out;
+}
+
+/// Runs body once per SIMD target the decode kernel was compiled for that this CPU supports, with
+/// dispatch forced to it, then restores the normal dispatch.
+void on_every_target(const std::function<void()>& body) {
+  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    body();
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+/// Every kind of cache the decode kernel reads: each dtype in the row layout and with keys across
+/// lanes, and int8 keys with per-channel scales (groups of 16 positions).
+struct CacheKind {
+  CacheDtype dtype;
+  KeyLayout layout;
+  int64_t key_group;
+};
+std::vector<CacheKind> cache_kinds() {
+  std::vector<CacheKind> kinds;
+  for (KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed})
+    for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16, CacheDtype::I8}) kinds.push_back({dtype, layout, 0});
+  kinds.push_back({CacheDtype::I8, KeyLayout::Rows, 16});
+  return kinds;
+}
+std::string kind_name(const CacheKind& k) {
+  return std::string(cache_dtype_name(k.dtype)) + (k.layout == KeyLayout::Transposed ? ", keys across lanes" : "") +
+         (k.key_group > 0 ? ", per-channel keys" : "");
+}
+
+/// attend() on 1 thread against the oracle, and the same bits on 2 and 3 threads.
+void expect_matches_oracle_on_any_thread_count(const CacheCase& c, int splits, int64_t window) {
+  SCOPED_TRACE(::testing::Message() << "splits " << splits << ", window " << window);
+  const Tensor one = attend(c, splits, 1, window);
+  EXPECT_TRUE(all_close(one, oracle(c, window), kF32Tol, kF32Tol));
+  for (int threads : {2, 3})
+    EXPECT_TRUE(bitwise_equal(attend(c, splits, threads, window), one)) << threads << " threads";
 }
 
 TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
@@ -661,6 +738,60 @@ TEST(DecodeKernel, Int8RingWithSinksLongerThanABlockHoldsTheRowLayoutsBits) {
       EXPECT_TRUE(bitwise_equal(out_lanes, out_rows)) << "splits " << splits;
     }
   }
+}
+
+// Cache lengths around the kernel's blocks of 128 keys and the tiles of 16 slots of keys across
+// lanes (0 and 1 included; each batch pairs two lengths), every kind of cache, with and without a
+// window, in 1 and 3 splits: against the reference on the cache's values, on every target, and the
+// same bits on 1, 2 and 3 threads.
+TEST(DecodeKernel, CacheLengthsAroundBlocksAndTilesMatchReferenceOnEveryTarget) {
+  const std::vector<std::vector<int64_t>> lengths = {{0, 1}, {15, 16}, {17, 127}, {128, 129}, {255, 257}};
+  on_every_target([&] {
+    for (const CacheKind& kind : cache_kinds())
+      for (const std::vector<int64_t>& lens : lengths) {
+        SCOPED_TRACE(::testing::Message() << kind_name(kind) << ", lengths " << lens[0] << " and " << lens[1]);
+        const CacheCase c = cache_of(kind.dtype, 2, 20, lens, 6, 2, kind.key_group, kind.layout);
+        for (int64_t window : {0, 20})
+          for (int splits : {1, 3}) expect_matches_oracle_on_any_thread_count(c, splits, window);
+      }
+  });
+}
+
+// A work item takes up to 16 query rows: the G query heads of a K/V head times as many queries as
+// fit, at least one. Several query tiles per group (7 queries of 3 heads: tiles of 5 and 2; 17 of
+// one head: 16 and 1), a group of exactly 16 and one wider (a query a tile), every kind of cache:
+// against the reference on every target, the same bits on 1, 2 and 3 threads.
+TEST(DecodeKernel, QueryTilesAndWideGroupsMatchReferenceOnEveryTarget) {
+  struct Heads {
+    int64_t heads, kv, tq;
+  };
+  on_every_target([&] {
+    for (const CacheKind& kind : cache_kinds())
+      for (const Heads hd : {Heads{6, 2, 7}, Heads{4, 4, 17}, Heads{32, 2, 3}, Heads{20, 1, 2}}) {
+        SCOPED_TRACE(::testing::Message()
+                     << kind_name(kind) << ", " << hd.heads << " heads over " << hd.kv << ", T_q " << hd.tq);
+        const CacheCase c = cache_of(kind.dtype, hd.tq, 20, {300, 131}, hd.heads, hd.kv, kind.key_group, kind.layout);
+        for (int64_t window : {0, 50}) expect_matches_oracle_on_any_thread_count(c, 2, window);
+      }
+  });
+}
+
+// Score edits over caches longer than a block of keys: softcap, ALiBi by absolute positions (its
+// distances formed per block) and a sink per head, every kind of cache, a window, splits that cut
+// the positions into parts: against the reference with the same edits, on every target, the same
+// bits on 1, 2 and 3 threads.
+TEST(DecodeKernel, ScoreEditsOverSeveralBlocksMatchReferenceOnEveryTarget) {
+  on_every_target([&] {
+    for (const CacheKind& kind : cache_kinds()) {
+      SCOPED_TRACE(kind_name(kind));
+      CacheCase c = cache_of(kind.dtype, 3, 20, {300, 131}, 6, 2, kind.key_group, kind.layout);
+      c.slopes = alibi_slopes(6);
+      c.softcap = 2.5f;
+      c.sinks = {0.5f, -1.0f, 2.0f, 0.0f, 1.0f, -0.5f};
+      for (int64_t window : {0, 200})
+        for (int splits : {1, 3}) expect_matches_oracle_on_any_thread_count(c, splits, window);
+    }
+  });
 }
 
 TEST(DecodeKernel, Int8CacheWithinItsQuantisationStepOfFloat32) {
