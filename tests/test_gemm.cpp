@@ -3,17 +3,22 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kernels/gemm.h"
 
 namespace {
 
+using mha::kernels::linear;
+using mha::kernels::linear_backward_input;
+using mha::kernels::linear_backward_params;
 using mha::kernels::sgemm;
 using mha::kernels::Trans;
 
@@ -95,6 +100,77 @@ TEST(Gemm, BitwiseIdenticalForAnyThreadCount) {
               << s.m << "x" << s.n << "x" << s.k << " with " << threads << " threads";
         }
       }
+}
+
+// A layer's shapes: rows (the batch's tokens), in and out features; rows, in and out around the
+// tile edges (256 rows, 512 columns), the weight gradient's chunks of k = rows (192), 0 and 1.
+struct Layer {
+  int64_t rows, in, out;
+};
+const Layer kLayers[] = {{0, 5, 3}, {4, 0, 3}, {1, 1, 1}, {7, 33, 17}, {193, 20, 24}, {257, 64, 513}, {385, 9, 40}};
+
+/// The three products of one layer, with rows of every operand 3 floats longer than they are.
+struct LayerProducts {
+  std::vector<float> y, dx, dw, db;
+};
+LayerProducts layer_products(const Layer& s, const std::vector<float>& x, const std::vector<float>& w,
+                             const std::vector<float>& bias, const std::vector<float>& dy, int threads) {
+  LayerProducts r;
+  r.y.assign(static_cast<size_t>(s.rows * (s.out + 3)), -7.0f);
+  r.dx.assign(static_cast<size_t>(s.rows * (s.in + 3)), -7.0f);
+  r.dw.assign(static_cast<size_t>(s.out * (s.in + 3)), -7.0f);
+  r.db.assign(static_cast<size_t>(s.out), -7.0f);
+  linear(x.data(), s.rows, s.in, s.in + 3, w.data(), s.out, s.in + 3, bias.data(), r.y.data(), s.out + 3, threads);
+  linear_backward_input(dy.data(), s.rows, s.out, s.out + 3, w.data(), s.in, s.in + 3, r.dx.data(), s.in + 3, threads);
+  linear_backward_params(dy.data(), s.rows, s.out, s.out + 3, x.data(), s.in, s.in + 3, r.dw.data(), s.in + 3,
+                         r.db.data(), threads);
+  return r;
+}
+
+// linear() (y = x·Wᵀ + b, the bias added to each tile of y), its input gradient (dx = dy·W) and
+// parameter gradients (dW = dyᵀ·x over chunks of k, db summed in double with the rows in order):
+// right against double-precision loops, the padding after each row untouched, and bitwise the
+// same for 1 to 4 threads.
+TEST(Gemm, LinearAndItsGradientsMatchDoublePrecisionOnAnyThreadCount) {
+  for (const Layer& s : kLayers) {
+    SCOPED_TRACE(::testing::Message() << "rows " << s.rows << ", in " << s.in << ", out " << s.out);
+    const auto x = random_floats(s.rows * (s.in + 3), 11), w = random_floats(s.out * (s.in + 3), 12),
+               bias = random_floats(s.out, 13), dy = random_floats(s.rows * (s.out + 3), 14);
+    const LayerProducts got = layer_products(s, x, w, bias, dy, 2);
+    const double tol = 1e-5 * (1.0 + static_cast<double>(std::max({s.rows, s.in, s.out})));
+    for (int64_t i = 0; i < s.rows; ++i)
+      for (int64_t o = 0; o < s.out; ++o) {
+        double want = bias[o];
+        for (int64_t c = 0; c < s.in; ++c) want += double(x[i * (s.in + 3) + c]) * w[o * (s.in + 3) + c];
+        ASSERT_NEAR(got.y[i * (s.out + 3) + o], want, tol) << "y (" << i << ", " << o << ")";
+      }
+    for (int64_t i = 0; i < s.rows; ++i)
+      for (int64_t c = 0; c < s.in; ++c) {
+        double want = 0;
+        for (int64_t o = 0; o < s.out; ++o) want += double(dy[i * (s.out + 3) + o]) * w[o * (s.in + 3) + c];
+        ASSERT_NEAR(got.dx[i * (s.in + 3) + c], want, tol) << "dx (" << i << ", " << c << ")";
+      }
+    for (int64_t o = 0; o < s.out; ++o) {
+      double sum = 0;
+      for (int64_t i = 0; i < s.rows; ++i) sum += dy[i * (s.out + 3) + o];
+      ASSERT_EQ(got.db[o], static_cast<float>(sum)) << "db " << o;  // the same terms in the same order
+      for (int64_t c = 0; c < s.in; ++c) {
+        double want = 0;
+        for (int64_t i = 0; i < s.rows; ++i) want += double(dy[i * (s.out + 3) + o]) * x[i * (s.in + 3) + c];
+        ASSERT_NEAR(got.dw[o * (s.in + 3) + c], want, tol) << "dW (" << o << ", " << c << ")";
+      }
+    }
+    for (const auto& [buf, len] : {std::pair{&got.y, s.out}, std::pair{&got.dx, s.in}, std::pair{&got.dw, s.in}})
+      for (size_t r = 0; r < buf->size() / static_cast<size_t>(len + 3); ++r)
+        for (int64_t e = len; e < len + 3; ++e) ASSERT_EQ((*buf)[r * (len + 3) + e], -7.0f) << "padding";
+    for (int threads : {1, 3, 4}) {
+      const LayerProducts many = layer_products(s, x, w, bias, dy, threads);
+      for (const auto& [a, b] : {std::pair{&many.y, &got.y}, std::pair{&many.dx, &got.dx}, std::pair{&many.dw, &got.dw},
+                                 std::pair{&many.db, &got.db}})
+        EXPECT_TRUE(a->empty() || std::memcmp(a->data(), b->data(), sizeof(float) * a->size()) == 0)
+            << threads << " threads";
+    }
+  }
 }
 
 // When OpenMP gives a team fewer threads than asked (OMP_DYNAMIC=true, OMP_THREAD_LIMIT=1, no
