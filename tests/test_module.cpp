@@ -380,12 +380,14 @@ TEST(Module, GroupedQueryProjectionShapes) {
 }
 
 /// The module's weights come from the fused kernel under Backend::Auto (per head, or averaged over
-/// heads inside the kernel); Backend::Reference gives the double-precision oracle's.
+/// heads inside the kernel); Backend::Reference gives the double-precision oracle's. Masks 2-D and
+/// 3-D (a plane per batch entry and head, widened with the causal rule for bias_kv / zero_attn),
+/// on 1, 2 and 3 threads.
 TEST(Module, WeightsFromTheFusedKernelMatchTheReference) {
   struct Variant {
     const char* name;
     int64_t kv_heads;
-    bool bias_kv, zero_attn, masks, unbatched, training;
+    bool bias_kv, zero_attn, masks, unbatched, training, masks3d = false;
   };
   const Variant variants[] = {
       {"plain", 0, false, false, false, false, false},
@@ -394,6 +396,8 @@ TEST(Module, WeightsFromTheFusedKernelMatchTheReference) {
       {"masks", 2, false, false, true, false, false},
       {"unbatched", 0, false, false, false, true, false},
       {"dropout (training)", 0, false, false, true, false, true},
+      {"3-D masks, GQA", 2, false, false, false, false, false, true},
+      {"3-D masks, bias_kv + zero_attn", 0, true, true, false, false, false, true},
   };
   for (const Variant& v : variants)
     for (mha::NeedWeights nw : {mha::NeedWeights::PerHead, mha::NeedWeights::Averaged}) {
@@ -417,6 +421,17 @@ TEST(Module, WeightsFromTheFusedKernelMatchTheReference) {
         for (int64_t j = S - 20; j < S; ++j) pad.at({1, j}) = 1;
         opt.key_padding_mask.is_padding = pad;
         opt.causal = mha::Causal::bottom_right();
+      }
+      if (v.masks3d) {  // one (T, S) plane per batch entry and head: a bool one, a float key padding
+        mha::BoolTensor masked_out({B * 8, T, S}, 0);
+        const Tensor u = random_tensor({B * 8, T, S}, 25, 0.0f, 1.0f);
+        for (int64_t x = 0; x < u.numel(); ++x) masked_out.data()[x] = u.data()[x] < 0.3f;
+        for (int64_t j = 0; j < S; ++j) masked_out.at({5, 2, j}) = 1;  // batch 0, head 5, query 2: no key
+        opt.attn_mask = mha::AttnMask::from_torch_bool(masked_out);
+        Tensor key_bias({B, S}, 0.0f);
+        for (int64_t j = 0; j < S; j += 3) key_bias.at({2, j}) = -INFINITY;
+        opt.key_padding_mask.additive = key_bias;
+        opt.causal = mha::Causal::top_left();
       }
       if (v.training) opt.mode = mha::Mode::Training, opt.dropout_seed = 5;
       opt.backend = mha::Backend::Reference;

@@ -78,6 +78,21 @@ struct Packed {
   SdpaResult forward(Backend backend, int threads = 2) const {
     return sdpa_varlen(q, k, v, seqs, options(backend, threads), Want::Lse);
   }
+  /// out and lse of the packed batch on its inputs rounded to bf16.
+  SdpaResult forward_bf16(Backend backend, int threads = 2) const {
+    BF16Tensor qb(q.shape()), kb(k.shape()), vb(v.shape());
+    for (int64_t i = 0; i < q.numel(); ++i) qb.data()[i] = to_bf16(q.data()[i]);
+    for (int64_t i = 0; i < k.numel(); ++i) kb.data()[i] = to_bf16(k.data()[i]);
+    for (int64_t i = 0; i < v.numel(); ++i) vb.data()[i] = to_bf16(v.data()[i]);
+    const int64_t nq = q.size(0), nk = k.size(0);
+    SdpaResult r{Tensor({nq, H, Dv}), {}, Tensor({nq, H})};
+    SdpaOutputs o;
+    o.out = packed_view(r.out.data(), nq, H, Dv);
+    o.lse = packed_view(r.lse.data(), nq, H, int64_t{1});
+    sdpa_varlen(packed_view<const bf16>(qb.data(), nq, H, D), packed_view<const bf16>(kb.data(), nk, KV, D),
+                packed_view<const bf16>(vb.data(), nk, KV, Dv), seqs, options(backend, threads), o);
+    return r;
+  }
   SdpaGradTensors backward(Backend backend, int threads = 2) const {
     const SdpaResult f = forward(Backend::Fused, threads);
     return sdpa_backward_varlen(q, k, v, f.out, dout, f.lse, seqs, options(backend, threads));
@@ -252,27 +267,13 @@ TEST(Varlen, FusedMatchesReferenceOnEveryTarget) {
 
 TEST(Varlen, Bf16FusedMatchesBf16ReferenceOnEveryTarget) {
   for (const Packed& c : sweep()) {
-    BF16Tensor q(c.q.shape()), k(c.k.shape()), v(c.v.shape());
-    for (int64_t i = 0; i < c.q.numel(); ++i) q.data()[i] = to_bf16(c.q.data()[i]);
-    for (int64_t i = 0; i < c.k.numel(); ++i) k.data()[i] = to_bf16(c.k.data()[i]);
-    for (int64_t i = 0; i < c.v.numel(); ++i) v.data()[i] = to_bf16(c.v.data()[i]);
-    const int64_t nq = c.q.size(0), nk = c.k.size(0);
-    auto run = [&](Backend backend) {
-      Tensor out({nq, c.H, c.Dv}), lse({nq, c.H});
-      SdpaOutputs o;
-      o.out = packed_view(out.data(), nq, c.H, c.Dv);
-      o.lse = packed_view(lse.data(), nq, c.H, int64_t{1});
-      sdpa_varlen(packed_view<const bf16>(q.data(), nq, c.H, c.D), packed_view<const bf16>(k.data(), nk, c.KV, c.D),
-                  packed_view<const bf16>(v.data(), nk, c.KV, c.Dv), c.seqs, c.options(backend, 2), o);
-      return std::pair{out, lse};
-    };
-    const auto want = run(Backend::Reference);
+    const SdpaResult want = c.forward_bf16(Backend::Reference);
     // The fused bf16 path may round P to bf16 for P·V (2^-9 relative per weight).
     const double tol = c.out_tol() + 0x1.0p-8 * max_abs(c.v);
     for_each_fused_target([&] {
-      const auto got = run(Backend::Fused);
-      EXPECT_TRUE(all_close(got.first, want.first, tol, 0));
-      EXPECT_TRUE(all_close(got.second, want.second, 64 * kEps, 4 * kEps));
+      const SdpaResult got = c.forward_bf16(Backend::Fused);
+      EXPECT_TRUE(all_close(got.out, want.out, tol, 0));
+      EXPECT_TRUE(all_close(got.lse, want.lse, 64 * kEps, 4 * kEps));
     });
   }
 }
@@ -299,12 +300,15 @@ TEST(Varlen, BackwardFusedMatchesReferenceOnEveryTarget) {
 
 TEST(Varlen, ThreadCountDoesNotChangeAnyBit) {
   for (const Packed& c : sweep()) {
-    const SdpaResult one = c.forward(Backend::Fused, 1);
+    const SdpaResult one = c.forward(Backend::Fused, 1), one_bf16 = c.forward_bf16(Backend::Fused, 1);
     const SdpaGradTensors g1 = c.backward(Backend::Fused, 1);
     for (int threads : {2, 3}) {
       const SdpaResult r = c.forward(Backend::Fused, threads);
       EXPECT_TRUE(bitwise_equal(r.out, one.out));
       EXPECT_TRUE(bitwise_equal(r.lse, one.lse));
+      const SdpaResult r16 = c.forward_bf16(Backend::Fused, threads);
+      EXPECT_TRUE(bitwise_equal(r16.out, one_bf16.out)) << "bf16";
+      EXPECT_TRUE(bitwise_equal(r16.lse, one_bf16.lse)) << "bf16";
       const SdpaGradTensors g = c.backward(Backend::Fused, threads);
       EXPECT_TRUE(bitwise_equal(g.dq, g1.dq));
       EXPECT_TRUE(bitwise_equal(g.dk, g1.dk));
