@@ -480,17 +480,6 @@ Tensor oracle(const CacheCase& c, int64_t window) {
   return out;
 }
 
-/// Runs body once per SIMD target the decode kernel was compiled for that this CPU supports, with
-/// dispatch forced to it, then restores the normal dispatch.
-void on_every_target(const std::function<void()>& body) {
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    body();
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
-
 /// Every kind of cache the decode kernel reads: each dtype in the row layout and with keys across
 /// lanes, and int8 keys with per-channel scales (groups of 16 positions).
 struct CacheKind {
@@ -698,12 +687,15 @@ TEST(DecodeKernel, TransposedKeysInARingWithSinks) {
     Tensor out_rows({1, 4, 1, 24}), out_lanes({1, 4, 1, 24});
     CacheAttentionOptions o;
     o.window = 80;
-    for (int splits : {1, 3}) {
-      o.splits = splits;
-      attend_cache(q.view4(), rows, {}, o, out_rows.view4());
-      attend_cache(q.view4(), lanes, {}, o, out_lanes.view4());
-      EXPECT_TRUE(all_close(out_lanes, out_rows, kF32Tol, kF32Tol)) << cache_dtype_name(dtype) << ", splits " << splits;
-    }
+    testing::for_each_decode_target([&] {  // the ring's placement meets each target's tiles
+      for (int splits : {1, 3}) {
+        o.splits = splits;
+        attend_cache(q.view4(), rows, {}, o, out_rows.view4());
+        attend_cache(q.view4(), lanes, {}, o, out_lanes.view4());
+        EXPECT_TRUE(all_close(out_lanes, out_rows, kF32Tol, kF32Tol))
+            << cache_dtype_name(dtype) << ", splits " << splits;
+      }
+    });
   }
 }
 
@@ -746,7 +738,7 @@ TEST(DecodeKernel, Int8RingWithSinksLongerThanABlockHoldsTheRowLayoutsBits) {
 // same bits on 1, 2 and 3 threads.
 TEST(DecodeKernel, CacheLengthsAroundBlocksAndTilesMatchReferenceOnEveryTarget) {
   const std::vector<std::vector<int64_t>> lengths = {{0, 1}, {15, 16}, {17, 127}, {128, 129}, {255, 257}};
-  on_every_target([&] {
+  testing::for_each_decode_target([&] {
     for (const CacheKind& kind : cache_kinds())
       for (const std::vector<int64_t>& lens : lengths) {
         SCOPED_TRACE(::testing::Message() << kind_name(kind) << ", lengths " << lens[0] << " and " << lens[1]);
@@ -765,7 +757,7 @@ TEST(DecodeKernel, QueryTilesAndWideGroupsMatchReferenceOnEveryTarget) {
   struct Heads {
     int64_t heads, kv, tq;
   };
-  on_every_target([&] {
+  testing::for_each_decode_target([&] {
     for (const CacheKind& kind : cache_kinds())
       for (const Heads hd : {Heads{6, 2, 7}, Heads{4, 4, 17}, Heads{32, 2, 3}, Heads{20, 1, 2}}) {
         SCOPED_TRACE(::testing::Message()
@@ -781,7 +773,7 @@ TEST(DecodeKernel, QueryTilesAndWideGroupsMatchReferenceOnEveryTarget) {
 // the positions into parts: against the reference with the same edits, on every target, the same
 // bits on 1, 2 and 3 threads.
 TEST(DecodeKernel, ScoreEditsOverSeveralBlocksMatchReferenceOnEveryTarget) {
-  on_every_target([&] {
+  testing::for_each_decode_target([&] {
     for (const CacheKind& kind : cache_kinds()) {
       SCOPED_TRACE(kind_name(kind));
       CacheCase c = cache_of(kind.dtype, 3, 20, {300, 131}, 6, 2, kind.key_group, kind.layout);

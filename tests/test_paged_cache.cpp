@@ -108,6 +108,52 @@ TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
   paged_equals_contiguous(CacheDtype::I8, 5, 140, 1);
 }
 
+// Several query rows per sequence (query tiles of 3 heads × 5 queries and 3 × 2), score edits
+// (softcap, ALiBi by absolute positions, a sink per head), a window and splits, through the block
+// tables: bitwise the contiguous cache's attention over the same positions, every dtype and key
+// layout, on every target and on 1 and 3 threads.
+TEST(PagedKvCache, QueryTilesAndScoreEditsEqualContiguousCacheOnEveryTarget) {
+  const int64_t kv = 2, h = 6, d = 20, tq = 7;
+  const std::vector<int64_t> lens{300, 131};
+  const std::vector<float> slopes = alibi_slopes(h), sinks = {0.5f, -1.0f, 2.0f, 0.0f, 1.0f, -0.5f};
+  for (KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed})
+    for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16, CacheDtype::I8}) {
+      SCOPED_TRACE(::testing::Message() << cache_dtype_name(dtype)
+                                        << (layout == KeyLayout::Transposed ? ", keys across lanes" : ""));
+      KvCacheConfig cc;
+      cc.batch = 2, cc.kv_heads = kv, cc.head_dim = d, cc.capacity = 300, cc.dtype = dtype, cc.key_layout = layout;
+      KvCache flat(cc);
+      PagedKvCacheConfig pc;
+      pc.kv_heads = kv, pc.head_dim = d, pc.block_size = 32, pc.num_blocks = 16, pc.dtype = dtype;
+      pc.key_layout = layout;
+      PagedKvCache paged(pc);
+      const std::vector<int64_t> ids{paged.add_sequence(), paged.add_sequence()};
+      const Tensor k = random_tensor({2, kv, 300, d}, 7, -2.0f, 2.0f), v = random_tensor({2, kv, 300, d}, 8);
+      flat.append(k.view4(), v.view4(), lens);
+      for (int64_t b = 0; b < 2; ++b) {
+        View4<const float> kb = one(k, b), vb = one(v, b);
+        kb.shape[2] = vb.shape[2] = lens[static_cast<size_t>(b)];
+        paged.append(ids[static_cast<size_t>(b)], kb, vb);
+      }
+      const Tensor q = random_tensor({2, h, tq, d}, 9);
+      const std::vector<int64_t> at{300, 131};  // the tokens right after each sequence
+      CacheAttentionOptions o;
+      o.alibi.slopes = slopes, o.softcap = 2.5f, o.sinks.logits = sinks, o.window = 100, o.splits = 3;
+      testing::for_each_decode_target([&] {
+        Tensor want({2, h, tq, d}), want_lse({2, h, tq, 1});
+        o.threads = 2;
+        attend_cache(q.view4(), flat, at, o, want.view4(), want_lse.view4());
+        for (int threads : {1, 3}) {
+          o.threads = threads;
+          Tensor got({2, h, tq, d}), got_lse({2, h, tq, 1});
+          attend_paged_cache(q.view4(), paged, ids, at, o, got.view4(), got_lse.view4());
+          EXPECT_TRUE(bitwise_equal(got, want)) << threads << " threads";
+          EXPECT_TRUE(bitwise_equal(got_lse, want_lse)) << threads << " threads";
+        }
+      });
+    }
+}
+
 /// Fork, then copy-on-write of the shared last block (int8: the rows' scales are copied with it).
 void fork_shares_blocks_and_copies_on_write(CacheDtype dtype) {
   const Dims dm;

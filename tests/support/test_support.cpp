@@ -210,4 +210,14 @@ void for_each_fused_backward_target(const std::function<void()>& body) {
   for_each_target(kernels::fused_backward_compiled_targets(), kernels::fused_backward_dispatch_target, body);
 }
 
+void for_each_decode_target(const std::function<void()>& body) {
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
+    body();
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 }  // namespace mha::testing

@@ -61,5 +61,9 @@ std::string temp_dir();
 void for_each_fused_target(const std::function<void()>& body);
 /// The same for the fused backward kernel's targets.
 void for_each_fused_backward_target(const std::function<void()>& body);
+/// Runs `body` once per SIMD target compiled into the library (the decode kernel's, those of
+/// hwy::SupportedAndGeneratedTargets) that this CPU supports, with dispatch forced to it, then
+/// restores the normal dispatch.
+void for_each_decode_target(const std::function<void()>& body);
 
 }  // namespace mha::testing
