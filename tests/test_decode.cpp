@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <utility>
@@ -499,13 +500,17 @@ std::string kind_name(const CacheKind& k) {
          (k.key_group > 0 ? ", per-channel keys" : "");
 }
 
-/// attend() on 1 thread against the oracle, and the same bits on 2 and 3 threads.
-void expect_matches_oracle_on_any_thread_count(const CacheCase& c, int splits, int64_t window) {
-  SCOPED_TRACE(::testing::Message() << "splits " << splits << ", window " << window);
-  const Tensor one = attend(c, splits, 1, window);
-  EXPECT_TRUE(all_close(one, oracle(c, window), kF32Tol, kF32Tol));
-  for (int threads : {2, 3})
-    EXPECT_TRUE(bitwise_equal(attend(c, splits, threads, window), one)) << threads << " threads";
+/// attend() with each split count on 1 thread against the oracle, and with the last split count
+/// the same bits on 2 and 3 threads.
+void expect_matches_oracle_on_any_thread_count(const CacheCase& c, int64_t window, std::initializer_list<int> splits) {
+  const Tensor want = oracle(c, window);
+  for (const int n : splits) {
+    SCOPED_TRACE(::testing::Message() << "window " << window << ", splits " << n);
+    const Tensor one = attend(c, n, 1, window);
+    EXPECT_TRUE(all_close(one, want, kF32Tol, kF32Tol));
+    if (n != *(splits.end() - 1)) continue;
+    for (int threads : {2, 3}) EXPECT_TRUE(bitwise_equal(attend(c, n, threads, window), one)) << threads << " threads";
+  }
 }
 
 TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
@@ -735,7 +740,7 @@ TEST(DecodeKernel, Int8RingWithSinksLongerThanABlockHoldsTheRowLayoutsBits) {
 // Cache lengths around the kernel's blocks of 128 keys and the tiles of 16 slots of keys across
 // lanes (0 and 1 included; each batch pairs two lengths), every kind of cache, with and without a
 // window, in 1 and 3 splits: against the reference on the cache's values, on every target, and the
-// same bits on 1, 2 and 3 threads.
+// same bits on 1, 2 and 3 threads (3 splits).
 TEST(DecodeKernel, CacheLengthsAroundBlocksAndTilesMatchReferenceOnEveryTarget) {
   const std::vector<std::vector<int64_t>> lengths = {{0, 1}, {15, 16}, {17, 127}, {128, 129}, {255, 257}};
   testing::for_each_decode_target([&] {
@@ -743,8 +748,7 @@ TEST(DecodeKernel, CacheLengthsAroundBlocksAndTilesMatchReferenceOnEveryTarget) 
       for (const std::vector<int64_t>& lens : lengths) {
         SCOPED_TRACE(::testing::Message() << kind_name(kind) << ", lengths " << lens[0] << " and " << lens[1]);
         const CacheCase c = cache_of(kind.dtype, 2, 20, lens, 6, 2, kind.key_group, kind.layout);
-        for (int64_t window : {0, 20})
-          for (int splits : {1, 3}) expect_matches_oracle_on_any_thread_count(c, splits, window);
+        for (int64_t window : {0, 20}) expect_matches_oracle_on_any_thread_count(c, window, {1, 3});
       }
   });
 }
@@ -763,7 +767,7 @@ TEST(DecodeKernel, QueryTilesAndWideGroupsMatchReferenceOnEveryTarget) {
         SCOPED_TRACE(::testing::Message()
                      << kind_name(kind) << ", " << hd.heads << " heads over " << hd.kv << ", T_q " << hd.tq);
         const CacheCase c = cache_of(kind.dtype, hd.tq, 20, {300, 131}, hd.heads, hd.kv, kind.key_group, kind.layout);
-        for (int64_t window : {0, 50}) expect_matches_oracle_on_any_thread_count(c, 2, window);
+        for (int64_t window : {0, 50}) expect_matches_oracle_on_any_thread_count(c, window, {2});
       }
   });
 }
@@ -771,7 +775,7 @@ TEST(DecodeKernel, QueryTilesAndWideGroupsMatchReferenceOnEveryTarget) {
 // Score edits over caches longer than a block of keys: softcap, ALiBi by absolute positions (its
 // distances formed per block) and a sink per head, every kind of cache, a window, splits that cut
 // the positions into parts: against the reference with the same edits, on every target, the same
-// bits on 1, 2 and 3 threads.
+// bits on 1, 2 and 3 threads (3 splits).
 TEST(DecodeKernel, ScoreEditsOverSeveralBlocksMatchReferenceOnEveryTarget) {
   testing::for_each_decode_target([&] {
     for (const CacheKind& kind : cache_kinds()) {
@@ -780,8 +784,7 @@ TEST(DecodeKernel, ScoreEditsOverSeveralBlocksMatchReferenceOnEveryTarget) {
       c.slopes = alibi_slopes(6);
       c.softcap = 2.5f;
       c.sinks = {0.5f, -1.0f, 2.0f, 0.0f, 1.0f, -0.5f};
-      for (int64_t window : {0, 200})
-        for (int splits : {1, 3}) expect_matches_oracle_on_any_thread_count(c, splits, window);
+      for (int64_t window : {0, 200}) expect_matches_oracle_on_any_thread_count(c, window, {1, 3});
     }
   });
 }
