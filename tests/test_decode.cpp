@@ -514,9 +514,7 @@ void expect_matches_oracle_on_any_thread_count(const CacheCase& c, int64_t windo
 }
 
 TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     for (int64_t tq : {1, 3}) {
       const CacheCase c = cache_case(CacheDtype::F32, tq);
       EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
@@ -536,8 +534,7 @@ TEST(DecodeKernel, MatchesReferenceOnEveryTarget) {
       EXPECT_TRUE(all_close(attend(paired, 3, 2), oracle(paired, 0), kF32Tol, kF32Tol));
       EXPECT_TRUE(all_close(attend(paired, 2, 2, 50), oracle(paired, 50), kF32Tol, kF32Tol));
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 TEST(DecodeKernel, Int8CacheMatchesReferenceOnTheDequantisedCacheOnEveryTarget) {
@@ -546,9 +543,7 @@ TEST(DecodeKernel, Int8CacheMatchesReferenceOnTheDequantisedCacheOnEveryTarget) 
   // oracle reads the dequantised values (k_int8 · s_k) in float. The 16-bit rounding moves these
   // outputs by less than float32's tolerance here (errors ≤ 2⁻¹⁶ of a row's largest q and of a
   // block's largest p). Lengths 700 and 333 end inside kernel blocks of 128.
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     for (int64_t tq : {1, 3}) {
       const CacheCase c = cache_case(CacheDtype::I8, tq);
       EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
@@ -559,8 +554,7 @@ TEST(DecodeKernel, Int8CacheMatchesReferenceOnTheDequantisedCacheOnEveryTarget) 
       const CacheCase c = cache_case(CacheDtype::I8, 2, d);
       EXPECT_TRUE(all_close(attend(c, 3, 2), oracle(c, 0), kF32Tol, kF32Tol));
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 TEST(DecodeKernel, Int8IntegerProductsHoldAtTheirRangeLimitsOnEveryTarget) {
@@ -569,9 +563,7 @@ TEST(DecodeKernel, Int8IntegerProductsHoldAtTheirRangeLimitsOnEveryTarget) {
   // ±steps · 127 · d), at d = 512 (the widest d with 32767 query steps) and d = 600 (fewer steps,
   // so the sums still fit). An overflow would flip the winning keys. Also a query row of zeros
   // (uniform attention over its keys) and one holding a NaN (its output NaN, the others not).
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     for (int64_t d : {512, 600}) {
       SCOPED_TRACE(::testing::Message() << "d " << d);
       KvCacheConfig config{.batch = 2, .kv_heads = 2, .head_dim = d, .capacity = 300, .dtype = CacheDtype::I8};
@@ -592,8 +584,7 @@ TEST(DecodeKernel, Int8IntegerProductsHoldAtTheirRangeLimitsOnEveryTarget) {
       // Keys at positions 0, 3, 6, … win by e^{2√d}: the output is their values' mean.
       EXPECT_NEAR(got.at({0, 0, 0, 0}), 0.0f, 0.02);  // 100 keys, values alternating by position
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 TEST(DecodeKernel, Int8ChannelKeysMatchReferenceOnTheDequantisedCacheOnEveryTarget) {
@@ -601,9 +592,7 @@ TEST(DecodeKernel, Int8ChannelKeysMatchReferenceOnTheDequantisedCacheOnEveryTarg
   // reads k_int8 · scale[group][x]. Groups of 1, of an odd size, of a SIMD block's width, of a
   // kernel block (128) and wider than one, against lengths 700 and 333 and splits that cut
   // groups in the middle.
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     for (int64_t group : {1, 7, 32, 128, 200}) {
       SCOPED_TRACE(::testing::Message() << "key_group " << group);
       const CacheCase c = cache_case(CacheDtype::I8, 3, 20, group);
@@ -614,17 +603,14 @@ TEST(DecodeKernel, Int8ChannelKeysMatchReferenceOnTheDequantisedCacheOnEveryTarg
       const CacheCase c = cache_case(CacheDtype::I8, 1, d, 32);
       EXPECT_TRUE(all_close(attend(c, 5, 2), oracle(c, 0), kF32Tol, kF32Tol));
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 TEST(DecodeKernel, TransposedKeysMatchReferenceOnEveryTarget) {
   // Keys across SIMD lanes: tiles of 16 slots (capacity 700 ends inside one; lengths 700 and 333
   // end inside tiles and blocks), every dtype with per-token scales, odd d, d = 64, and the
   // widest P·V tiles; windows start keys inside tiles (partial tiles through the scratch).
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     for (CacheDtype dtype : {CacheDtype::F32, CacheDtype::BF16, CacheDtype::I8})
       for (int64_t d : {19, 64, 72}) {
         SCOPED_TRACE(::testing::Message() << cache_dtype_name(dtype) << ", d " << d);
@@ -634,8 +620,7 @@ TEST(DecodeKernel, TransposedKeysMatchReferenceOnEveryTarget) {
           EXPECT_TRUE(all_close(attend(c, 2, 2, 50), oracle(c, 50), kF32Tol, kF32Tol));
         }
       }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 TEST(DecodeKernel, TransposedKeysHoldTheRowLayoutsValuesOnEveryTarget) {

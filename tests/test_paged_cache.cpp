@@ -88,9 +88,7 @@ PagedKvCacheConfig tiny_pool(int64_t blocks) {
 }
 
 TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     paged_equals_contiguous(CacheDtype::F32, 16, 40, 1);
     paged_equals_contiguous(CacheDtype::BF16, 3, 23, 2);
     paged_equals_contiguous(CacheDtype::I8, 5, 20, 2);  // rows and their scales through the tables
@@ -98,8 +96,7 @@ TEST(PagedKvCache, EqualsContiguousCacheTokenByTokenOnEveryTarget) {
     paged_equals_contiguous(CacheDtype::F32, 16, 40, 1, KeyLayout::Transposed);
     paged_equals_contiguous(CacheDtype::BF16, 32, 70, 2, KeyLayout::Transposed);
     paged_equals_contiguous(CacheDtype::I8, 16, 40, 2, KeyLayout::Transposed);
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
   paged_equals_contiguous(CacheDtype::F32, 1, 9, 3);     // one position per block
   paged_equals_contiguous(CacheDtype::F32, 64, 300, 0);  // several kernel blocks, auto splits
   // int8 past a kernel block (128 keys), whose next block's scales are asked for through the
@@ -485,9 +482,7 @@ TEST(SinkCache, DecodeKernelMatchesExplicitMaskOnEveryTarget) {
         want.at({0, head, t, x}) = static_cast<float>(acc);
       }
     }
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     CacheAttentionOptions o;
     o.window = window;
     o.splits = 2;
@@ -500,8 +495,7 @@ TEST(SinkCache, DecodeKernelMatchesExplicitMaskOnEveryTarget) {
       if (threads == 1) one = got;
       EXPECT_TRUE(bitwise_equal(got, one));
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 TEST(SinkCache, BadConfigurations) {
@@ -564,9 +558,7 @@ Tensor token_rows(const Tensor& x, Layout layout, int64_t t0, int64_t t1) {
 // contiguous one bitwise after every step, on every target, for threads 1/2/3; block size 3 so
 // sequences cross block edges, interleaved in the pool.
 TEST(PagedKvCacheModule, EqualsContiguousCacheTokenByToken) {
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  testing::for_each_decode_target([&] {
     for (const ModuleCase& mc : module_cases()) {
       SCOPED_TRACE(mc.name);
       MultiheadAttention m(mc.config, 5);
@@ -603,8 +595,7 @@ TEST(PagedKvCacheModule, EqualsContiguousCacheTokenByToken) {
       EXPECT_EQ(paged.length(ids[1]), T - 2);
       EXPECT_EQ(paged.k_at(ids[1], 1, 5, 2), flat.k_at(1, 1, 5, 2));
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 // A forked sequence decodes like a copy of its parent's contiguous cache, sharing the full blocks.

@@ -500,12 +500,7 @@ void decode_matches_full_forward() {
 
 // On every target the decode kernel was compiled for (its softcap is Highway's vector Tanh).
 TEST(ScoreEditsDecode, CacheAttentionMatchesFullForwardTokenByTokenOnEveryTarget) {
-  for (uint32_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    decode_matches_full_forward();
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  testing::for_each_decode_target([&] { decode_matches_full_forward(); });
 }
 
 // ---- bad arguments -------------------------------------------------------------------------

@@ -1237,6 +1237,9 @@ void decode_item(const DecodeParams& p, int64_t index, float* partial, float* sc
   }
 }
 
+/// The target this copy was compiled for (decode_dispatch_target: which one a call takes).
+int64_t decode_target() { return HWY_TARGET; }
+
 }  // namespace mha::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -1246,8 +1249,12 @@ HWY_AFTER_NAMESPACE();
 namespace mha::kernels {
 
 HWY_EXPORT(decode_item);
+HWY_EXPORT(decode_target);
 
 using namespace decode_detail;
+
+std::vector<int64_t> decode_compiled_targets() { return target_bits(HWY_TARGETS); }
+int64_t decode_dispatch_target() { return HWY_DYNAMIC_DISPATCH(decode_target)(); }
 
 size_t decode_workspace_floats(const DecodeParams& p) { return workspace_plan(p, make_plan(p)).floats(); }
 

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/common.h"
 #include "kernels/score_edits.h"
@@ -71,6 +72,11 @@ struct DecodeParams {
   int64_t d() const { return q.shape[3]; }
   int64_t group() const { return heads() / kv_heads; }
 };
+/// The SIMD targets the decode kernel was compiled for (Highway bits; its HWY_TARGETS, which
+/// the tests' own translation units may not share) and the one a call dispatches to now.
+std::vector<int64_t> decode_compiled_targets();
+int64_t decode_dispatch_target();
+
 size_t decode_workspace_floats(const DecodeParams& p);
 /// A split count for sequences holding at most longest_held positions: splits (at least 1), capped
 /// at one block of keys per split. The further splits would be empty, so the cap changes no bit of

@@ -4,6 +4,7 @@
 
 #include "kernels/amx.h"
 #include "kernels/backward_fused.h"
+#include "kernels/decode.h"
 #include "kernels/fused_forward.h"
 
 #include <sys/wait.h>
@@ -211,13 +212,7 @@ void for_each_fused_backward_target(const std::function<void()>& body) {
 }
 
 void for_each_decode_target(const std::function<void()>& body) {
-  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
-    body();
-    if (::testing::Test::HasFatalFailure()) break;
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  for_each_target(kernels::decode_compiled_targets(), kernels::decode_dispatch_target, body);
 }
 
 }  // namespace mha::testing

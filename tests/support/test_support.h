@@ -61,9 +61,8 @@ std::string temp_dir();
 void for_each_fused_target(const std::function<void()>& body);
 /// The same for the fused backward kernel's targets.
 void for_each_fused_backward_target(const std::function<void()>& body);
-/// Runs `body` once per SIMD target compiled into the library (the decode kernel's, those of
-/// hwy::SupportedAndGeneratedTargets) that this CPU supports, with dispatch forced to it, then
-/// restores the normal dispatch.
+/// The same for the decode kernel's targets (kernels::decode_compiled_targets: a test file's own
+/// hwy::SupportedAndGeneratedTargets lacks AVX3_DL, which the kernels are built for).
 void for_each_decode_target(const std::function<void()>& body);
 
 }  // namespace mha::testing
