@@ -12,6 +12,9 @@
 #include <string>
 #include <vector>
 
+#include <hwy/targets.h>
+
+#include "kernels/decode.h"
 #include "kernels/fused_forward.h"
 #include "kernels/quantize.h"
 #include "mha/kv_cache.h"
@@ -375,6 +378,45 @@ TEST(Int8Cache, QueriesOfExtremeMagnitudeDecodeAsTheFloat32CacheDoes) {
         EXPECT_TRUE(bitwise_equal(two, one));
         // AVX-512 rounds q and p to 16 bits (up to 6e-6 here); elsewhere float rounding (below 1e-6).
         EXPECT_TRUE(testing::all_close(one, want, 1e-4, 1e-4));
+      }
+    });
+  }
+}
+
+// A query channel near 2^107 (after the scale) that meets only zero keys, the other channels small
+// against keys near 2^105: the scores (~2^98) are finite, but the query's step (a power of two on
+// the widened targets, max|q| / 32767 on the integer ones) times a key scale of 2^98 is not. The
+// scores take step and scale in the order that cannot overflow, so no row turns NaN on any target;
+// where int8 rows are widened the output is the float32 cache's (on AVX-512 the 16-bit rounding of
+// q, whose step is 2⁻¹⁶ of the huge channel, leaves the small channels nothing: finite, not close).
+TEST(Int8Cache, AHugeQueryChannelAgainstLargeKeyScalesStaysFinite) {
+  constexpr int64_t kv = 1, h = 2, T = 40, d = 16;
+  Tensor k = int8_exact_values(kv, T, d, 41, 98);  // channel 0 at ±127 steps: scale 2^98 exactly
+  for (int64_t p = 0; p < T; ++p) k.at({0, 0, p, 1}) = 0.0f;
+  const Tensor v = int8_exact_values(kv, T, d, 42, -7);
+  Tensor q = random_tensor({1, h, 1, d}, 43);
+  for (float& x : q.values()) x = std::ldexp(x, -7);
+  for (int64_t head = 0; head < h; ++head) q.at({0, head, 0, 1}) = std::ldexp(1.0f, 110);
+  KvCacheConfig config = int8_config(1, kv, d, T);
+  config.dtype = CacheDtype::F32;
+  KvCache f32(config);
+  f32.append(k.view4(), v.view4());
+  Tensor want({1, h, 1, d});
+  attend_cache(q.view4(), f32, {}, {}, want.view4());
+  ASSERT_TRUE(std::all_of(want.values().begin(), want.values().end(), [](float x) { return std::isfinite(x); }));
+  for (const KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed}) {
+    KvCacheConfig i8 = int8_config(1, kv, d, T);
+    i8.key_layout = layout;
+    KvCache cache(i8);
+    cache.append(k.view4(), v.view4());
+    testing::for_each_decode_target([&] {
+      SCOPED_TRACE(layout == KeyLayout::Rows ? "rows" : "keys across lanes");
+      Tensor got({1, h, 1, d});
+      attend_cache(q.view4(), cache, {}, {}, got.view4());
+      EXPECT_TRUE(std::all_of(got.values().begin(), got.values().end(), [](float x) { return std::isfinite(x); }));
+      const int64_t target = kernels::decode_dispatch_target();
+      if (target != HWY_AVX3 && target != HWY_AVX3_DL) {
+        EXPECT_TRUE(testing::all_close(got, want, 1e-4, 1e-4));
       }
     });
   }

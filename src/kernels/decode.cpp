@@ -498,9 +498,9 @@ HWY_INLINE float quantize_int16(const float* in, int64_t n, int32_t steps, int16
 /// key's scale applies, up to 127 · d times the dequantised products, so a query row near 1e37
 /// overflowed to inf where the float32 cache and the integer products (which divide by their own
 /// step) stayed finite; below 2⁶⁴ · 127 · d the sums cannot. A power of two divides exactly (only
-/// elements below 2⁻¹⁹⁰ of the row's max turn subnormal), and (s · scale_k) · (q / s · k_int8)
-/// rounds as scale_k · (q · k_int8) did: scores that were finite keep their bits (but where a
-/// product or a scale is subnormal).
+/// elements below 2⁻¹⁹⁰ of the row's max turn subnormal), and (scale_k · (q / s · k_int8)) · s (the
+/// order decode_item_of multiplies in) rounds as scale_k · (q · k_int8) did: scores that were
+/// finite keep their bits (but where a product or a scale is subnormal).
 HWY_INLINE float divide_by_power_of_two_step(float* in, int64_t n) {
   constexpr int kRangeExponent = 64;
   const auto [amax, finite] = abs_max(in, n);
@@ -981,9 +981,10 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // products gave).
   constexpr bool kIntScores = kScaled && !kChannelKeys && kIntProducts;
   constexpr bool kIntValues = kScaled && kIntProducts;  // integer P·V
-  // int8 with one scale per key: score = (step_q · scale_k) · (q / step_q · k_int8), the step per
-  // query row: the int16 rounding's (integer scores), else a power of two that keeps the float
-  // sums of q · k_int8 in range (divide_by_power_of_two_step).
+  // int8 with one scale per key: score = step_q · scale_k · (q / step_q · k_int8) (in the order
+  // the block loop below gives), the step per query row: the int16 rounding's (integer scores),
+  // else a power of two that keeps the float sums of q · k_int8 in range
+  // (divide_by_power_of_two_step).
   if constexpr (kIntScores) {
     for (int64_t r = 0; r < rows; ++r) q_step[r] = quantize_int16(qs + r * d, d, query_steps(d), q16 + r * d);
   } else if constexpr (kScaled && !kChannelKeys) {
@@ -1146,11 +1147,22 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* s = sc + rr * kBlock;
       const int64_t qpos = q_first + rr % it.tq;
-      // int8: score = (step_q · scale_k) · (q / step_q · k_int8); lanes past nb are −inf below.
+      // int8: score = step_q · scale_k · (q / step_q · k_int8), multiplied in the order that
+      // cannot overflow where the score does not: a step below 1 (every ordinary query row of the
+      // integer products) times the key's scale first, as always; a step of 1 or more (a row that
+      // the widened products divided by a power of two, or integer steps of a row beyond 32767)
+      // last, after the scale (the product and the sum are then at most the score). A power of
+      // two multiplies exactly: the widened path's finite scores keep their bits.
+      // Lanes past nb are −inf below.
       if constexpr (kScaled && !kChannelKeys) {
         const auto step = hn::Set(df, q_step[rr]);
-        for (int64_t j = 0; j < nb; j += L)
-          hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::Mul(step, hn::LoadU(df, kscale + j))), df, s + j);
+        if (q_step[rr] < 1.0f) {
+          for (int64_t j = 0; j < nb; j += L)
+            hn::StoreU(hn::Mul(hn::LoadU(df, s + j), hn::Mul(step, hn::LoadU(df, kscale + j))), df, s + j);
+        } else {
+          for (int64_t j = 0; j < nb; j += L)
+            hn::StoreU(hn::Mul(hn::Mul(hn::LoadU(df, s + j), hn::LoadU(df, kscale + j)), step), df, s + j);
+        }
       }
       if (edit_scores) {
         // Score edits (kernels/score_edits.h): c·tanh(t/c), then ALiBi's m·(k_pos − q_pos) by
