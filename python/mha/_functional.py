@@ -143,13 +143,20 @@ def _float_mask(name: str, m: Any, fn: str) -> np.ndarray:
     return _in_place(_broadcast4(name, _float_array(name, m, fn), fn))
 
 
+# The smallest magnitude that rounds to ±inf in float32: FLT_MAX plus half its last step.
+_FLOAT32_OVERFLOW = 3.4028235677973366e38
+
+
 def _finite(fn: str, name: str, values: Sequence[float]) -> None:
-    """A ValueError naming the argument and its first NaN or ±inf entry, if any. The library refuses
-    them too, but its message names its own field and check ("MhaConfig: alibi slope nan", "sdpa:
-    sink logit 1"), neither of which the Python caller wrote."""
+    """A ValueError naming the argument and its first NaN or ±inf entry, or one that float32 (which
+    the library holds them in) rounds to ±inf, if any. The library refuses them too, but its message
+    names its own field and check ("MhaConfig: alibi slope nan", "sdpa: sink logit 1"), neither of
+    which the Python caller wrote."""
     for i, v in enumerate(values):
         if not math.isfinite(v):
             raise ValueError(f"{fn}: {name} must be finite, got {name}[{i}] = {v}")
+        if abs(v) >= _FLOAT32_OVERFLOW:
+            raise ValueError(f"{fn}: {name}[{i}] = {v} is finite but beyond float32's range")
 
 
 def _per_head(name: str, x: Any, fn: str) -> List[float]:

@@ -119,6 +119,8 @@ def test_module_sinks_parameter_and_config():
     (dict(alibi_slopes=np.array([0.5, 0.1, 0.1, -np.inf])),
      r"alibi_slopes must be finite, got alibi_slopes\[3\] = -inf$"),
     (dict(alibi_slopes=[0.5, 0.25]), r"alibi_slopes has 2 entries, expected one per head \(4\)$"),
+    # finite in float64, ±inf in the float32 the library holds
+    (dict(alibi_slopes=[1e39, 0.1, 0.1, 0.1]), r"alibi_slopes\[0\] = 1e\+39 is finite but beyond float32's range$"),
     (dict(softcap=np.inf), "softcap must be a finite c > 0"),
     (dict(scale=np.nan), "scale must be finite"),
 ])

@@ -132,6 +132,8 @@ def test_varlen_bad_score_edits_are_refused(packed):
         call(sinks=np.zeros(5))
     with pytest.raises(ValueError, match=r"^sdpa_varlen: sinks must be finite, got sinks\[0\] = nan$"):
         call(sinks=[np.nan, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match=r"^sdpa_varlen: sinks\[1\] = -1e\+39 is finite but beyond float32's range$"):
+        call(sinks=[0.0, -1e39, 0.0, 0.0])  # finite as given, -inf in the library's float32
     for bad in (-1.0, np.inf, np.nan):
         with pytest.raises(ValueError, match="sdpa_varlen: softcap must be a finite c > 0"):
             call(softcap=bad)
