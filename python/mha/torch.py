@@ -288,9 +288,10 @@ class MultiheadAttention(_torch.nn.Module):
 
     def release_workspace(self) -> None:
         """Frees the working buffers the module keeps between calls to reuse them (projections,
-        attention heads and a backward's gradient rows: about 32·B·T·E bytes after a training step
-        of self-attention, 16·B·T·E after inference, for the largest B·T seen; each layer keeps its
-        own); the next call allocates afresh."""
+        attention heads and a backward's gradient rows: about 32·B·T·E bytes after training steps
+        of self-attention at one shape, 16·B·T·E after inference; the pool keeps up to 8 of the
+        largest buffers calls gave back, so with shapes that vary, 2–3× that for the largest B·T
+        seen; each layer keeps its own); the next call allocates afresh."""
         self._core.release_workspace()
 
     def _reset_parameters(self) -> None:
