@@ -230,7 +230,9 @@ TEST(HeadMetrics, ModuleRowsWhoseMasksHideEveryRealKeyAreNotMeasured) {
       for (int64_t h = 0; h < kH; ++h) {
         float appended = 0;
         for (int64_t j = kTk; j < kTk + 2; ++j) appended += w.at({b, h, i, j});
-        if (!sees) EXPECT_NEAR(appended, 1.0f, 1e-6) << b << " " << i;  // all of it on bias_k and the zero key
+        if (!sees) {
+          EXPECT_NEAR(appended, 1.0f, 1e-6) << b << " " << i;  // all of it on bias_k and the zero key
+        }
       }
     }
   EXPECT_EQ(seeing, kB * kTq - 2 - 5);
