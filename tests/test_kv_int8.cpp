@@ -299,6 +299,23 @@ Tensor int8_exact_values(int64_t kv, int64_t T, int64_t d, uint32_t seed, int ex
   return x;
 }
 
+/// Whether every element of t is finite.
+bool all_finite(const Tensor& t) {
+  return std::all_of(t.values().begin(), t.values().end(), [](float x) { return std::isfinite(x); });
+}
+
+/// Attention of q (1, h, 1, d) over a float32 cache holding k and v (1, kv, T, d): the answer the
+/// int8 caches of the same (int8-exact) values are held to.
+Tensor float32_cache_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+  KvCacheConfig config = int8_config(1, k.shape()[1], k.shape()[3], k.shape()[2]);
+  config.dtype = CacheDtype::F32;
+  KvCache f32(config);
+  f32.append(k.view4(), v.view4());
+  Tensor out(q.shape());
+  attend_cache(q.view4(), f32, {}, {}, out.view4());
+  return out;
+}
+
 // Query rows of extreme magnitude. Where int8 rows are widened to float (AVX2, SSE4 and below),
 // q · k_int8 was summed in float before the key's scale applied, up to 127 · d times the
 // dequantised products: queries near 1e37 gave inf scores and NaN rows where the float32 cache and
@@ -324,13 +341,8 @@ TEST(Int8Cache, QueriesOfExtremeMagnitudeDecodeAsTheFloat32CacheDoes) {
     const Tensor k = int8_exact_values(kv, T, d, 31, c.k_exponent);
     Tensor q = random_tensor({1, h, 1, d}, 33);
     for (float& x : q.values()) x = std::ldexp(x, c.q_exponent);
-    KvCacheConfig config = int8_config(1, kv, d, T);
-    config.dtype = CacheDtype::F32;
-    KvCache f32(config);
-    f32.append(k.view4(), v.view4());
-    Tensor want({1, h, 1, d});
-    attend_cache(q.view4(), f32, {}, {}, want.view4());
-    ASSERT_TRUE(std::all_of(want.values().begin(), want.values().end(), [](float x) { return std::isfinite(x); }));
+    const Tensor want = float32_cache_attention(q, k, v);
+    ASSERT_TRUE(all_finite(want));
 
     // The int8 caches: rows and keys across lanes, contiguous and paged (blocks of 16), and
     // per-channel key scales (contiguous rows only).
@@ -397,13 +409,8 @@ TEST(Int8Cache, AHugeQueryChannelAgainstLargeKeyScalesStaysFinite) {
   Tensor q = random_tensor({1, h, 1, d}, 43);
   for (float& x : q.values()) x = std::ldexp(x, -7);
   for (int64_t head = 0; head < h; ++head) q.at({0, head, 0, 1}) = std::ldexp(1.0f, 110);
-  KvCacheConfig config = int8_config(1, kv, d, T);
-  config.dtype = CacheDtype::F32;
-  KvCache f32(config);
-  f32.append(k.view4(), v.view4());
-  Tensor want({1, h, 1, d});
-  attend_cache(q.view4(), f32, {}, {}, want.view4());
-  ASSERT_TRUE(std::all_of(want.values().begin(), want.values().end(), [](float x) { return std::isfinite(x); }));
+  const Tensor want = float32_cache_attention(q, k, v);
+  ASSERT_TRUE(all_finite(want));
   for (const KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed}) {
     KvCacheConfig i8 = int8_config(1, kv, d, T);
     i8.key_layout = layout;
@@ -413,7 +420,7 @@ TEST(Int8Cache, AHugeQueryChannelAgainstLargeKeyScalesStaysFinite) {
       SCOPED_TRACE(layout == KeyLayout::Rows ? "rows" : "keys across lanes");
       Tensor got({1, h, 1, d});
       attend_cache(q.view4(), cache, {}, {}, got.view4());
-      EXPECT_TRUE(std::all_of(got.values().begin(), got.values().end(), [](float x) { return std::isfinite(x); }));
+      EXPECT_TRUE(all_finite(got));
       const int64_t target = kernels::decode_dispatch_target();
       if (target != HWY_AVX3 && target != HWY_AVX3_DL) {
         EXPECT_TRUE(testing::all_close(got, want, 1e-4, 1e-4));
