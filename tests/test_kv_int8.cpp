@@ -271,7 +271,7 @@ TEST(Int8Cache, TinyValuesDecodeAsCloseAsOrdinaryOnes) {
       Tensor a({1, h, 1, d}), b({1, h, 1, d});
       attend_cache(q.view4(), f32, {}, {}, a.view4());
       attend_cache(q.view4(), i8, {}, {}, b.view4());
-      testing::for_each_fused_target([&] {
+      testing::for_each_decode_target([&] {
         Tensor t({1, h, 1, d});
         attend_cache(q.view4(), i8, {}, {}, t.view4());
         for (int64_t i = 0; i < t.numel(); ++i)
@@ -377,7 +377,7 @@ TEST(Int8Cache, QueriesOfExtremeMagnitudeDecodeAsTheFloat32CacheDoes) {
         attend_paged_cache(q.view4(), paged[i], std::span(paged_seqs).subspan(i, 1), {}, o, out.view4());
       });
 
-    testing::for_each_fused_target([&] {
+    testing::for_each_decode_target([&] {
       for (const auto& [name, attend] : variants) {
         SCOPED_TRACE(name);
         CacheAttentionOptions o;
