@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "dist/dist_internal.h"
@@ -63,10 +64,21 @@ MultiheadAttention make_shard(MPI_Comm comm, const MultiheadAttention& full, int
   std::vector<int64_t> drop;
   for (int64_t i = 0; i < c.num_heads; ++i)
     if (i < *first_head || i >= *first_head + per) drop.push_back(i);
-  MultiheadAttention shard = drop.empty() ? full : prune_heads(full, drop);
-  if (me != 0 && shard.params().out_proj_bias.defined())
-    std::fill(shard.params().out_proj_bias.values().begin(), shard.params().out_proj_bias.values().end(), 0.0f);
-  return shard;
+  // The parameters are this rank's alone: one whose shapes do not fit the (agreed) configuration
+  // made prune_heads throw there only, and the other ranks, constructed, waited for it in their
+  // first forward() for ever. Checked here and shared, so every rank throws.
+  std::optional<MultiheadAttention> shard;
+  err.clear();
+  try {
+    full.check_params();
+    shard.emplace(drop.empty() ? full : prune_heads(full, drop));
+  } catch (const Error& e) {
+    err = std::string("TensorParallelAttention: ") + e.what();
+  }
+  check_collectively(comm, err);
+  if (me != 0 && shard->params().out_proj_bias.defined())
+    std::fill(shard->params().out_proj_bias.values().begin(), shard->params().out_proj_bias.values().end(), 0.0f);
+  return std::move(*shard);
 }
 
 /// Every rank's (B, h/P, T_q) log-sum-exp ((h/P, T_q) unbatched), rank r's heads being r·h/P on,

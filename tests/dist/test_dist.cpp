@@ -360,6 +360,23 @@ TEST(Heads, RefusesWhatItCannotShard) {
   }
 }
 
+/// The configuration is checked collectively, but each rank's parameters were checked by
+/// prune_heads on that rank alone: a module whose W_O did not fit its configuration on one rank
+/// threw there, and the other ranks, constructed, waited for it in their first forward() for
+/// ever. Now every rank throws, naming the rank and the parameter.
+TEST(Heads, ParametersThatDoNotFitOnOneRankFailOnEveryRank) {
+  MhaConfig cfg;
+  cfg.embed_dim = 48;
+  cfg.num_heads = 12;
+  cfg.layout = Layout::BatchFirst;
+  MultiheadAttention m(cfg, 3);
+  const int last = ranks() - 1;
+  if (rank() == last) m.params().out_proj_weight = Tensor({3});
+  const std::string err = mha::testing::error_of([&] { dist::TensorParallelAttention(MPI_COMM_WORLD, m); });
+  EXPECT_NE(err.find("rank " + std::to_string(last) + " of " + std::to_string(ranks())), std::string::npos) << err;
+  EXPECT_NE(err.find("out_proj.weight"), std::string::npos) << err;
+}
+
 /// The configuration check compared only whether RoPE was on and the sum of the ALiBi slopes' bits:
 /// ranks with another θ, pairing or rotated width, or two heads' slopes swapped, passed, and the
 /// summed output was neither rank's module's. Each now fails on every rank.
