@@ -141,8 +141,9 @@ class TensorParallelAttention {
   /// Collective: every rank passes the same full module (e.g. loaded from one checkpoint).
   TensorParallelAttention(MPI_Comm comm, const MultiheadAttention& full);
   /// Collective: same arguments as MultiheadAttention::forward, the same on every rank (shapes,
-  /// masks' kinds and shapes, causal alignment and window, need_lse and mode are checked: a rank
-  /// that differs makes every rank throw; the masks' values are the caller's to keep equal).
+  /// masks' kinds and shapes, causal alignment and window, need_lse, mode and a packed batch's
+  /// offsets are checked: a rank that differs makes every rank throw; the masks' values are the
+  /// caller's to keep equal).
   MhaOutput forward(const Tensor& query, const Tensor& key, const Tensor& value,
                     const MhaForwardOptions& options = {}) const;
   const MultiheadAttention& shard() const { return shard_; }

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -143,6 +144,24 @@ MhaOutput TensorParallelAttention::forward(const Tensor& query, const Tensor& ke
   check_same_everywhere(comm_, same,
                         "TensorParallelAttention::forward: options (attn_mask, key_padding_mask, causal, offset, "
                         "window, need_lse, mode, packed)");
+  // A packed batch's offsets place every sequence, as B and T do a padded one's: ranks whose
+  // offsets differ each attended within other sequences, and the sum was neither answer (the
+  // packed flag alone was compared). The offsets themselves agree, through a hash of each list.
+  if (options.packed) {
+    const auto hash = [](const SeqOffsets& o) {
+      uint64_t x = 1469598103934665603ull;  // FNV-1a over the offsets' bytes
+      for (const int64_t v : o.values())
+        for (int i = 0; i < 8; ++i) x = (x ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xffu)) * 1099511628211ull;
+      return static_cast<int64_t>(x);
+    };
+    const VarlenBatch& vb = *options.packed;
+    check_same_everywhere(
+        comm_,
+        {static_cast<int64_t>(vb.cu_seqlens_q.values().size()), static_cast<int64_t>(vb.cu_seqlens_k.values().size()),
+         vb.max_seqlen_q, vb.max_seqlen_k, hash(vb.cu_seqlens_q), hash(vb.cu_seqlens_k)},
+        "TensorParallelAttention::forward: packed batch (number of cu_seqlens_q and cu_seqlens_k "
+        "offsets, max_seqlen_q, max_seqlen_k, a hash of each list of offsets)");
+  }
   MhaOutput out;
   err.clear();
   try {

@@ -377,6 +377,34 @@ TEST(Heads, ParametersThatDoNotFitOnOneRankFailOnEveryRank) {
   EXPECT_NE(err.find("out_proj.weight"), std::string::npos) << err;
 }
 
+/// A packed batch whose offsets differ on one rank: each rank attended within its own sequences
+/// and the summed output was neither answer, silently (only whether the batch was packed was
+/// compared). Now an error on every rank; equal offsets still match the single-process module.
+TEST(Heads, PackedOffsetsThatDifferOnOneRankFailOnEveryRank) {
+  MhaConfig cfg;
+  cfg.embed_dim = 48;
+  cfg.num_heads = 12;
+  cfg.layout = Layout::BatchFirst;
+  const MultiheadAttention full(cfg, 3);
+  const dist::TensorParallelAttention tp(MPI_COMM_WORLD, full);
+  const Tensor x = mha::testing::random_tensor({7, 48}, 8);
+  MhaForwardOptions fo;
+  VarlenBatch seqs;
+  seqs.cu_seqlens_q = seqs.cu_seqlens_k = std::vector<int64_t>{0, 3, 7};
+  fo.packed = seqs;
+  EXPECT_TRUE(close(tp.forward(x, x, x, fo).output, full.forward(x, x, x, fo).output));
+  if (ranks() == 1) return;
+  if (rank() == ranks() - 1) seqs.cu_seqlens_q = seqs.cu_seqlens_k = std::vector<int64_t>{0, 4, 7};
+  fo.packed = seqs;
+  std::string err = mha::testing::error_of([&] { tp.forward(x, x, x, fo); });
+  EXPECT_NE(err.find("packed batch"), std::string::npos) << err;
+  EXPECT_NE(err.find("differ across ranks"), std::string::npos) << err;
+  if (rank() == ranks() - 1) seqs.cu_seqlens_q = seqs.cu_seqlens_k = std::vector<int64_t>{0, 7};
+  fo.packed = seqs;
+  err = mha::testing::error_of([&] { tp.forward(x, x, x, fo); });
+  EXPECT_NE(err.find("differ across ranks"), std::string::npos) << err;
+}
+
 /// The configuration check compared only whether RoPE was on and the sum of the ALiBi slopes' bits:
 /// ranks with another θ, pairing or rotated width, or two heads' slopes swapped, passed, and the
 /// summed output was neither rank's module's. Each now fails on every rank.
