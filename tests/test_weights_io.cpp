@@ -443,6 +443,40 @@ TEST(WeightsIo, LoadWeightsRefusesAModuleOfAnotherConfiguration) {
   load_weights(m24, rewrite(foreign24, s24.tensors));
 }
 
+// A file that states some fields but not embed_dim or num_heads was compared on nothing: one
+// saying num_heads = 2 (a hand-written or foreign header) loaded into a module of 4 heads of the
+// same width, whose projections have the same shapes. The module's width and head count now stand
+// in for the ones the file leaves out, and every field it states is compared.
+TEST(WeightsIo, FieldsStatedWithoutEmbedDimOrNumHeadsAreStillCompared) {
+  MhaConfig two;
+  two.embed_dim = 8, two.num_heads = 2;
+  const auto s = saved(two, WeightNames::PyTorch);
+  MhaConfig four = two;
+  four.num_heads = 4;
+  MultiheadAttention m4 = random_module(four, 8);
+  const MultiheadAttention before = m4;
+  EXPECT_ERROR_MENTIONS(load_weights(m4, rewrite({{"num_heads", "2"}}, s.tensors)), "edited.safetensors",
+                        "num_heads = 2 where the module's has 4");
+  expect_same_params(m4, before);
+  EXPECT_ERROR_MENTIONS(load_weights(m4, rewrite({{"embed_dim", "8"}, {"rope", "half_split"}}, s.tensors)),
+                        "rope = half_split where the module's has none");
+  EXPECT_ERROR_MENTIONS(load_weights(m4, rewrite({{"num_kv_heads", "1"}}, s.tensors)),
+                        "num_kv_heads = 1 where the module's has 4");
+  // What agrees loads: the stated head count into its own module, and a head count stated alone
+  // into a module whose head_dim override the file does not repeat (8 is not a multiple of 3).
+  MultiheadAttention m2 = random_module(two, 9);
+  load_weights(m2, rewrite({{"num_heads", "2"}}, s.tensors));
+  expect_same_params(m2, load_module(rewrite(s.metadata, s.tensors)));
+  MhaConfig three = two;
+  three.num_heads = 3, three.head_dim_override = 4;
+  const auto s3 = saved(three, WeightNames::PyTorch);
+  MultiheadAttention m3 = random_module(three, 10);
+  load_weights(m3, rewrite({{"num_heads", "3"}}, s3.tensors));
+  // Keys that describe no configuration field (the CLI's, layout, dropout) still compare nothing.
+  load_weights(m4,
+               rewrite({{"is_causal", "true"}, {"batch_first", "true"}}, saved(four, WeightNames::PyTorch).tensors));
+}
+
 TEST(WeightsIo, DetectsTheNamingSchemeOrSaysWhyNot) {
   SafetensorsWriter neither;
   neither.add("query", Tensor({2, 2}));

@@ -398,9 +398,18 @@ void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
   // configuration); a field a foreign file leaves out is not. The layout and dropout say how a
   // module is called, not what its weights mean, and may differ.
   const auto& meta = file.metadata();
-  if (meta.contains("embed_dim") && meta.contains("num_heads")) {
-    const auto theirs = effective_fields(config_from_metadata(meta, file.path()));
-    const auto mine = effective_fields(module.config());
+  const auto mine = effective_fields(module.config());
+  const bool states_any = std::any_of(mine.begin(), mine.end(), [&](const auto& f) { return meta.contains(f.first); });
+  if (states_any) {
+    // embed_dim and num_heads (and a head_dim override) resolve the other fields. A file that
+    // leaves them out is no claim about them: the module's stand in, and what the file does state
+    // is still compared (a file stating num_heads = 2 alone loaded into 4 heads of the same width).
+    std::map<std::string, std::string> resolved = meta;
+    const MhaConfig& mc = module.config();
+    resolved.emplace("embed_dim", std::to_string(mc.embed_dim));
+    resolved.emplace("num_heads", std::to_string(mc.num_heads));
+    if (mc.head_dim_override > 0) resolved.emplace("head_dim", std::to_string(mc.head_dim()));
+    const auto theirs = effective_fields(config_from_metadata(resolved, file.path()));
     const bool whole = meta.contains("format") && meta.at("format") == "mha-weights/1";
     for (size_t i = 0; i < theirs.size(); ++i) {
       const auto& [key, value] = theirs[i];
