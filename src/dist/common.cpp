@@ -12,6 +12,7 @@ namespace mha::dist {
 std::vector<Segment> sequence_segments(int64_t seq_len, int ranks, int rank, SeqLayout layout) {
   if (ranks < 1 || rank < 0 || rank >= ranks) fail("sequence_segments: rank ", rank, " of ", ranks, " is not a rank");
   if (seq_len < 0) fail("sequence_segments: negative sequence length ", seq_len);
+  if (const std::string err = layout_error("sequence_segments", layout); !err.empty()) fail(err);
   const int64_t chunks = layout == SeqLayout::Zigzag ? 2 * int64_t{ranks} : ranks;
   const auto chunk = [&](int64_t c) {
     const int64_t base = seq_len / chunks, extra = seq_len % chunks;
@@ -67,9 +68,20 @@ int comm_rank(MPI_Comm comm) {
   return r;
 }
 
+std::string layout_error(const char* fn, SeqLayout layout) {
+  if (layout == SeqLayout::Contiguous || layout == SeqLayout::Zigzag) return {};
+  return std::string(fn) + ": layout " + std::to_string(static_cast<unsigned>(layout)) +
+         " is not a SeqLayout (Contiguous or Zigzag)";
+}
+
 std::string causal_range_error(const char* fn, const Causal& causal, int64_t seq_q, int64_t seq_k) {
   constexpr int64_t kMax = Causal::kMaxPosition;  // sdpa's own bound on an offset and a window
   const std::string f = fn;
+  // sdpa's rule: the ring hands its kernels an offset of its own, never this alignment, so an
+  // alignment outside the enum was read as top-left where sdpa refuses it.
+  if (causal.align != Causal::Align::None && causal.align != Causal::Align::TopLeft &&
+      causal.align != Causal::Align::BottomRight && causal.align != Causal::Align::Offset)
+    return f + ": causal alignment " + std::to_string(static_cast<unsigned>(causal.align)) + " is not a Causal::Align";
   if (causal.window < 0) return f + ": causal window must be ≥ 0, got " + std::to_string(causal.window);
   if (causal.window > kMax)
     return f + ": sliding window " + std::to_string(causal.window) + " is out of range [0, " + std::to_string(kMax) +
@@ -113,6 +125,8 @@ Tensor gather_sequence(MPI_Comm comm, const Tensor& local, int64_t seq_len, SeqL
     err = "gather_sequence: local must be (B, H, T_local, D), got " + shape_str(local.shape());
   else if (seq_len < 0)
     err = "gather_sequence: seq_len must be >= 0, got " + std::to_string(seq_len);
+  else if (std::string bad = layout_error("gather_sequence", layout); !bad.empty())
+    err = bad;
   else if (const int64_t held = local_length(seq_len, P, me, layout); local.size(2) != held)
     err = "gather_sequence: local has " + std::to_string(local.size(2)) + " rows, this rank holds " +
           std::to_string(held) + " of " + std::to_string(seq_len);

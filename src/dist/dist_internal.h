@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "mha/dist.h"
 #include "mha/masks.h"
 #include "mha/tensor.h"
 
@@ -18,6 +19,10 @@ int comm_size(MPI_Comm comm);
 int comm_rank(MPI_Comm comm);
 /// n as MPI's int count; mha::Error naming `what` when it does not fit.
 int mpi_count(int64_t n, const char* what);
+
+/// Empty when `layout` is Contiguous or Zigzag, else the message (checked before any rank cuts a
+/// sequence with it: sequence_segments throws on that rank alone).
+std::string layout_error(const char* fn, SeqLayout layout);
 
 /// Empty when `causal` (for global lengths seq_q, seq_k ≥ 0) is in range for every rank's inner
 /// sdpa, else the message: a window in [0, 2⁴⁰], and an offset whose blocks' local offsets

@@ -51,6 +51,7 @@ std::string check_local(const char* fn, const Tensor& q, const Tensor& k, const 
            ", " + shape_str(v.shape());
   if (seq_q < 0 || seq_k < 0)
     return f + ": negative global length seq_q " + std::to_string(seq_q) + " / seq_k " + std::to_string(seq_k);
+  if (std::string err = layout_error(fn, layout); !err.empty()) return err;
   const int64_t want_q = local_length(seq_q, P, me, layout), want_k = local_length(seq_k, P, me, layout);
   if (q.size(2) != want_q)
     return f + ": q " + shape_str(q.shape()) + " has " + std::to_string(q.size(2)) + " rows; this rank holds " +

@@ -589,6 +589,44 @@ TEST(BadUse, WhatSdpaRefusesFailsOnEveryRankBeforeTheExchange) {
   EXPECT_TRUE(bitwise_equal(ring_out, dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o).out));
 }
 
+// Enum values outside their enums: the ring hands its kernels offsets of its own, so a causal
+// alignment that sdpa (and Ulysses, through it) refuses was read as top-left, silently; a layout
+// that is neither Contiguous nor Zigzag was read as Contiguous. Both are errors on every rank,
+// also when one rank alone passes the layout (its rows are cut before the collective checks).
+TEST(BadUse, AlignmentsAndLayoutsOutsideTheirEnumsFailOnEveryRank) {
+  const int P = ranks(), me = rank();
+  Case c;
+  const Inputs in = make_inputs(c, 4);
+  const Tensor q = dist::take_sequence(in.q, P, me, SeqLayout::Contiguous),
+               k = dist::take_sequence(in.k, P, me, SeqLayout::Contiguous),
+               v = dist::take_sequence(in.v, P, me, SeqLayout::Contiguous);
+  dist::RingOptions o;
+  o.causal.align = static_cast<Causal::Align>(9);
+  std::string err = mha::testing::error_of([&] { dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o); });
+  EXPECT_NE(err.find("causal alignment 9 is not a Causal::Align"), std::string::npos) << err;
+  const Tensor out({q.size(0), q.size(1), q.size(2), v.size(3)}), lse({q.size(0), q.size(1), q.size(2)});
+  err = mha::testing::error_of(
+      [&] { dist::ring_attention_backward(MPI_COMM_WORLD, q, k, v, out, out, lse, {}, c.tq, c.tk, o); });
+  EXPECT_NE(err.find("causal alignment 9 is not a Causal::Align"), std::string::npos) << err;
+  dist::UlyssesOptions u;
+  u.causal = o.causal;
+  if (c.kv % P == 0) {
+    err = mha::testing::error_of([&] { dist::ulysses_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, u); });
+    EXPECT_NE(err.find("causal alignment 9 is not a Causal::Align"), std::string::npos) << err;
+  }
+  const auto bad = static_cast<SeqLayout>(7);
+  const std::string want = "rank " + std::to_string(P - 1) + " of " + std::to_string(P);
+  o = {};
+  if (me == P - 1) o.layout = bad;
+  err = mha::testing::error_of([&] { dist::ring_attention(MPI_COMM_WORLD, q, k, v, {}, c.tq, c.tk, o); });
+  EXPECT_NE(err.find(want + ": ring_attention: layout 7 is not a SeqLayout"), std::string::npos) << err;
+  err = mha::testing::error_of(
+      [&] { dist::gather_sequence(MPI_COMM_WORLD, q, c.tq, me == P - 1 ? bad : SeqLayout::Contiguous); });
+  EXPECT_NE(err.find(want + ": gather_sequence: layout 7 is not a SeqLayout"), std::string::npos) << err;
+  EXPECT_NE(mha::testing::error_of([&] { dist::take_sequence(in.q, P, me, bad); }).find("is not a SeqLayout"),
+            std::string::npos);
+}
+
 // Each rank computes its heads' share of one attention: options that differ between ranks (one rank
 // alone causal gave neither the causal nor the plain answer, silently) are an error on every rank,
 // and need_lse returns every head's lse, as the single-process module does (it returned the rank's
