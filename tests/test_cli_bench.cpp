@@ -267,6 +267,11 @@ TEST(CliBench, BadArgumentsGiveExitOneAndOneLine) {
           {"--seq 8 --embed-dim 64 --heads 4 --varlen-seqs 3", "--varlen-seqs does not apply without --varlen"},
           {"--seq 8 --embed-dim 64 --heads 4 --core --footprint-mib 1",
            "--footprint-mib does not apply without --decode"},
+          // --decode and --varlen ran before --parallel was looked at, which they silently dropped.
+          {"--seq 8 --embed-dim 64 --heads 4 --parallel ring --decode", "--parallel cannot be combined with"},
+          {"--seq 64 --embed-dim 64 --heads 4 --parallel ring --varlen --varlen-seqs 2",
+           "--parallel cannot be combined with"},
+          {"--seq 8 --embed-dim 64 --heads 4 --parallel heads --core", "--parallel cannot be combined with"},
       });
 }
 

@@ -220,12 +220,14 @@ void run_bench(BenchArgs a) {
   // (--batch too: --varlen-seqs says how many sequences there are)
   if (a.varlen)
     refuse_unused(a, "with --varlen", {"--batch", "--kv-seq", "--alibi", "--softcap", "--sinks", "--need-weights"});
+  // Before the --varlen and --decode runs: they returned first, so `--parallel ring --decode` timed
+  // one process's decoding on every rank and reported it as if --parallel had been honoured.
+  if (!a.parallel.empty() && (a.core || a.decode || a.varlen || a.dtype != "f32"))
+    fail("bench: --parallel cannot be combined with --core, --decode, --varlen or --dtype bf16");
   if (a.varlen) return run_varlen(a);
   if (a.decode) return run_decode(a);
   if (!a.parallel.empty()) {
 #ifdef MHA_HAVE_DIST
-    if (a.core || a.decode || a.dtype != "f32")
-      fail("bench: --parallel cannot be combined with --core, --decode or --dtype bf16");
     ParallelBenchArgs p;
     p.config = c;
     p.scheme = a.parallel;
