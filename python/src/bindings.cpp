@@ -939,6 +939,29 @@ PYBIND11_MODULE(_core, m) {
     py::dict tensors;
     for (const auto& name : f.names()) {
       const auto& info = f.info(name);
+      // numpy refuses shapes the file format allows (more than 32 dimensions, or extents whose
+      // product overflows before a zero one empties them): its ValueError named neither the file
+      // nor the tensor. Checked here, with both named, before any array is made.
+      constexpr size_t kNumpyMaxDims = 32;
+      std::string refused;
+      if (info.shape.size() > kNumpyMaxDims) {
+        refused = std::to_string(info.shape.size()) + " dimensions (numpy takes at most 32)";
+      } else {
+        // numpy's own rule: the product of the extents other than 0, times the element size,
+        // within its ssize_t.
+        int64_t bytes = static_cast<int64_t>(info.dtype == mha::io::DType::BOOL      ? sizeof(bool)
+                                             : integer_format(info.dtype) != nullptr ? mha::io::dtype_size(info.dtype)
+                                                                                     : sizeof(float));
+        for (const int64_t e : info.shape)
+          if (e != 0 && __builtin_mul_overflow(bytes, e, &bytes)) {
+            refused = "extents whose product is past numpy's largest array size";
+            break;
+          }
+      }
+      if (!refused.empty())
+        throw py::value_error("read_safetensors: " + path + ": tensor '" + name + "' " +
+                              mha::io::dtype_name(info.dtype) + " shape " + mha::shape_str(info.shape) + " has " +
+                              refused);
       if (info.dtype == mha::io::DType::BOOL) {
         const mha::BoolTensor b = f.read_bool(name);
         py::array_t<bool> a(std::vector<py::ssize_t>(b.shape().begin(), b.shape().end()));

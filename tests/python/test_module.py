@@ -168,6 +168,21 @@ def test_load_safetensors_keeps_integer_tensors_integers(tmp_path):
         np.testing.assert_array_equal(got[name], a)
 
 
+def test_load_safetensors_names_the_tensor_numpy_cannot_hold(tmp_path):
+    """A shape the format allows but numpy does not (more than 32 dimensions; extents whose product
+    overflows before a zero one empties the tensor) raised numpy's ValueError, which named neither
+    the file nor the tensor."""
+    import json
+    import struct
+    for dtype, shape, data in [("F32", [1] * 40, b"\0" * 4), ("I64", [1] * 33, b"\0" * 8),
+                               ("BOOL", [1] * 40, b"\1"), ("F32", [2**62, 0], b""), ("I32", [2**61, 0], b"")]:
+        h = json.dumps({"t": {"dtype": dtype, "shape": shape, "data_offsets": [0, len(data)]}}).encode()
+        path = tmp_path / "odd.safetensors"
+        path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+        with pytest.raises(ValueError, match=r"odd\.safetensors: tensor 't' " + dtype):
+            mha.load_safetensors(path)
+
+
 def test_kv_cache_decoding_equals_causal_forward(rng):
     m = mha.MultiheadAttention(32, 8, num_kv_heads=2, batch_first=True, rope=mha.Rope(), seed=1).eval()
     xs = x(rng, 2, 9, 32)
