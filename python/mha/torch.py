@@ -23,8 +23,8 @@ import numpy as np
 import torch as _torch
 
 from . import _core
-from ._functional import (_args, _finite, _i64, _in_place, _named_errors, _number, _optional_count, _per_head,
-                          _probability)
+from ._functional import (_args, _finite, _i64, _in_place, _named_errors, _narrowed, _number, _optional_count,
+                          _per_head, _probability)
 from ._module import Rope, _forward_args
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
@@ -439,7 +439,8 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
         if m.dtype == np.bool_:
             allowed = m
         else:
-            bias = m.astype(np.float32, copy=False)
+            # (float64 past float32's range: a ValueError naming it, not an infinite bias)
+            bias = m if m.dtype == np.float32 else _narrowed("attn_mask", m, fn)
     seed = _dropout_seed(dropout_p)
     from ._functional import Causal
     args = _args(fn, scale, None, allowed, bias, None, Causal.top_left() if is_causal else None, 0, float(dropout_p),

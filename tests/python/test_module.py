@@ -286,6 +286,33 @@ def test_float64_beyond_float32_range_is_refused_naming_the_argument():
     mha.sdpa(q, inf, q)
 
 
+def test_float64_masks_beyond_float32_range_are_refused_naming_the_mask():
+    """The module's float masks went to the binding as they came, whose cast turned a float64 entry
+    past float32's range into ±inf without a word: 1e300 gave NaN rows, -1e300 fully masked ones,
+    where a query, key or value entry like it is refused (above)."""
+    m = mha.MultiheadAttention(4, 1, batch_first=True).eval()
+    x = np.random.default_rng(0).standard_normal((1, 3, 4)).astype(np.float32)
+    am = np.zeros((3, 3))
+    am[1, 2] = 1e300
+    kpm = np.zeros((1, 3))
+    kpm[0, 1] = -1e39
+    with pytest.raises(ValueError, match=r"attn_mask\[1, 2\] = 1e\+300 is finite but beyond float32's range"):
+        m(x, x, x, attn_mask=am)
+    with pytest.raises(ValueError, match=r"key_padding_mask\[0, 1\] = -1e\+39 is finite but beyond float32's range"):
+        m(x, x, x, key_padding_mask=kpm)
+    with pytest.raises(ValueError, match=r"attn_mask\[1, 2\] = 1e\+300"):
+        m.gradients(x, x, x, np.ones_like(x), attn_mask=am)
+    with pytest.raises(ValueError, match=r"key_padding_mask\[0, 1\] = -1e\+39"):
+        mha.head_importance(m, x, x, x, key_padding_mask=kpm)
+    # values in range are converted as before: float64 and float16 masks give the float32 mask's bits
+    am[1, 2], kpm[0, 1] = -3.0, 0.5
+    want = m(x, x, x, attn_mask=am.astype(np.float32), key_padding_mask=kpm.astype(np.float32))
+    for dtype in (np.float64, np.float16):
+        got = m(x, x, x, attn_mask=am.astype(dtype), key_padding_mask=kpm.astype(dtype))
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_dropout_that_rounds_to_one_in_float32_is_named():
     q = np.zeros((1, 1, 2, 4), np.float32)
     for p in (0.99999999, 1 - 2**-26):

@@ -491,6 +491,29 @@ def test_errors_name_the_forward_the_user_called():
             m(x, x, x, attn_mask=torch.zeros(4, 4), need_weights=need_weights)
 
 
+def test_float64_masks_beyond_float32_range_are_refused_naming_the_mask():
+    """A float64 mask entry past float32's range became ±inf silently (1e300: a NaN output row),
+    where mha refuses every other such value with a ValueError naming it."""
+    m = mt.MultiheadAttention(4, 1, batch_first=True)
+    x = torch.randn(1, 3, 4)
+    am = torch.zeros(3, 3, dtype=torch.float64)
+    am[0, 1] = 1e300
+    kpm = torch.zeros(1, 3, dtype=torch.float64)
+    kpm[0, 2] = -1e300
+    for need_weights in (True, False):
+        with pytest.raises(ValueError, match=r"attn_mask\[0, 1\] = 1e\+300 is finite but beyond float32's range"):
+            m(x, x, x, attn_mask=am, need_weights=need_weights)
+        with pytest.raises(ValueError, match=r"key_padding_mask\[0, 2\] = -1e\+300 is finite"):
+            m(x.requires_grad_(), x, x, key_padding_mask=kpm, need_weights=need_weights)
+    with pytest.raises(ValueError, match=r"scaled_dot_product_attention: attn_mask\[0, 1\] = 1e\+300 is finite"):
+        mt.scaled_dot_product_attention(x, x, x, attn_mask=am)
+    am[0, 1], kpm[0, 2] = -2.0, 0.25  # in range: the float32 mask's bits, as before
+    torch.testing.assert_close(m(x, x, x, attn_mask=am, key_padding_mask=kpm)[0],
+                               m(x, x, x, attn_mask=am.float(), key_padding_mask=kpm.float())[0], atol=0, rtol=0)
+    torch.testing.assert_close(mt.scaled_dot_product_attention(x, x, x, attn_mask=am),
+                               mt.scaled_dot_product_attention(x, x, x, attn_mask=am.float()), atol=0, rtol=0)
+
+
 def test_dropout_false_is_zero_as_in_torch():
     m = mt.MultiheadAttention(8, 2, dropout=False, batch_first=True)
     x = torch.randn(1, 3, 8)
