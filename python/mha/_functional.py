@@ -228,7 +228,10 @@ def _args(fn: str, scale, attn_mask, allowed, bias, key_padding_mask, causal, wi
             raise TypeError(f"{fn}: key_padding_mask must be bool (True = padding) or float (added to the scores), "
                             f"got {kpm.dtype}")
         else:
-            a.key_bias = _float_mask("key_padding_mask", kpm4, fn)
+            # Converted (and range-checked) as the (B, T_k) array the caller passed, so that an
+            # error names its index there, not in the 4-D view.
+            kpm = _float_array("key_padding_mask", kpm, fn)
+            a.key_bias = _in_place(kpm.reshape(kpm.shape[0], 1, 1, kpm.shape[1]))
     if causal is not None:
         if not isinstance(causal, Causal):
             raise TypeError(f"{fn}: causal must be an mha.Causal (Causal.top_left(), .bottom_right(), .offset(n)) "

@@ -304,6 +304,10 @@ def test_float64_masks_beyond_float32_range_are_refused_naming_the_mask():
         m.gradients(x, x, x, np.ones_like(x), attn_mask=am)
     with pytest.raises(ValueError, match=r"key_padding_mask\[0, 1\] = -1e\+39"):
         mha.head_importance(m, x, x, x, key_padding_mask=kpm)
+    # sdpa names the index of the (B, T_k) array it was given, not of its 4-D view
+    q = x[None]
+    with pytest.raises(ValueError, match=r"sdpa: key_padding_mask\[0, 1\] = -1e\+39 is finite"):
+        mha.sdpa(q, q, q, key_padding_mask=kpm)
     # values in range are converted as before: float64 and float16 masks give the float32 mask's bits
     am[1, 2], kpm[0, 1] = -3.0, 0.5
     want = m(x, x, x, attn_mask=am.astype(np.float32), key_padding_mask=kpm.astype(np.float32))
