@@ -435,6 +435,16 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
         m = _mask_np(attn_mask, "attn_mask", fn)
         if three and m.ndim == 3:
             m = m[:, None]
+        # Checked here, in the caller's terms: the core names its own "allowed mask" / "additive
+        # mask" and the 4-D shape it made of the caller's.
+        want = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        try:
+            fits = m.ndim <= 4 and np.broadcast_shapes(m.shape, want) == want
+        except ValueError:
+            fits = False
+        if not fits:
+            expected = f"(N, L, S) = {(want[0], want[2], want[3])}" if three else f"(N, h, L, S) = {want}"
+            raise ValueError(f"{fn}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {expected}")
         # (An integer 0/1 mask would be added to the scores: _mask_np refuses it, as PyTorch 2's SDPA does.)
         if m.dtype == np.bool_:
             allowed = m
@@ -445,7 +455,8 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
     from ._functional import Causal
     args = _args(fn, scale, None, allowed, bias, None, Causal.top_left() if is_causal else None, 0, float(dropout_p),
                  seed, None)
-    out = _SdpaFunction.apply(args, query, key, value)
+    with _named_errors(fn, ("sdpa",)):  # the core's shape errors name the function the caller called
+        out = _SdpaFunction.apply(args, query, key, value)
     return out.squeeze(1) if three else out
 
 

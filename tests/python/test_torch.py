@@ -429,6 +429,27 @@ def test_sdpa_shape_errors_name_the_shapes_passed():
         mt.scaled_dot_product_attention(q, kv, kv)
 
 
+def test_sdpa_errors_name_attn_mask_and_the_function_called():
+    """The core's errors said "sdpa: allowed mask has shape (1, 1, 3, 3)" for a (3, 3) attn_mask:
+    a function, an argument and a shape the caller of scaled_dot_product_attention never wrote."""
+    q, kv = torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 3, 4)
+    for mask in (torch.zeros(3, 3, dtype=torch.bool), torch.zeros(2, 2)):
+        with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: attn_mask of shape "
+                                             rf"\({mask.shape[0]}, {mask.shape[1]}\) does not broadcast to "
+                                             r"\(N, h, L, S\) = \(1, 2, 2, 3\)$"):
+            mt.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
+    with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: attn_mask of shape \(1, 1, 1, 2, 3\)"):
+        mt.scaled_dot_product_attention(q, kv, kv, attn_mask=torch.zeros(1, 1, 1, 2, 3))
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(2, 2, 3\) does not broadcast to \(N, L, S\) = "
+                                         r"\(1, 2, 3\)"):
+        mt.scaled_dot_product_attention(q[:, 0], kv[:, 0], kv[:, 0], attn_mask=torch.zeros(2, 2, 3))
+    with pytest.raises(ValueError, match=r"^scaled_dot_product_attention: batch sizes differ"):
+        mt.scaled_dot_product_attention(torch.zeros(2, 2, 2, 4), kv, kv)
+    # broadcastable masks still go through: (S), (L, S), (1, h, L, S), (N, 1, 1, S)
+    for shape in ((3,), (2, 3), (1, 2, 2, 3), (1, 1, 1, 3)):
+        assert mt.scaled_dot_product_attention(q, kv, kv, attn_mask=torch.zeros(shape)).shape == (1, 2, 2, 4)
+
+
 def test_batch_first_dropout_and_add_zero_attn_are_read_on_every_call():
     """torch's forward reads these attributes on every call; mha.torch once read them at construction
     and went on computing with the old layout, rate and keys, silently."""
