@@ -433,6 +433,11 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
     allowed = bias = None
     if attn_mask is not None:
         m = _mask_np(attn_mask, "attn_mask", fn)
+        if m.dtype != np.bool_ and m.dtype != np.float32:
+            # Narrowed as the caller passed it, before the reshape below: a float64 entry past
+            # float32's range is a ValueError naming its index in the caller's mask (not an
+            # infinite bias, nor an index into the (N, 1, L, S) view of a 3-D one).
+            m = _narrowed("attn_mask", m, fn)
         if three and m.ndim == 3:
             m = m[:, None]
         # Checked here, in the caller's terms: the core names its own "allowed mask" / "additive
@@ -449,8 +454,7 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
         if m.dtype == np.bool_:
             allowed = m
         else:
-            # (float64 past float32's range: a ValueError naming it, not an infinite bias)
-            bias = m if m.dtype == np.float32 else _narrowed("attn_mask", m, fn)
+            bias = m
     seed = _dropout_seed(dropout_p)
     from ._functional import Causal
     args = _args(fn, scale, None, allowed, bias, None, Causal.top_left() if is_causal else None, 0, float(dropout_p),

@@ -528,6 +528,9 @@ def test_float64_masks_beyond_float32_range_are_refused_naming_the_mask():
             m(x.requires_grad_(), x, x, key_padding_mask=kpm, need_weights=need_weights)
     with pytest.raises(ValueError, match=r"scaled_dot_product_attention: attn_mask\[0, 1\] = 1e\+300 is finite"):
         mt.scaled_dot_product_attention(x, x, x, attn_mask=am)
+    # a 3-D mask beside 3-D inputs: the index is the caller's (N, L, S) one, not its (N, 1, L, S) view's
+    with pytest.raises(ValueError, match=r"scaled_dot_product_attention: attn_mask\[0, 0, 1\] = 1e\+300 is finite"):
+        mt.scaled_dot_product_attention(x, x, x, attn_mask=am[None])
     am[0, 1], kpm[0, 2] = -2.0, 0.25  # in range: the float32 mask's bits, as before
     torch.testing.assert_close(m(x, x, x, attn_mask=am, key_padding_mask=kpm)[0],
                                m(x, x, x, attn_mask=am.float(), key_padding_mask=kpm.float())[0], atol=0, rtol=0)
