@@ -939,43 +939,32 @@ PYBIND11_MODULE(_core, m) {
     py::dict tensors;
     for (const auto& name : f.names()) {
       const auto& info = f.info(name);
-      // numpy refuses shapes the file format allows (more than 32 dimensions, or extents whose
-      // product overflows before a zero one empties them): its ValueError named neither the file
-      // nor the tensor. Checked here, with both named, before any array is made.
-      constexpr size_t kNumpyMaxDims = 32;
-      std::string refused;
-      if (info.shape.size() > kNumpyMaxDims) {
-        refused = std::to_string(info.shape.size()) + " dimensions (numpy takes at most 32)";
-      } else {
-        // numpy's own rule: the product of the extents other than 0, times the element size,
-        // within its ssize_t.
-        int64_t bytes = static_cast<int64_t>(info.dtype == mha::io::DType::BOOL      ? sizeof(bool)
-                                             : integer_format(info.dtype) != nullptr ? mha::io::dtype_size(info.dtype)
-                                                                                     : sizeof(float));
-        for (const int64_t e : info.shape)
-          if (e != 0 && __builtin_mul_overflow(bytes, e, &bytes)) {
-            refused = "extents whose product is past numpy's largest array size";
-            break;
-          }
-      }
-      if (!refused.empty())
+      // numpy refuses shapes the file format allows (more dimensions than its NPY_MAXDIMS: 32 in
+      // numpy 1, 64 in numpy 2; extents whose product overflows before a zero one empties them),
+      // with a ValueError that named neither the file nor the tensor. numpy's own verdict, whichever
+      // numpy is loaded, is re-raised with both named. (Such a tensor holds no more elements than
+      // the file has bytes, so reading it first allocates nothing large.)
+      try {
+        if (info.dtype == mha::io::DType::BOOL) {
+          const mha::BoolTensor b = f.read_bool(name);
+          py::array_t<bool> a(std::vector<py::ssize_t>(b.shape().begin(), b.shape().end()));
+          for (int64_t i = 0; i < b.numel(); ++i) a.mutable_data()[i] = b.data()[i] != 0;
+          tensors[py::str(name)] = a;
+        } else if (const char* format = integer_format(info.dtype)) {
+          // Integers keep their type (cu_seqlens, token ids): as float32 they lost every value past
+          // 2^24 and could not be passed back where the API takes integer offsets.
+          const std::span<const std::byte> bytes = f.raw(name);
+          py::array a(py::dtype(format), std::vector<py::ssize_t>(info.shape.begin(), info.shape.end()));
+          if (!bytes.empty()) std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
+          tensors[py::str(name)] = a;
+        } else {
+          tensors[py::str(name)] = array_take(f.read_f32(name));
+        }
+      } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_ValueError)) throw;
         throw py::value_error("read_safetensors: " + path + ": tensor '" + name + "' " +
-                              mha::io::dtype_name(info.dtype) + " shape " + mha::shape_str(info.shape) + " has " +
-                              refused);
-      if (info.dtype == mha::io::DType::BOOL) {
-        const mha::BoolTensor b = f.read_bool(name);
-        py::array_t<bool> a(std::vector<py::ssize_t>(b.shape().begin(), b.shape().end()));
-        for (int64_t i = 0; i < b.numel(); ++i) a.mutable_data()[i] = b.data()[i] != 0;
-        tensors[py::str(name)] = a;
-      } else if (const char* format = integer_format(info.dtype)) {
-        // Integers keep their type (cu_seqlens, token ids): as float32 they lost every value past
-        // 2^24 and could not be passed back where the API takes integer offsets.
-        const std::span<const std::byte> bytes = f.raw(name);
-        py::array a(py::dtype(format), std::vector<py::ssize_t>(info.shape.begin(), info.shape.end()));
-        if (!bytes.empty()) std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
-        tensors[py::str(name)] = a;
-      } else {
-        tensors[py::str(name)] = array_take(f.read_f32(name));
+                              mha::io::dtype_name(info.dtype) + " shape " + mha::shape_str(info.shape) +
+                              " is not one numpy can hold: " + py::str(e.value()).cast<std::string>());
       }
     }
     return py::make_tuple(tensors, f.metadata());
