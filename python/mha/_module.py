@@ -85,7 +85,7 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
             # float16/float64 become float32 here, where a finite value past float32's range is a
             # ValueError naming the mask and its index, as for every other array: the binding's
             # cast made it ±inf silently (1e300 gave NaN rows, -1e300 fully masked ones).
-            args.attn_additive = m if m.dtype == np.float32 else _narrowed("attn_mask", m, fn)
+            args.attn_additive = _f32("attn_mask", m, fn)
         else:
             raise TypeError(f"{fn}: attn_mask must be a bool or float array, got dtype {m.dtype}")
     if key_padding_mask is not None:
@@ -93,7 +93,7 @@ def _forward_args(fn: str, key_padding_mask: Any, attn_mask: Any, is_causal: boo
         if _is_bool(m):
             args.key_padding = m  # read in place, nonzero = padding, as attn_mask
         elif m.dtype.kind == "f":
-            args.key_bias = m if m.dtype == np.float32 else _narrowed("key_padding_mask", m, fn)
+            args.key_bias = _f32("key_padding_mask", m, fn)
         else:
             raise TypeError(f"{fn}: key_padding_mask must be a bool or float array, got dtype {m.dtype}")
     if not isinstance(is_causal, (bool, np.bool_)):
