@@ -462,6 +462,12 @@ TEST(WeightsIo, FieldsStatedWithoutEmbedDimOrNumHeadsAreStillCompared) {
                         "rope = half_split where the module's has none");
   EXPECT_ERROR_MENTIONS(load_weights(m4, rewrite({{"num_kv_heads", "1"}}, s.tensors)),
                         "num_kv_heads = 1 where the module's has 4");
+  // A stated field that does not fit the module's width names what was borrowed, not "embed_dim 8
+  // is not divisible by num_heads 3" as if the file had said embed_dim = 8.
+  EXPECT_ERROR_MENTIONS(load_weights(m4, rewrite({{"num_heads", "3"}}, s.tensors)),
+                        "completed with the module's embed_dim = 8 (which the file does not state)",
+                        "not divisible by num_heads 3");
+  expect_same_params(m4, before);
   // What agrees loads: the stated head count into its own module, and a head count stated alone
   // into a module whose head_dim override the file does not repeat (8 is not a multiple of 3).
   MultiheadAttention m2 = random_module(two, 9);

@@ -406,10 +406,24 @@ void load_weights(MultiheadAttention& module, const SafetensorsFile& file) {
     // is still compared (a file stating num_heads = 2 alone loaded into 4 heads of the same width).
     std::map<std::string, std::string> resolved = meta;
     const MhaConfig& mc = module.config();
-    resolved.emplace("embed_dim", std::to_string(mc.embed_dim));
-    resolved.emplace("num_heads", std::to_string(mc.num_heads));
-    if (mc.head_dim_override > 0) resolved.emplace("head_dim", std::to_string(mc.head_dim()));
-    const auto theirs = effective_fields(config_from_metadata(resolved, file.path()));
+    std::string borrowed;  // the module's fields standing in for the file's, for the message below
+    const auto stand_in = [&](const char* key, int64_t value) {
+      if (resolved.emplace(key, std::to_string(value)).second)
+        borrowed += std::string(borrowed.empty() ? "" : ", ") + key + " = " + std::to_string(value);
+    };
+    stand_in("embed_dim", mc.embed_dim);
+    stand_in("num_heads", mc.num_heads);
+    if (mc.head_dim_override > 0) stand_in("head_dim", mc.head_dim());
+    MhaConfig file_config;
+    try {
+      file_config = config_from_metadata(resolved, file.path());
+    } catch (const Error& e) {
+      if (borrowed.empty()) throw;
+      // Its message would name the module's values as if the file had stated them.
+      fail("load_weights: ", file.path(), ": the file's configuration, completed with the module's ", borrowed,
+           " (which the file does not state), does not describe a module: ", e.what());
+    }
+    const auto theirs = effective_fields(file_config);
     const bool whole = meta.contains("format") && meta.at("format") == "mha-weights/1";
     for (size_t i = 0; i < theirs.size(); ++i) {
       const auto& [key, value] = theirs[i];
