@@ -15,6 +15,7 @@
 #include "layers/module_core.h"
 #include "mha/kv_cache.h"
 #include "mha/module.h"
+#include "mha/paged_kv_cache.h"
 #include "mha/safetensors.h"
 #include "mha/sdpa.h"
 #include "mha/training.h"
@@ -246,6 +247,39 @@ TEST(HostileIndices, EnumValuesOutOfRangeAreErrors) {
                     sdpa_backward(v, v, v, cout, v, clse, o, {dq.view4(), dk.view4(), dv.view4(), {}});
                   }),
                   "backend 7 is not a Backend");
+}
+
+// The caches' enums, cast from integers, were taken as the nearest valid value: a CacheDtype of 5
+// stored and read float32, a KeyLayout of 5 rows, an Int8KeyScales of 5 per-token scales. Each is an
+// error naming the setting and its value, on the contiguous and the paged cache.
+TEST(HostileIndices, CacheEnumValuesOutOfRangeAreErrors) {
+  KvCacheConfig c;
+  c.kv_heads = 1;
+  c.head_dim = 4;
+  c.capacity = 8;
+  KvCacheConfig bad = c;
+  bad.dtype = static_cast<CacheDtype>(5);
+  EXPECT_MENTIONS(error_of([&] { KvCache cache(bad); }), "KvCache: dtype 5 is not a CacheDtype");
+  bad = c;
+  bad.key_layout = static_cast<KeyLayout>(5);
+  EXPECT_MENTIONS(error_of([&] { KvCache cache(bad); }), "KvCache: key_layout 5 is not a KeyLayout");
+  bad = c;
+  bad.dtype = CacheDtype::I8;
+  bad.int8_keys = static_cast<Int8KeyScales>(5);
+  EXPECT_MENTIONS(error_of([&] { KvCache cache(bad); }), "KvCache: int8_keys 5 is not an Int8KeyScales");
+  EXPECT_NO_THROW(KvCache{c});
+
+  PagedKvCacheConfig p;
+  p.kv_heads = 1;
+  p.head_dim = 4;
+  p.num_blocks = 2;
+  PagedKvCacheConfig pbad = p;
+  pbad.dtype = static_cast<CacheDtype>(5);
+  EXPECT_MENTIONS(error_of([&] { PagedKvCache cache(pbad); }), "PagedKvCache: dtype 5 is not a CacheDtype");
+  pbad = p;
+  pbad.key_layout = static_cast<KeyLayout>(5);
+  EXPECT_MENTIONS(error_of([&] { PagedKvCache cache(pbad); }), "PagedKvCache: key_layout 5 is not a KeyLayout");
+  EXPECT_NO_THROW(PagedKvCache{p});
 }
 
 TEST(HostileConfig, RopeOverAnOddHeadDimNamesTheHeadDim) {

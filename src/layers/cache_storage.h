@@ -19,6 +19,20 @@
 
 namespace mha::detail {
 
+/// A cache configuration's enums, cast from integers by a caller, must name one of their values:
+/// CacheDtype 5 was stored and read as float32, KeyLayout 5 as rows and Int8KeyScales 5 as
+/// per-token scales, with no error (docs/semantics.md, 'Bad input is an error'; sdpa refuses an
+/// out-of-range Backend or Causal::Align the same way).
+inline void check_cache_enums(const char* who, CacheDtype dtype, KeyLayout layout,
+                              Int8KeyScales int8_keys = Int8KeyScales::PerToken) {
+  if (dtype != CacheDtype::F32 && dtype != CacheDtype::BF16 && dtype != CacheDtype::I8)
+    fail(who, ": dtype ", static_cast<int>(dtype), " is not a CacheDtype (F32, BF16 or I8)");
+  if (layout != KeyLayout::Rows && layout != KeyLayout::Transposed)
+    fail(who, ": key_layout ", static_cast<int>(layout), " is not a KeyLayout (Rows or Transposed)");
+  if (int8_keys != Int8KeyScales::PerToken && int8_keys != Int8KeyScales::PerChannel)
+    fail(who, ": int8_keys ", static_cast<int>(int8_keys), " is not an Int8KeyScales (PerToken or PerChannel)");
+}
+
 /// Sizes K to (n0, n1, n2, head_dim) and V to (n0, n1, n2, v_dim) elements of `dtype` (int8: and
 /// one scale per row). Sizes come from the caller or a file's metadata: every product is checked,
 /// bytes included, and an overflow fails naming `what` (e.g. "KvCache: (batch, kv_heads,

@@ -27,6 +27,7 @@ KvCache::KvCache(const KvCacheConfig& config) : config_(config) {
   if (c.batch <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.value_dim < 0 || c.capacity <= 0)
     fail("KvCache: batch, kv_heads, head_dim and capacity must be ≥ 1 (value_dim ≥ 0), got batch ", c.batch,
          ", kv_heads ", c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", capacity ", c.capacity);
+  detail::check_cache_enums("KvCache", c.dtype, c.key_layout, c.int8_keys);
   if (c.transposed_keys() && c.int8_keys == Int8KeyScales::PerChannel)
     fail("KvCache: transposed keys (KeyLayout::Transposed) take per-token int8 scales, not per-channel ones");
   if (c.transposed_keys() && c.capacity > std::numeric_limits<int64_t>::max() - kKeyTile)

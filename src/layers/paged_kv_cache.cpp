@@ -29,6 +29,7 @@ PagedKvCache::PagedKvCache(const PagedKvCacheConfig& config) : config_(config) {
     fail(kPaged, ": kv_heads, head_dim, block_size and num_blocks must be ≥ 1 (value_dim ≥ 0), got kv_heads ",
          c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim, ", block_size ", c.block_size,
          ", num_blocks ", c.num_blocks);
+  detail::check_cache_enums(kPaged, c.dtype, c.key_layout);
   if (c.transposed_keys() && c.block_size % kKeyTile != 0)
     fail(kPaged, ": transposed keys (KeyLayout::Transposed) need a block_size that is a multiple of ", kKeyTile,
          ", got ", c.block_size);
