@@ -429,6 +429,99 @@ TEST(Int8Cache, AHugeQueryChannelAgainstLargeKeyScalesStaysFinite) {
   }
 }
 
+// A query row holding ±inf (and no NaN) scores each key ±inf or NaN, as q · k does in float: on
+// the targets that widen int8 keys, on the float32 cache and in sdpa. The AVX-512 integer products
+// have no int16 steps for such a row and made every score NaN, so a row whose every score is −inf
+// gave a NaN row there (zeros and lse −inf everywhere else: docs/semantics.md, 'Fully masked
+// rows'), and under a softcap, which turns −inf into −c, NaN where the others give the mean of V.
+// Now every int8 layout, contiguous and paged, gives the float32 cache's answer on every target.
+TEST(Int8Cache, AnInfiniteQueryRowScoresAsTheFloat32CacheDoes) {
+  constexpr int64_t kv = 1, h = 4, T = 40, d = 16;
+  const float inf = std::numeric_limits<float>::infinity();
+  Tensor k = int8_exact_values(kv, T, d, 51, -7);
+  for (int64_t p = 0; p < T; ++p) k.at({0, 0, p, 0}) = std::ldexp(-127.0f, -7);  // channel 0 < 0
+  const Tensor v = int8_exact_values(kv, T, d, 52, -7);
+  Tensor k_zero = k;  // key 0's channel 0 is 0 (its other channels keep ±127 steps: still exact)
+  k_zero.at({0, 0, 0, 0}) = 0.0f;
+  Tensor q = random_tensor({1, h, 1, d}, 53);
+  q.at({0, 0, 0, 0}) = inf;   // scores −inf: fully masked
+  q.at({0, 1, 0, 0}) = -inf;  // scores +inf: NaN
+  q.at({0, 2, 0, 3}) = inf;   // channel 3's keys have both signs: ±inf scores, +inf among them: NaN
+  // head 3: an ordinary row
+  const std::vector<float> sinks{0.5f, -1.0f, 0.25f, 2.0f};
+  for (const Tensor* keys : {&k, &k_zero})
+    for (int edit = 0; edit < 3; ++edit) {
+      SCOPED_TRACE(std::string(keys == &k ? "keys' channel 0 negative" : "key 0's channel 0 zero") +
+                   (edit == 1   ? ", softcap 3"
+                    : edit == 2 ? ", sinks"
+                                : ""));
+      CacheAttentionOptions o;
+      if (edit == 1) o.softcap = 3.0f;
+      if (edit == 2) o.sinks.logits = sinks;
+      KvCacheConfig f32_config = int8_config(1, kv, d, T);
+      f32_config.dtype = CacheDtype::F32;
+      KvCache f32(f32_config);
+      f32.append(keys->view4(), v.view4());
+      std::vector<KvCache> contiguous;
+      std::vector<PagedKvCache> paged;
+      std::vector<int64_t> seqs;
+      for (const KeyLayout layout : {KeyLayout::Rows, KeyLayout::Transposed}) {
+        KvCacheConfig i8 = int8_config(1, kv, d, T);
+        i8.key_layout = layout;
+        contiguous.emplace_back(i8);
+        contiguous.back().append(keys->view4(), v.view4());
+        PagedKvCacheConfig pc;
+        pc.kv_heads = kv, pc.head_dim = d, pc.block_size = 16, pc.num_blocks = (T + 15) / 16;
+        pc.dtype = CacheDtype::I8, pc.key_layout = layout;
+        paged.emplace_back(pc);
+        seqs.push_back(paged.back().add_sequence());
+        paged.back().append(seqs.back(), keys->view4(), v.view4());
+      }
+      testing::for_each_decode_target([&] {
+        Tensor want({1, h, 1, d}), want_lse({1, h, 1, 1});
+        attend_cache(q.view4(), f32, {}, o, want.view4(), want_lse.view4());
+        // The float32 cache's answer, head by head (a softcap makes ±inf scores ±c: finite rows;
+        // key 0's zero makes head 0's score NaN there, and so its row).
+        const bool masked = keys == &k && edit != 1;
+        for (int64_t x = 0; x < d; ++x) {
+          if (masked) {
+            EXPECT_EQ(want.at({0, 0, 0, x}), 0.0f);
+          }
+          if (keys == &k_zero) {
+            EXPECT_TRUE(std::isnan(want.at({0, 0, 0, x})));
+          }
+          if (edit != 1) {
+            EXPECT_TRUE(std::isnan(want.at({0, 1, 0, x})) && std::isnan(want.at({0, 2, 0, x})));
+          }
+          EXPECT_TRUE(std::isfinite(want.at({0, 3, 0, x})));
+        }
+        if (masked) {
+          EXPECT_EQ(want_lse.at({0, 0, 0, 0}), edit == 2 ? sinks[0] : -inf);
+        }
+        for (size_t i = 0; i < 4; ++i) {
+          SCOPED_TRACE(i < 2 ? (i == 0 ? "rows" : "keys across lanes")
+                             : (i == 2 ? "paged rows" : "paged across lanes"));
+          Tensor got({1, h, 1, d}), got_lse({1, h, 1, 1});
+          if (i < 2)
+            attend_cache(q.view4(), contiguous[i], {}, o, got.view4(), got_lse.view4());
+          else
+            attend_paged_cache(q.view4(), paged[i - 2], std::span(seqs).subspan(i - 2, 1), {}, o, got.view4(),
+                               got_lse.view4());
+          for (int64_t head = 0; head < 3; ++head) {
+            for (int64_t x = 0; x < d; ++x) {
+              const float g = got.at({0, head, 0, x}), w = want.at({0, head, 0, x});
+              EXPECT_TRUE(std::isnan(w) ? std::isnan(g) : std::fabs(g - w) <= 1e-4f)
+                  << "head " << head << " channel " << x << ": " << g << ", float32 cache " << w;
+            }
+            const float gl = got_lse.at({0, head, 0, 0}), wl = want_lse.at({0, head, 0, 0});
+            EXPECT_TRUE(std::isnan(wl) ? std::isnan(gl) : std::fabs(gl - wl) <= 1e-4f || gl == wl)
+                << "head " << head << ": lse " << gl << ", float32 cache " << wl;
+          }
+        }
+      });
+    }
+}
+
 TEST(Int8Cache, CloneIsADeepCopy) {
   KvCache cache(int8_config(2, 2, 8, 6));
   const Tensor k = random_tensor({2, 2, 4, 8}, 3), v = random_tensor({2, 2, 4, 8}, 4);

@@ -67,6 +67,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/common.h"
 #include "kernels/decode.h"
@@ -985,8 +986,18 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // the block loop below gives), the step per query row: the int16 rounding's (integer scores),
   // else a power of two that keeps the float sums of q · k_int8 in range
   // (divide_by_power_of_two_step).
+  // A row holding ±inf but no NaN has no int16 steps; its scores are formed in float below
+  // (infinite_row_scores), as the targets that widen int8 keys form them, with a step of 1.
+  std::vector<int64_t> infinite_rows;  // (empty, so not allocated, for every ordinary row)
   if constexpr (kIntScores) {
-    for (int64_t r = 0; r < rows; ++r) q_step[r] = quantize_int16(qs + r * d, d, query_steps(d), q16 + r * d);
+    for (int64_t r = 0; r < rows; ++r) {
+      q_step[r] = quantize_int16(qs + r * d, d, query_steps(d), q16 + r * d);
+      if (HWY_UNLIKELY(std::isnan(q_step[r])) &&
+          std::none_of(qs + r * d, qs + (r + 1) * d, [](float x) { return std::isnan(x); })) {
+        q_step[r] = 1.0f;
+        infinite_rows.push_back(r);
+      }
+    }
   } else if constexpr (kScaled && !kChannelKeys) {
     for (int64_t r = 0; r < rows; ++r) q_step[r] = divide_by_power_of_two_step(qs + r * d, d);
   }
@@ -1141,6 +1152,29 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
     } else {
       for (; r + kTileRows <= rows; r += kTileRows) score_rows<kTileRows>(qs, d, keys, score_far, nb, r, sc);
       for (; r < rows; ++r) score_rows<1>(qs, d, keys, score_far, nb, r, sc);
+    }
+    if constexpr (kIntScores) {
+      // A query row holding ±inf (no NaN): q · k_int8 summed in float is, key by key, ±inf (the
+      // sign of its infinite terms; finite channels cannot change an infinite sum) or NaN (an
+      // infinite term times 0, or terms of both signs): what the widened targets, the float32
+      // cache and sdpa give, so a row whose every visible score is −inf is fully masked here too
+      // (it was NaN: docs/semantics.md, 'Fully masked rows'). The key's scale follows below.
+      for (const int64_t rr : infinite_rows) {
+        const float* q = qs + rr * d;
+        for (int64_t j = 0; j < nb; ++j) {
+          float sum = 0.0f;
+          for (int64_t x = 0; x < d; ++x) {
+            if (!std::isinf(q[x])) continue;
+            int8_t kx;
+            if constexpr (kTransposed)
+              kx = ktile[j][x * kKeyTile + klane[j]];
+            else
+              kx = keys[j][x];
+            sum += q[x] * static_cast<float>(kx);
+          }
+          sc[rr * kBlock + j] = sum;
+        }
+      }
     }
     // Causal / window masks, only where the block is not visible to every row.
     const bool all_visible = causal.tile(q_first, q_last + 1, p0, p0 + nb) == TileVis::All;
