@@ -311,6 +311,53 @@ TEST(NaN, AdditiveMaskValue) {
   });
 }
 
+/// A −inf entry of an additive mask is a term added to the score, not a mask: NaN + (−inf) is NaN,
+/// so a NaN K row behind it makes the row NaN (as PyTorch's float masks do), where AllowedMask,
+/// KeyPadding or a −inf key bias hide the key. A NaN query whose every key has −inf in the additive
+/// mask is a NaN row; with every key padded it is a fully masked one. The same on every path.
+TEST(NaN, MinusInfAdditiveEntryIsATermNotAMask) {
+  Case c(1, 1, 3, 4, 4, 61);
+  c.poison_key(0, 2, true, false);
+  c.bias = Tensor({1, 1, 3, 4}, 0.0f);
+  c.bias.at({0, 0, 0, 2}) = -kInf;  // row 0: a term; row 1: AllowedMask hides the key; row 2 sees it
+  c.opt.masks.bias.view = c.bias.view4();
+  c.set_allowed([](int64_t i, int64_t j) { return !(i == 1 && j == 2); });
+  for_each_forward(c, [&](const Fwd& f, Path p) {
+    EXPECT_TRUE(row_nan(f.out, 0, 0, 0) && row_nan(f.out, 0, 0, 2));
+    EXPECT_TRUE(std::isnan(f.lse.at({0, 0, 0, 0})));
+    EXPECT_TRUE(row_finite(f.out, 0, 0, 1));
+    if (p == Path::ReferenceWithWeights) {
+      EXPECT_TRUE(row_nan(f.weights, 0, 0, 0) && row_finite(f.weights, 0, 0, 1));
+    }
+  });
+  for (Backend be : {Backend::Reference, Backend::Fused}) {
+    SCOPED_TRACE(be == Backend::Fused ? "fused backward" : "reference backward");
+    const SdpaGradTensors g = backward(c, be);
+    EXPECT_TRUE(row_nan(g.dq, 0, 0, 0));
+    if (be == Backend::Reference) {  // the fused backward may read the hidden key for row 1 ('Padded keys')
+      EXPECT_TRUE(row_finite(g.dq, 0, 0, 1));
+    }
+  }
+
+  Case nan_query(1, 1, 2, 5, 4, 62);
+  for (int64_t x = 0; x < nan_query.D; ++x) nan_query.q.at({0, 0, 0, x}) = kNaN;
+  nan_query.bias = Tensor({1, 1, 2, 5}, 0.0f);
+  for (int64_t j = 0; j < 5; ++j) nan_query.bias.at({0, 0, 0, j}) = -kInf;
+  nan_query.opt.masks.bias.view = nan_query.bias.view4();
+  for_each_forward(nan_query, [&](const Fwd& f, Path) {
+    EXPECT_TRUE(row_nan(f.out, 0, 0, 0));
+    EXPECT_TRUE(std::isnan(f.lse.at({0, 0, 0, 0})));
+    EXPECT_TRUE(row_finite(f.out, 0, 0, 1));
+  });
+  nan_query.opt.masks.bias = {};
+  nan_query.key_padding = BoolTensor({1, 1, 1, 5}, 1);
+  nan_query.opt.masks.key_padding.view = nan_query.key_padding.view4();
+  for_each_forward(nan_query, [&](const Fwd& f, Path) {
+    for (int64_t x = 0; x < nan_query.Dv; ++x) EXPECT_EQ(f.out.at({0, 0, 0, x}), 0.0f);
+    EXPECT_EQ(f.lse.at({0, 0, 0, 0}), -kInf);
+  });
+}
+
 /// A +inf score that a query sees makes its row NaN (softmax takes e^{+inf − +inf}, as in
 /// PyTorch), not the zeros of a fully masked row: from a +inf key bias (key 150 of 200, under a
 /// causal mask, so rows before it stay finite and the rows that see it meet it in a later block),
