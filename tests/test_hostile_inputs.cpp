@@ -282,6 +282,33 @@ TEST(HostileIndices, CacheEnumValuesOutOfRangeAreErrors) {
   EXPECT_NO_THROW(PagedKvCache{p});
 }
 
+// The module's enums, cast from integers, were taken without an error: a Mode past Training ran
+// as Eval (no dropout), a NeedWeights past Averaged returned no weights, a Layout past BatchFirst
+// read the inputs as SeqFirst and a RopePairing past Interleaved rotated as HalfSplit. Each is an
+// error naming the setting and its value.
+TEST(HostileIndices, ModuleEnumValuesOutOfRangeAreErrors) {
+  MhaConfig c;
+  c.embed_dim = 8;
+  c.num_heads = 2;
+  const MultiheadAttention m(c, 1);
+  const Tensor x = testing::random_tensor({3, 2, 8}, 1);
+  MhaForwardOptions o;
+  o.mode = static_cast<Mode>(7);
+  EXPECT_MENTIONS(error_of([&] { (void)m.forward(x, x, x, o); }), "options.mode 7 is not a Mode");
+  EXPECT_MENTIONS(error_of([&] { (void)forward_train(m, x, x, x, o); }), "options.mode 7 is not a Mode");
+  o = {};
+  o.need_weights = static_cast<NeedWeights>(9);
+  EXPECT_MENTIONS(error_of([&] { (void)m.forward(x, x, x, o); }), "options.need_weights 9 is not a NeedWeights");
+  MhaConfig bad = c;
+  bad.layout = static_cast<Layout>(5);
+  EXPECT_MENTIONS(error_of([&] { MultiheadAttention module(bad, 1); }), "MhaConfig: layout 5 is not a Layout");
+  bad = c;
+  bad.rope = Rope::half_split();
+  bad.rope.pairing = static_cast<RopePairing>(7);
+  EXPECT_MENTIONS(error_of([&] { MultiheadAttention module(bad, 1); }), "Rope: pairing 7 is not a RopePairing");
+  EXPECT_NO_THROW((void)m.forward(x, x, x));
+}
+
 TEST(HostileConfig, RopeOverAnOddHeadDimNamesTheHeadDim) {
   MhaConfig c;
   c.embed_dim = 15, c.num_heads = 1, c.rope = Rope::half_split();

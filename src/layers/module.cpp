@@ -62,6 +62,8 @@ void MhaConfig::validate() const {
   if (kdim < 0) fail("MhaConfig: kdim must be ≥ 1 (or 0 for embed_dim), got ", kdim);
   if (vdim < 0) fail("MhaConfig: vdim must be ≥ 1 (or 0 for embed_dim), got ", vdim);
   if (!(dropout >= 0.0f && dropout < 1.0f)) fail("MhaConfig: dropout must be in [0, 1), got ", dropout);
+  if (layout != Layout::SeqFirst && layout != Layout::BatchFirst)
+    fail("MhaConfig: layout ", static_cast<int>(layout), " is not a Layout (SeqFirst or BatchFirst)");
   if (rope.enabled) rope.validate(head_dim());
   if (scale && !std::isfinite(*scale)) fail("MhaConfig: scale must be finite, got ", *scale);
   if (!std::isfinite(softcap) || softcap < 0.0f)

@@ -293,6 +293,14 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
   const MhaConfig& c = module.config();
   const MhaParameters& params = module.params();
   ModulePass pass;
+  // Enums cast from integers: a mode past Training ran as Eval (no dropout), a NeedWeights past
+  // Averaged returned no weights, with no error (docs/semantics.md, 'Bad input is an error').
+  if (options.mode != Mode::Eval && options.mode != Mode::Training)
+    fail(fn, ": options.mode ", static_cast<int>(options.mode), " is not a Mode (Eval or Training)");
+  if (options.need_weights != NeedWeights::None && options.need_weights != NeedWeights::PerHead &&
+      options.need_weights != NeedWeights::Averaged)
+    fail(fn, ": options.need_weights ", static_cast<int>(options.need_weights),
+         " is not a NeedWeights (None, PerHead or Averaged)");
   pass.call = check_inputs(fn, c, query, key, value);
   check_masks(fn, c, pass.call, options);
   if (options.packed) check_packed(fn, c, pass.call, options);

@@ -10,6 +10,8 @@ namespace mha {
 
 void Rope::validate(int64_t head_dim) const {
   if (!(theta > 0.0) || !std::isfinite(theta)) fail("Rope: theta must be finite and > 0, got ", theta);
+  if (pairing != RopePairing::HalfSplit && pairing != RopePairing::Interleaved)
+    fail("Rope: pairing ", static_cast<int>(pairing), " is not a RopePairing (HalfSplit or Interleaved)");
   const int64_t r = rotary_dims(head_dim);
   if (dims == 0 && head_dim % 2 != 0)
     fail("Rope: dims = 0 rotates the whole head, but the head dim ", head_dim,
