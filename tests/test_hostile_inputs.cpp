@@ -16,6 +16,8 @@
 #include "mha/kv_cache.h"
 #include "mha/module.h"
 #include "mha/paged_kv_cache.h"
+#include "mha/prune.h"
+#include "mha/rope.h"
 #include "mha/safetensors.h"
 #include "mha/sdpa.h"
 #include "mha/training.h"
@@ -307,6 +309,25 @@ TEST(HostileIndices, ModuleEnumValuesOutOfRangeAreErrors) {
   bad.rope.pairing = static_cast<RopePairing>(7);
   EXPECT_MENTIONS(error_of([&] { MultiheadAttention module(bad, 1); }), "Rope: pairing 7 is not a RopePairing");
   EXPECT_NO_THROW((void)m.forward(x, x, x));
+
+  // The same for what sdpa's owning forms return, apply_rope's direction, prune_heads' rule for
+  // uneven groups and the names weights are saved under.
+  const Tensor q = testing::random_tensor({1, 2, 3, 4}, 2);
+  EXPECT_MENTIONS(error_of([&] { (void)sdpa(q, q, q, {}, static_cast<Want>(7)); }), "sdpa: want 7 is not a Want");
+  const Tensor packed = testing::random_tensor({3, 2, 4}, 3);
+  EXPECT_MENTIONS(error_of([&] {
+                    (void)sdpa_varlen(packed, packed, packed, VarlenBatch{{0, 3}, {0, 3}}, {}, static_cast<Want>(7));
+                  }),
+                  "want 7 is not a Want");
+  Tensor r = q;
+  EXPECT_MENTIONS(error_of([&] { apply_rope(r.view4(), Rope::half_split(), nullptr, static_cast<RopeDirection>(5)); }),
+                  "apply_rope: direction 5 is not a RopeDirection");
+  PruneOptions po;
+  po.uneven_groups = static_cast<UnevenGroups>(5);
+  EXPECT_MENTIONS(error_of([&] { (void)prune_heads(m, {0}, po); }), "uneven_groups 5 is not an UnevenGroups");
+  const std::string dir = testing::temp_dir();
+  EXPECT_MENTIONS(error_of([&] { io::save_module(dir + "/w.safetensors", m, static_cast<io::WeightNames>(9)); }),
+                  "names 9 is not a WeightNames");
 }
 
 TEST(HostileConfig, RopeOverAnOddHeadDimNamesTheHeadDim) {

@@ -49,6 +49,9 @@ Tensor gathered(const Tensor& src, int64_t d, const std::vector<int64_t>& blocks
 MultiheadAttention prune_heads(const MultiheadAttention& module, const std::vector<int64_t>& heads,
                                const PruneOptions& options) {
   constexpr const char* kFn = "prune_heads";
+  if (options.uneven_groups != UnevenGroups::Refuse && options.uneven_groups != UnevenGroups::DuplicateKV)
+    fail(kFn, ": uneven_groups ", static_cast<int>(options.uneven_groups),
+         " is not an UnevenGroups (Refuse or DuplicateKV)");
   module.check_params();
   const MhaConfig& c = module.config();
   const MhaParameters& p = module.params();

@@ -446,6 +446,8 @@ MultiheadAttention load_module(const SafetensorsFile& file) {
 // ---- saving ------------------------------------------------------------------------------------
 
 void add_weights(SafetensorsWriter& writer, const MultiheadAttention& module, WeightNames names) {
+  if (names != WeightNames::PyTorch && names != WeightNames::HuggingFace)
+    fail("add_weights: names ", static_cast<int>(names), " is not a WeightNames (PyTorch or HuggingFace)");
   module.check_params();
   const MhaConfig& c = module.config();
   const MhaParameters& p = module.params();

@@ -22,6 +22,8 @@ void Rope::validate(int64_t head_dim) const {
 
 void apply_rope(View4<float> x, const Rope& rope, const int64_t* start, RopeDirection direction) {
   rope.validate(x.shape[3]);
+  if (direction != RopeDirection::Rotate && direction != RopeDirection::Unrotate)
+    fail("apply_rope: direction ", static_cast<int>(direction), " is not a RopeDirection (Rotate or Unrotate)");
   if (x.shape[0] * x.shape[1] * x.shape[2] * x.shape[3] == 0) return;
   if (!x.defined()) fail("apply_rope: x ", shape_str(x.shape_vec()), " has no data");
   // Positions stay within [0, 2^40], as everywhere else (Causal::kMaxPosition): start + t then

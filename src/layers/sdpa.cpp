@@ -118,6 +118,8 @@ SdpaResult sdpa_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const 
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3)
     fail(kVarlen, ": packed query, key and value must be 3-D (total, heads, d); got ", shape_str(q.shape()), ", ",
          shape_str(k.shape()), ", ", shape_str(v.shape()));
+  if (want != Want::Output && want != Want::Weights && want != Want::Lse && want != Want::WeightsAndLse)
+    fail(kVarlen, ": want ", static_cast<int>(want), " is not a Want (Output, Weights, Lse or WeightsAndLse)");
   if (want == Want::Weights || want == Want::WeightsAndLse)
     fail(kVarlen, ": attention weights are not returned for a packed batch");
   const int64_t Nq = q.size(0), H = q.size(1), Nk = k.size(0), Dv = v.size(2);
@@ -146,6 +148,8 @@ SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOpt
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
     fail("sdpa: query, key and value must be 4-D (B, h, T, d); got ", shape_str(q.shape()), ", ", shape_str(k.shape()),
          ", ", shape_str(v.shape()));
+  if (want != Want::Output && want != Want::Weights && want != Want::Lse && want != Want::WeightsAndLse)
+    fail("sdpa", ": want ", static_cast<int>(want), " is not a Want (Output, Weights, Lse or WeightsAndLse)");
   // Every element of out, weights and lse is written, on either path, whatever the buffers held
   // (SdpaOutputs.EveryElementIsWrittenWhateverTheBuffersHeld): no pass fills them first.
   SdpaResult r;
