@@ -67,7 +67,6 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <vector>
 
 #include "kernels/common.h"
 #include "kernels/decode.h"
@@ -986,16 +985,21 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
   // the block loop below gives), the step per query row: the int16 rounding's (integer scores),
   // else a power of two that keeps the float sums of q · k_int8 in range
   // (divide_by_power_of_two_step).
-  // A row holding ±inf but no NaN has no int16 steps; its scores are formed in float below
-  // (infinite_row_scores), as the targets that widen int8 keys form them, with a step of 1.
-  std::vector<int64_t> infinite_rows;  // (empty, so not allocated, for every ordinary row)
+  // A row holding ±inf but no NaN has no int16 steps; its scores are formed in float in the block
+  // loop, as the targets that widen int8 keys form them, with a step of 1. (Such rows are found
+  // again there from qs, rather than listed here: a kernel does not allocate.)
+  const auto infinite_row = [&](int64_t r) {
+    const float* q = qs + r * d;
+    return std::none_of(q, q + d, [](float x) { return std::isnan(x); }) &&
+           std::any_of(q, q + d, [](float x) { return std::isinf(x); });
+  };
+  bool any_infinite_row = false;
   if constexpr (kIntScores) {
     for (int64_t r = 0; r < rows; ++r) {
       q_step[r] = quantize_int16(qs + r * d, d, query_steps(d), q16 + r * d);
-      if (HWY_UNLIKELY(std::isnan(q_step[r])) &&
-          std::none_of(qs + r * d, qs + (r + 1) * d, [](float x) { return std::isnan(x); })) {
+      if (HWY_UNLIKELY(std::isnan(q_step[r])) && infinite_row(r)) {
         q_step[r] = 1.0f;
-        infinite_rows.push_back(r);
+        any_infinite_row = true;
       }
     }
   } else if constexpr (kScaled && !kChannelKeys) {
@@ -1159,7 +1163,8 @@ void decode_item_of(const DecodeParams& p, int64_t index, float* partial, float*
       // infinite term times 0, or terms of both signs): what the widened targets, the float32
       // cache and sdpa give, so a row whose every visible score is −inf is fully masked here too
       // (it was NaN: docs/semantics.md, 'Fully masked rows'). The key's scale follows below.
-      for (const int64_t rr : infinite_rows) {
+      for (int64_t rr = 0; HWY_UNLIKELY(any_infinite_row) && rr < rows; ++rr) {
+        if (!infinite_row(rr)) continue;
         const float* q = qs + rr * d;
         for (int64_t j = 0; j < nb; ++j) {
           float sum = 0.0f;
