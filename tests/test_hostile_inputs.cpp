@@ -301,6 +301,10 @@ TEST(HostileIndices, ModuleEnumValuesOutOfRangeAreErrors) {
   o = {};
   o.need_weights = static_cast<NeedWeights>(9);
   EXPECT_MENTIONS(error_of([&] { (void)m.forward(x, x, x, o); }), "options.need_weights 9 is not a NeedWeights");
+  // forward_train refuses weights before it runs the pass: a NeedWeights of 9 was refused there as
+  // a request for weights ("attention weights are not returned in training"), not named.
+  EXPECT_MENTIONS(error_of([&] { (void)forward_train(m, x, x, x, o); }),
+                  "forward_train: options.need_weights 9 is not a NeedWeights");
   MhaConfig bad = c;
   bad.layout = static_cast<Layout>(5);
   EXPECT_MENTIONS(error_of([&] { MultiheadAttention module(bad, 1); }), "MhaConfig: layout 5 is not a Layout");

@@ -107,6 +107,7 @@ const float* unseen_rows_finite(const float* x, int64_t rows, int64_t width, con
 
 MhaTrainOutput forward_train(const MultiheadAttention& module, const Tensor& query, const Tensor& key,
                              const Tensor& value, const MhaForwardOptions& options) {
+  detail::check_forward_enums(kTrain, options);  // a NeedWeights of 9 is named as such, not as a request
   if (options.need_weights != NeedWeights::None)
     fail(kTrain, ": attention weights are not returned in training; use forward() for them");
   detail::PassOutputs keep;

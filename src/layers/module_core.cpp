@@ -287,12 +287,7 @@ void set_score_options(const MhaConfig& c, const MhaParameters& params, SdpaOpti
   if (c.attention_sinks) sopt.sinks.logits = {params.sinks.data(), static_cast<size_t>(params.sinks.numel())};
 }
 
-ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
-                      const Tensor& value, const MhaForwardOptions& options, PassOutputs keep, ScratchPool* pool) {
-  module.check_params();
-  const MhaConfig& c = module.config();
-  const MhaParameters& params = module.params();
-  ModulePass pass;
+void check_forward_enums(const char* fn, const MhaForwardOptions& options) {
   // Enums cast from integers: a mode past Training ran as Eval (no dropout), a NeedWeights past
   // Averaged returned no weights, with no error (docs/semantics.md, 'Bad input is an error').
   if (options.mode != Mode::Eval && options.mode != Mode::Training)
@@ -301,6 +296,15 @@ ModulePass run_module(const char* fn, const MultiheadAttention& module, const Te
       options.need_weights != NeedWeights::Averaged)
     fail(fn, ": options.need_weights ", static_cast<int>(options.need_weights),
          " is not a NeedWeights (None, PerHead or Averaged)");
+}
+
+ModulePass run_module(const char* fn, const MultiheadAttention& module, const Tensor& query, const Tensor& key,
+                      const Tensor& value, const MhaForwardOptions& options, PassOutputs keep, ScratchPool* pool) {
+  module.check_params();
+  const MhaConfig& c = module.config();
+  const MhaParameters& params = module.params();
+  ModulePass pass;
+  check_forward_enums(fn, options);
   pass.call = check_inputs(fn, c, query, key, value);
   check_masks(fn, c, pass.call, options);
   if (options.packed) check_packed(fn, c, pass.call, options);

@@ -157,6 +157,11 @@ void check_packed(const char* fn, const MhaConfig& c, const ModuleCall& call, co
 /// `c` and `params`, which must outlive the options).
 void set_score_options(const MhaConfig& c, const MhaParameters& params, SdpaOptions& sopt);
 
+/// options.mode and options.need_weights, cast from integers, must name one of their values
+/// (docs/semantics.md, 'Bad input is an error'): run_module checks them, and forward_train before
+/// its own test of need_weights, so that a NeedWeights of 9 is named as such there too.
+void check_forward_enums(const char* fn, const MhaForwardOptions& options);
+
 /// The whole module forward: checks, projections, RoPE at positions 0 … T − 1, extra positions,
 /// masks widened to S keys, attention, output projection. With a pool, the projections and heads
 /// live in buffers checked out of it (returned when the pass ends); without, the pass owns them.
