@@ -330,8 +330,13 @@ TEST(HostileIndices, ModuleEnumValuesOutOfRangeAreErrors) {
   po.uneven_groups = static_cast<UnevenGroups>(5);
   EXPECT_MENTIONS(error_of([&] { (void)prune_heads(m, {0}, po); }), "uneven_groups 5 is not an UnevenGroups");
   const std::string dir = testing::temp_dir();
+  // Named by the function the caller called (save_module's said "add_weights"), and no file written.
   EXPECT_MENTIONS(error_of([&] { io::save_module(dir + "/w.safetensors", m, static_cast<io::WeightNames>(9)); }),
-                  "names 9 is not a WeightNames");
+                  "save_module: names 9 is not a WeightNames");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/w.safetensors"));
+  io::SafetensorsWriter writer;
+  EXPECT_MENTIONS(error_of([&] { io::add_weights(writer, m, static_cast<io::WeightNames>(9)); }),
+                  "add_weights: names 9 is not a WeightNames");
 }
 
 TEST(HostileConfig, RopeOverAnOddHeadDimNamesTheHeadDim) {

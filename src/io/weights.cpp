@@ -445,9 +445,17 @@ MultiheadAttention load_module(const SafetensorsFile& file) {
 
 // ---- saving ------------------------------------------------------------------------------------
 
-void add_weights(SafetensorsWriter& writer, const MultiheadAttention& module, WeightNames names) {
+namespace {
+/// A WeightNames cast from an integer must name one of its values; fn is the function the caller
+/// called (save_module's refusal said "add_weights", a function it never called).
+void check_weight_names(const char* fn, WeightNames names) {
   if (names != WeightNames::PyTorch && names != WeightNames::HuggingFace)
-    fail("add_weights: names ", static_cast<int>(names), " is not a WeightNames (PyTorch or HuggingFace)");
+    fail(fn, ": names ", static_cast<int>(names), " is not a WeightNames (PyTorch or HuggingFace)");
+}
+}  // namespace
+
+void add_weights(SafetensorsWriter& writer, const MultiheadAttention& module, WeightNames names) {
+  check_weight_names("add_weights", names);
   module.check_params();
   const MhaConfig& c = module.config();
   const MhaParameters& p = module.params();
@@ -493,6 +501,7 @@ void add_weights(SafetensorsWriter& writer, const MultiheadAttention& module, We
 }
 
 void save_module(const std::string& path, const MultiheadAttention& module, WeightNames names) {
+  check_weight_names("save_module", names);
   SafetensorsWriter writer;
   add_weights(writer, module, names);
   writer.write(path);
