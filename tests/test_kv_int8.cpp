@@ -447,7 +447,7 @@ TEST(Int8Cache, AnInfiniteQueryRowScoresAsTheFloat32CacheDoes) {
   q.at({0, 0, 0, 0}) = inf;   // scores −inf: fully masked
   q.at({0, 1, 0, 0}) = -inf;  // scores +inf: NaN
   q.at({0, 2, 0, 3}) = inf;   // channel 3's keys have both signs: ±inf scores, +inf among them: NaN
-  // head 3: an ordinary row
+  // head 3: an ordinary row in the same tile (int16 query steps, as any other: within 1e-4 here)
   const std::vector<float> sinks{0.5f, -1.0f, 0.25f, 2.0f};
   for (const Tensor* keys : {&k, &k_zero})
     for (int edit = 0; edit < 3; ++edit) {
@@ -507,7 +507,7 @@ TEST(Int8Cache, AnInfiniteQueryRowScoresAsTheFloat32CacheDoes) {
           else
             attend_paged_cache(q.view4(), paged[i - 2], std::span(seqs).subspan(i - 2, 1), {}, o, got.view4(),
                                got_lse.view4());
-          for (int64_t head = 0; head < 3; ++head) {
+          for (int64_t head = 0; head < 4; ++head) {
             for (int64_t x = 0; x < d; ++x) {
               const float g = got.at({0, head, 0, x}), w = want.at({0, head, 0, x});
               EXPECT_TRUE(std::isnan(w) ? std::isnan(g) : std::fabs(g - w) <= 1e-4f)
