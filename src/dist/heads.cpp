@@ -146,21 +146,19 @@ MhaOutput TensorParallelAttention::forward(const Tensor& query, const Tensor& ke
                         "window, need_lse, mode, packed)");
   // A packed batch's offsets place every sequence, as B and T do a padded one's: ranks whose
   // offsets differ each attended within other sequences, and the sum was neither answer (the
-  // packed flag alone was compared). The offsets themselves agree, through a hash of each list.
+  // packed flag alone was compared). Their counts and bounds first, then the offsets themselves
+  // (equal in number by then), so that a mismatch shows both ranks' lists.
   if (options.packed) {
-    const auto hash = [](const SeqOffsets& o) {
-      uint64_t x = 1469598103934665603ull;  // FNV-1a over the offsets' bytes
-      for (const int64_t v : o.values())
-        for (int i = 0; i < 8; ++i) x = (x ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xffu)) * 1099511628211ull;
-      return static_cast<int64_t>(x);
-    };
     const VarlenBatch& vb = *options.packed;
-    check_same_everywhere(
-        comm_,
-        {static_cast<int64_t>(vb.cu_seqlens_q.values().size()), static_cast<int64_t>(vb.cu_seqlens_k.values().size()),
-         vb.max_seqlen_q, vb.max_seqlen_k, hash(vb.cu_seqlens_q), hash(vb.cu_seqlens_k)},
-        "TensorParallelAttention::forward: packed batch (number of cu_seqlens_q and cu_seqlens_k "
-        "offsets, max_seqlen_q, max_seqlen_k, a hash of each list of offsets)");
+    const std::vector<int64_t>& q_offsets = vb.cu_seqlens_q.values();
+    const std::vector<int64_t>& k_offsets = vb.cu_seqlens_k.values();
+    check_same_everywhere(comm_,
+                          {static_cast<int64_t>(q_offsets.size()), static_cast<int64_t>(k_offsets.size()),
+                           vb.max_seqlen_q, vb.max_seqlen_k},
+                          "TensorParallelAttention::forward: packed batch (number of cu_seqlens_q and cu_seqlens_k "
+                          "offsets, max_seqlen_q, max_seqlen_k)");
+    check_same_everywhere(comm_, q_offsets, "TensorParallelAttention::forward: packed batch's cu_seqlens_q");
+    check_same_everywhere(comm_, k_offsets, "TensorParallelAttention::forward: packed batch's cu_seqlens_k");
   }
   MhaOutput out;
   err.clear();
