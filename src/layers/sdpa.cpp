@@ -68,6 +68,13 @@ void run(kernels::SdpaParams p, Backend backend, SdpaThreadStats* stats) {
   }
 }
 
+/// A Want cast from an integer must name one of its values (the owning forms of sdpa and
+/// sdpa_varlen both take one).
+void check_want(const char* fn, Want want) {
+  if (want != Want::Output && want != Want::Weights && want != Want::Lse && want != Want::WeightsAndLse)
+    fail(fn, ": want ", static_cast<int>(want), " is not a Want (Output, Weights, Lse or WeightsAndLse)");
+}
+
 }  // namespace
 
 void check_sdpa_args(View4<const float> q, View4<const float> k, View4<const float> v, const SdpaOptions& opt,
@@ -118,8 +125,7 @@ SdpaResult sdpa_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const 
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3)
     fail(kVarlen, ": packed query, key and value must be 3-D (total, heads, d); got ", shape_str(q.shape()), ", ",
          shape_str(k.shape()), ", ", shape_str(v.shape()));
-  if (want != Want::Output && want != Want::Weights && want != Want::Lse && want != Want::WeightsAndLse)
-    fail(kVarlen, ": want ", static_cast<int>(want), " is not a Want (Output, Weights, Lse or WeightsAndLse)");
+  check_want(kVarlen, want);
   if (want == Want::Weights || want == Want::WeightsAndLse)
     fail(kVarlen, ": attention weights are not returned for a packed batch");
   const int64_t Nq = q.size(0), H = q.size(1), Nk = k.size(0), Dv = v.size(2);
@@ -148,8 +154,7 @@ SdpaResult sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const SdpaOpt
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
     fail("sdpa: query, key and value must be 4-D (B, h, T, d); got ", shape_str(q.shape()), ", ", shape_str(k.shape()),
          ", ", shape_str(v.shape()));
-  if (want != Want::Output && want != Want::Weights && want != Want::Lse && want != Want::WeightsAndLse)
-    fail("sdpa", ": want ", static_cast<int>(want), " is not a Want (Output, Weights, Lse or WeightsAndLse)");
+  check_want(kSdpa, want);
   // Every element of out, weights and lse is written, on either path, whatever the buffers held
   // (SdpaOutputs.EveryElementIsWrittenWhateverTheBuffersHeld): no pass fills them first.
   SdpaResult r;
