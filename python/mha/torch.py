@@ -23,9 +23,9 @@ import numpy as np
 import torch as _torch
 
 from . import _core
-from ._functional import (_args, _finite, _i64, _in_place, _named_errors, _narrowed, _number, _optional_count,
+from ._functional import (_args, _finite, _i64, _in_place, _named_errors, _number, _optional_count,
                           _per_head, _probability)
-from ._module import Rope, _forward_args
+from ._module import Rope, _f32, _forward_args
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention"]
 
@@ -433,11 +433,11 @@ def scaled_dot_product_attention(query: _torch.Tensor, key: _torch.Tensor, value
     allowed = bias = None
     if attn_mask is not None:
         m = _mask_np(attn_mask, "attn_mask", fn)
-        if m.dtype != np.bool_ and m.dtype != np.float32:
+        if m.dtype != np.bool_:
             # Narrowed as the caller passed it, before the reshape below: a float64 entry past
             # float32's range is a ValueError naming its index in the caller's mask (not an
             # infinite bias, nor an index into the (N, 1, L, S) view of a 3-D one).
-            m = _narrowed("attn_mask", m, fn)
+            m = _f32("attn_mask", m, fn)
         if three and m.ndim == 3:
             m = m[:, None]
         # Checked here, in the caller's terms: the core names its own "allowed mask" / "additive
